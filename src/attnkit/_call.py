@@ -1,0 +1,238 @@
+"""Validation of an ``attention()`` call, and the checked description handed to backends.
+
+Every malformed call fails here, before any backend runs, with an error that names the
+argument, the shape (or dtype, or device) it got and what was expected. Backends can then
+assume well-formed input and stay short.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import masks as _masks
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """A validated attention call. Backends receive this and nothing else.
+
+    Shapes: ``query [..., Lq, Dk]``, ``key [..., Lk, Dk]``, ``value [..., Lk, Dv]``. With 4-D
+    inputs ``[B, H, L, D]`` the key/value head count may divide the query head count (GQA).
+    ``mask`` is ``None``, a boolean tensor (True = may attend) or a floating additive bias
+    already in the query's dtype, broadcastable to ``[..., Lq, Lk]``.
+    """
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    mask: Tensor | None
+    causal: bool
+    scale: float
+    dropout: float
+    generator: torch.Generator | None
+    return_weights: bool
+
+    @property
+    def q_len(self) -> int:
+        return self.query.shape[-2]
+
+    @property
+    def k_len(self) -> int:
+        return self.key.shape[-2]
+
+    @property
+    def is_gqa(self) -> bool:
+        """True when 4-D key/value carry fewer heads than the query (grouped-query attention)."""
+        return self.query.dim() == 4 and self.key.shape[1] != self.query.shape[1]
+
+    @property
+    def group_size(self) -> int:
+        """How many query heads share one key/value head (1 without GQA)."""
+        return self.query.shape[1] // self.key.shape[1] if self.is_gqa else 1
+
+    @property
+    def scores_shape(self) -> torch.Size:
+        """Shape of the score/weight matrix: ``[..., Lq, Lk]`` with the query's batch dims."""
+        return self.query.shape[:-1] + (self.k_len,)
+
+    def dense_mask(self) -> Tensor | None:
+        """The explicit mask combined with ``causal`` (bottom-right), or None if neither is set.
+
+        Boolean when ``mask`` is boolean or absent, additive (query dtype) when ``mask`` is floating.
+        Broadcastable to ``scores_shape``; not expanded, so no ``Lq x Lk`` copy per batch/head.
+        """
+        if not self.causal:
+            return self.mask
+        causal = _masks.causal_mask(self.q_len, self.k_len, device=self.query.device)
+        return _masks.combine(self.mask, causal, dtype=self.query.dtype)
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _check_tensor(name: str, t: object) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(
+            f"{name} must have a floating dtype (float16, bfloat16, float32, float64), got {t.dtype}"
+        )
+    if t.dim() < 2:
+        raise ValueError(
+            f"{name} must have at least 2 dims [..., L, D], got shape {_shape(t)}"
+        )
+    return t
+
+
+def _check_shapes(query: Tensor, key: Tensor, value: Tensor) -> None:
+    if not (query.dim() == key.dim() == value.dim()):
+        raise ValueError(
+            "query, key and value must have the same number of dims, got shapes "
+            f"query {_shape(query)}, key {_shape(key)}, value {_shape(value)}"
+        )
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"key's last dim (Dk) must equal query's: expected key [..., Lk, {query.shape[-1]}], "
+            f"got key {_shape(key)} with query {_shape(query)}"
+        )
+    if query.shape[-1] == 0:
+        raise ValueError(f"query and key need a feature dim Dk >= 1, got query {_shape(query)}")
+    if value.shape[-2] != key.shape[-2]:
+        raise ValueError(
+            f"value must have as many rows (Lk) as key: expected value [..., {key.shape[-2]}, Dv], "
+            f"got value {_shape(value)} with key {_shape(key)}"
+        )
+    if key.shape[:-2] != value.shape[:-2]:
+        raise ValueError(
+            f"key and value must have the same leading dims, got key {_shape(key)} "
+            f"and value {_shape(value)}"
+        )
+    if query.dim() == 4:
+        batch, heads = query.shape[0], query.shape[1]
+        kv_batch, kv_heads = key.shape[0], key.shape[1]
+        if kv_batch != batch:
+            raise ValueError(
+                f"key/value batch size must equal query's: expected key [{batch}, Hkv, Lk, Dk], "
+                f"got key {_shape(key)} with query {_shape(query)}"
+            )
+        if kv_heads == 0 or heads % kv_heads != 0:
+            raise ValueError(
+                f"grouped-query attention needs the query's heads ({heads}) to be a multiple of "
+                f"key/value's heads ({kv_heads}): got query {_shape(query)}, key {_shape(key)}"
+            )
+    elif key.shape[:-2] != query.shape[:-2]:
+        raise ValueError(
+            f"key/value leading dims must equal query's {tuple(query.shape[:-2])} (no implicit "
+            f"broadcasting), got key {_shape(key)} with query {_shape(query)}"
+        )
+
+
+def _check_same_dtype_device(query: Tensor, key: Tensor, value: Tensor) -> None:
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            "query, key and value must share one dtype, got "
+            f"query {query.dtype}, key {key.dtype}, value {value.dtype}"
+        )
+    if not (query.device == key.device == value.device):
+        raise ValueError(
+            "query, key and value must be on one device, got "
+            f"query {query.device}, key {key.device}, value {value.device}"
+        )
+
+
+def _check_mask(mask: object, query: Tensor, scores_shape: torch.Size) -> Tensor | None:
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise TypeError(
+            f"mask must be None or a torch.Tensor (bool: True = may attend, or a floating "
+            f"additive bias), got {type(mask).__name__}"
+        )
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"mask must be bool (True = may attend) or floating (additive bias), got {mask.dtype}; "
+            "for a 0/1 integer mask pass mask.bool()"
+        )
+    if mask.device != query.device:
+        raise ValueError(f"mask must be on the query's device {query.device}, got {mask.device}")
+    expected = tuple(scores_shape)
+    got = _shape(mask)
+    broadcasts = len(got) <= len(expected) and all(
+        m in (1, e) for m, e in zip(reversed(got), reversed(expected))
+    )
+    if not broadcasts:
+        raise ValueError(
+            f"mask of shape {got} does not broadcast to the scores' shape [..., Lq, Lk] = {expected}"
+        )
+    if mask.is_floating_point() and mask.dtype != query.dtype:
+        mask = mask.to(query.dtype)
+    return mask
+
+
+def _check_scale(scale: object, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def _check_dropout(dropout: object, generator: object, device: torch.device) -> float:
+    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):
+        raise TypeError(f"dropout must be a float in [0, 1), got {type(dropout).__name__}")
+    dropout = float(dropout)
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        if generator.device.type != device.type:
+            raise ValueError(
+                f"generator must be on the inputs' device type {device.type!r}, got {generator.device}"
+            )
+    return dropout
+
+
+def make_call(
+    query: object,
+    key: object,
+    value: object,
+    *,
+    mask: object,
+    causal: object,
+    scale: object,
+    dropout: object,
+    generator: object,
+    return_weights: object,
+) -> AttentionCall:
+    """Validate the arguments of ``attention()`` and return the normalised call."""
+    query = _check_tensor("query", query)
+    key = _check_tensor("key", key)
+    value = _check_tensor("value", value)
+    _check_same_dtype_device(query, key, value)
+    _check_shapes(query, key, value)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_weights, bool):
+        raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
+    scores_shape = query.shape[:-1] + (key.shape[-2],)
+    return AttentionCall(
+        query=query,
+        key=key,
+        value=value,
+        mask=_check_mask(mask, query, scores_shape),
+        causal=causal,
+        scale=_check_scale(scale, query.shape[-1]),
+        dropout=_check_dropout(dropout, generator, query.device),
+        generator=generator,  # type: ignore[arg-type]
+        return_weights=return_weights,
+    )

@@ -1,0 +1,166 @@
+"""Build and convert attention masks.
+
+One convention everywhere in attnkit: a **boolean mask is True where a query may attend a
+key**, the convention of ``F.scaled_dot_product_attention`` and FlexAttention. A floating
+mask is an additive bias on the scores (``0`` keeps, ``-inf`` removes). PyTorch's
+``nn.MultiheadAttention`` uses the opposite boolean convention (True = ignore); the
+``from_torch_*`` helpers convert at that edge.
+
+Causal masks are aligned **bottom-right**: query ``i`` may attend key ``j`` when
+``j <= i + Lk - Lq``, so the last query always sees the last key. That is what decoding
+with a KV cache needs (the new queries are the last rows)::
+
+    Lq = 2, Lk = 5            Lq = 5, Lk = 2
+    # # # # .                 . .    <- no key: output row is zeros
+    # # # # #                 . .
+                              . .
+                              # .
+                              # #
+
+Every function here returns tensors that broadcast to the scores' shape ``[..., Lq, Lk]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "causal_mask",
+    "padding_mask",
+    "lengths_to_keep",
+    "from_torch_key_padding_mask",
+    "from_torch_attn_mask",
+    "to_additive",
+    "to_bool",
+    "combine",
+    "to_string",
+]
+
+
+def causal_mask(q_len: int, k_len: int | None = None, *, device: torch.device | str | None = None) -> Tensor:
+    """Boolean causal mask ``[Lq, Lk]``, True where query ``i`` may see key ``j <= i + Lk - Lq``.
+
+    Aligned bottom-right (see the module docstring's picture); with ``Lq == Lk`` it is the
+    usual lower triangle. ``k_len`` defaults to ``q_len``.
+    """
+    k_len = q_len if k_len is None else k_len
+    if q_len < 0 or k_len < 0:
+        raise ValueError(f"causal_mask needs non-negative lengths, got q_len={q_len}, k_len={k_len}")
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
+
+
+def lengths_to_keep(lengths: Tensor, max_length: int | None = None) -> Tensor:
+    """``[B]`` integer lengths -> ``[B, max_length]`` boolean keep-mask (True on real positions)."""
+    if not isinstance(lengths, Tensor):
+        lengths = torch.as_tensor(lengths)
+    if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
+        raise TypeError(f"lengths must be a 1-D integer tensor [B], got {lengths.dtype} of shape {tuple(lengths.shape)}")
+    longest = int(lengths.max()) if lengths.numel() else 0
+    if max_length is None:
+        max_length = longest
+    if lengths.numel() and (int(lengths.min()) < 0 or longest > max_length):
+        raise ValueError(f"lengths must lie in [0, {max_length}], got {lengths.tolist()}")
+    positions = torch.arange(max_length, device=lengths.device)
+    return positions < lengths[:, None]
+
+
+def padding_mask(lengths_or_keep: Tensor, key_length: int | None = None, *, ndim: int = 4) -> Tensor:
+    """Key-padding mask shaped ``[B, 1, ..., 1, Lk]`` (``ndim`` dims), True on real keys.
+
+    Give either integer ``lengths [B]`` (with ``key_length``, defaulting to the longest) or a
+    boolean keep-mask ``[B, Lk]``. ``ndim=4`` broadcasts against ``[B, H, Lq, Lk]`` scores,
+    ``ndim=3`` against ``[B, Lq, Lk]``.
+    """
+    if ndim < 2:
+        raise ValueError(f"ndim must be >= 2 (batch and key dims), got {ndim}")
+    keep = lengths_or_keep
+    if not isinstance(keep, Tensor):
+        keep = torch.as_tensor(keep)
+    if keep.dtype != torch.bool:
+        keep = lengths_to_keep(keep, key_length)
+    elif keep.dim() != 2:
+        raise ValueError(f"a boolean keep-mask must be [B, Lk], got shape {tuple(keep.shape)}")
+    elif key_length is not None and keep.shape[1] != key_length:
+        raise ValueError(f"keep-mask has {keep.shape[1]} keys, expected key_length={key_length}")
+    batch, keys = keep.shape
+    return keep.reshape(batch, *([1] * (ndim - 2)), keys)
+
+
+def from_torch_key_padding_mask(key_padding_mask: Tensor, *, ndim: int = 4) -> Tensor:
+    """Convert ``nn.MultiheadAttention``'s ``key_padding_mask [B, Lk]`` to attnkit's convention.
+
+    PyTorch's boolean mask is True where a key is **ignored**; the result is True where a key
+    may be attended, shaped ``[B, 1, ..., 1, Lk]`` (``ndim`` dims). A floating mask is an
+    additive bias in both conventions and is only reshaped.
+    """
+    if key_padding_mask.dim() != 2:
+        raise ValueError(f"key_padding_mask must be [B, Lk], got shape {tuple(key_padding_mask.shape)}")
+    mask = ~key_padding_mask if key_padding_mask.dtype == torch.bool else key_padding_mask
+    batch, keys = mask.shape
+    return mask.reshape(batch, *([1] * (ndim - 2)), keys)
+
+
+def from_torch_attn_mask(attn_mask: Tensor, *, num_heads: int | None = None) -> Tensor:
+    """Convert ``nn.MultiheadAttention``'s ``attn_mask`` to attnkit's convention.
+
+    ``[Lq, Lk]`` stays 2-D; ``[B * num_heads, Lq, Lk]`` becomes ``[B, num_heads, Lq, Lk]``.
+    A boolean mask is inverted (PyTorch: True = not allowed); a floating one is unchanged.
+    """
+    mask = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask
+    if mask.dim() == 2:
+        return mask
+    if mask.dim() == 3:
+        if num_heads is None or mask.shape[0] % num_heads:
+            raise ValueError(
+                f"a 3-D attn_mask [B * num_heads, Lq, Lk] needs num_heads dividing {mask.shape[0]}, "
+                f"got num_heads={num_heads}"
+            )
+        return mask.reshape(mask.shape[0] // num_heads, num_heads, *mask.shape[1:])
+    raise ValueError(f"attn_mask must be [Lq, Lk] or [B * num_heads, Lq, Lk], got shape {tuple(mask.shape)}")
+
+
+def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Boolean (True = may attend) -> additive bias: ``0`` where allowed, ``-inf`` elsewhere."""
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill_(~mask, float("-inf"))
+
+
+def to_bool(mask: Tensor) -> Tensor:
+    """Additive bias -> boolean: a position may be attended unless its bias is ``-inf``."""
+    if mask.dtype == torch.bool:
+        return mask
+    return mask != float("-inf")
+
+
+def combine(*masks: Tensor | None, dtype: torch.dtype | None = None) -> Tensor | None:
+    """Intersect masks: a position is allowed only if every mask allows it.
+
+    ``None`` entries are skipped (``None`` when all are). Boolean masks are AND-ed; if any
+    mask is floating, the result is the sum of additive biases, in ``dtype`` (default: the
+    first floating mask's dtype). Shapes broadcast.
+    """
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    floating = [m for m in present if m.dtype != torch.bool]
+    if not floating:
+        result = present[0]
+        for m in present[1:]:
+            result = result & m
+        return result
+    dtype = dtype or floating[0].dtype
+    result = to_additive(present[0], dtype)
+    for m in present[1:]:
+        result = result + to_additive(m, dtype)
+    return result
+
+
+def to_string(mask: Tensor, *, allowed: str = "#", masked: str = ".") -> str:
+    """Draw a 2-D mask as text, one row per query: ``#`` may attend, ``.`` may not."""
+    if mask.dim() != 2:
+        raise ValueError(f"to_string draws a 2-D [Lq, Lk] mask, got shape {tuple(mask.shape)}")
+    keep = to_bool(mask).cpu()
+    return "\n".join(" ".join(allowed if k else masked for k in row.tolist()) for row in keep)

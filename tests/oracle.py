@@ -1,0 +1,53 @@
+"""An independent attention oracle for the tests: plain PyTorch, written without attnkit.
+
+It follows the textbook definition directly: every (query, key) pair is allowed or not,
+allowed scores go through a softmax, rows with nothing allowed are zeros. Computed in
+float64 by default, or in any dtype for the low-precision error budget (see tolerances).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def oracle_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[Tensor, Tensor]:
+    """Return ``(output, weights)`` computed in ``dtype``."""
+    q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
+    if q.dim() == 4 and k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k = torch.stack([k[:, h // group] for h in range(q.shape[1])], dim=1)
+        v = torch.stack([v[:, h // group] for h in range(q.shape[1])], dim=1)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    lq, lk = q.shape[-2], k.shape[-2]
+
+    allowed = torch.ones(scores.shape, dtype=torch.bool)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            allowed = allowed & mask
+        else:
+            scores = scores + mask.to(dtype)
+            allowed = allowed & (mask != float("-inf"))
+    if causal:
+        rows = torch.arange(lq).unsqueeze(-1)
+        cols = torch.arange(lk).unsqueeze(0)
+        allowed = allowed & (cols <= rows + (lk - lq))
+
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    has_key = allowed.any(dim=-1, keepdim=True)
+    safe = scores.masked_fill(~has_key, 0.0)
+    weights = torch.softmax(safe, dim=-1).masked_fill(~has_key, 0.0)
+    return torch.matmul(weights, v), weights

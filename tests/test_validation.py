@@ -1,0 +1,75 @@
+"""Malformed calls fail before any backend runs, naming the argument and the shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+
+q3, k3, v3 = torch.randn(2, 5, 8), torch.randn(2, 7, 8), torch.randn(2, 7, 4)
+q4, k4, v4 = torch.randn(2, 6, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 4)
+
+BAD_CALLS = {
+    "query not a tensor": (TypeError, r"query must be a torch.Tensor, got list", ([[1.0]], k3, v3), {}),
+    "integer query": (TypeError, r"query must have a floating dtype.*torch.int64",
+                      (torch.ones(2, 5, 8, dtype=torch.long), k3, v3), {}),
+    "1-D key": (ValueError, r"key must have at least 2 dims.*\(8,\)", (q3, torch.randn(8), v3), {}),
+    "rank mismatch": (ValueError, r"same number of dims.*query \(2, 5, 8\), key \(7, 8\)", (q3, k3[0], v3), {}),
+    "Dk mismatch": (ValueError, r"key's last dim \(Dk\).*expected key \[\.\.\., Lk, 8\].*got key \(2, 7, 6\)",
+                    (q3, torch.randn(2, 7, 6), v3), {}),
+    "Lk mismatch": (ValueError, r"value must have as many rows \(Lk\) as key.*\[\.\.\., 7, Dv\].*got value \(2, 6, 4\)",
+                    (q3, k3, torch.randn(2, 6, 4)), {}),
+    "batch mismatch 3-D": (ValueError, r"leading dims must equal query's \(2,\).*got key \(3, 7, 8\)",
+                           (q3, torch.randn(3, 7, 8), torch.randn(3, 7, 4)), {}),
+    "batch mismatch 4-D": (ValueError, r"batch size must equal query's.*\[2, Hkv, Lk, Dk\].*key \(1, 3, 7, 8\)",
+                           (q4, torch.randn(1, 3, 7, 8), torch.randn(1, 3, 7, 4)), {}),
+    "heads not divisible": (ValueError, r"query's heads \(6\) to be a multiple of key/value's heads \(4\)",
+                            (q4, torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 4)), {}),
+    "key/value heads differ": (ValueError, r"key and value must have the same leading dims.*\(2, 3, 7, 8\).*\(2, 2, 7, 4\)",
+                               (q4, k4, torch.randn(2, 2, 7, 4)), {}),
+    "mixed dtypes": (TypeError, r"share one dtype.*query torch.float32, key torch.float64",
+                     (q3, k3.double(), v3), {}),
+    "mask does not broadcast": (ValueError, r"mask of shape \(5, 6\) does not broadcast.*\(2, 5, 7\)",
+                                (q3, k3, v3), dict(mask=torch.ones(5, 6, dtype=torch.bool))),
+    "mask too many dims": (ValueError, r"mask of shape \(1, 2, 5, 7\) does not broadcast",
+                           (q3, k3, v3), dict(mask=torch.ones(1, 2, 5, 7, dtype=torch.bool))),
+    "integer mask": (TypeError, r"mask must be bool.*torch.int64.*mask.bool\(\)",
+                     (q3, k3, v3), dict(mask=torch.ones(5, 7, dtype=torch.long))),
+    "mask not a tensor": (TypeError, r"mask must be None or a torch.Tensor", (q3, k3, v3), dict(mask=[[True]])),
+    "negative dropout": (ValueError, r"dropout must be in \[0, 1\), got -0.1", (q3, k3, v3), dict(dropout=-0.1)),
+    "dropout of one": (ValueError, r"dropout must be in \[0, 1\), got 1.0", (q3, k3, v3), dict(dropout=1.0)),
+    "dropout not a number": (TypeError, r"dropout must be a float", (q3, k3, v3), dict(dropout="0.1")),
+    "scale not a number": (TypeError, r"scale must be a real number", (q3, k3, v3), dict(scale="1")),
+    "infinite scale": (ValueError, r"scale must be finite", (q3, k3, v3), dict(scale=float("inf"))),
+    "causal not a bool": (TypeError, r"causal must be a bool, got int", (q3, k3, v3), dict(causal=1)),
+    "generator not a Generator": (TypeError, r"generator must be a torch.Generator", (q3, k3, v3),
+                                  dict(dropout=0.1, generator=3)),
+    "unknown backend": (ValueError, r"unknown backend 'flash'; available: \('auto', 'reference', 'torch'",
+                        (q3, k3, v3), dict(backend="flash")),
+    "weights from the fused backend": (ValueError, r"backend 'torch' cannot return attention weights",
+                                       (q3, k3, v3), dict(backend="torch", return_weights=True)),
+    "empty feature dim": (ValueError, r"Dk >= 1", (torch.randn(2, 5, 0), torch.randn(2, 7, 0), v3), {}),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CALLS))
+def test_bad_call_raises_a_clear_error(name):
+    error, pattern, args, kwargs = BAD_CALLS[name]
+    with pytest.raises(error, match=pattern):
+        attnkit.attention(*args, **kwargs)
+
+
+def test_meta_device_mismatch_is_reported():
+    with pytest.raises(ValueError, match=r"one device.*query cpu, key meta"):
+        attnkit.attention(q3, torch.empty(2, 7, 8, device="meta"), v3)
+
+
+def test_float_mask_in_another_dtype_is_used_as_an_additive_bias():
+    bias = torch.randn(5, 7, dtype=torch.float64)
+    out = attnkit.attention(q3, k3, v3, mask=bias)
+    torch.testing.assert_close(out, attnkit.attention(q3, k3, v3, mask=bias.float(), backend="reference"))
+
+
+def test_backends_are_listed():
+    assert attnkit.backends() == ("auto", "reference", "torch")
