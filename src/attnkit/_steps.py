@@ -11,13 +11,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+import torch
 from torch import Tensor
 
 _listener: ContextVar[list[tuple[str, Tensor]] | None] = ContextVar("attnkit_steps", default=None)
 
 
 def record(name: str, tensor: Tensor) -> None:
-    """Report one intermediate (a detached view) to the active recording, if any."""
+    """Report one intermediate (a detached view) to the active recording, if any.
+
+    Inside ``torch.compile`` nothing is recorded: reading a context variable would break the graph.
+    """
+    if torch.compiler.is_compiling():
+        return
     steps = _listener.get()
     if steps is not None:
         steps.append((name, tensor.detach()))
