@@ -87,11 +87,10 @@ def test_fully_masked_rows_give_zeros_and_finite_gradients(backend, dtype, lengt
     for t in (q, k, v):
         assert torch.isfinite(t.grad).all()
     assert (q.grad[:, :, empty] == 0).all()
-    if backend == "reference" or (backend == "auto"):
-        _, weights = attnkit.attention(q, k, v, return_weights=True, **kwargs)
-        assert (weights[:, :, empty] == 0).all()
-        torch.testing.assert_close(weights[:, :, ~empty].float().sum(-1),
-                                   torch.ones(2, 2, int((~empty).sum())), atol=1e-2, rtol=0)
+    _, weights = attnkit.attention(q, k, v, return_weights=True, backend=backend, **kwargs)
+    assert (weights[:, :, empty] == 0).all()
+    torch.testing.assert_close(weights[:, :, ~empty].float().sum(-1),
+                               torch.ones(2, 2, int((~empty).sum())), atol=1e-2, rtol=0)
 
 
 def test_guarded_path_for_kernels_that_do_not_zero_empty_rows(monkeypatch):

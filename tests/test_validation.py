@@ -47,8 +47,6 @@ BAD_CALLS = {
                                   dict(dropout=0.1, generator=3)),
     "unknown backend": (ValueError, r"unknown backend 'flash'; available: \('auto', 'reference', 'torch'",
                         (q3, k3, v3), dict(backend="flash")),
-    "weights from the fused backend": (ValueError, r"backend 'torch' cannot return attention weights",
-                                       (q3, k3, v3), dict(backend="torch", return_weights=True)),
     "empty feature dim": (ValueError, r"Dk >= 1", (torch.randn(2, 5, 0), torch.randn(2, 7, 0), v3), {}),
 }
 
@@ -69,6 +67,15 @@ def test_float_mask_in_another_dtype_is_used_as_an_additive_bias():
     bias = torch.randn(5, 7, dtype=torch.float64)
     out = attnkit.attention(q3, k3, v3, mask=bias)
     torch.testing.assert_close(out, attnkit.attention(q3, k3, v3, mask=bias.float(), backend="reference"))
+
+
+def test_weights_from_a_backend_that_cannot_return_them(monkeypatch):
+    from attnkit import _backends
+
+    weightless = _backends.Backend("weightless", lambda call: (call.query, None), "returns no weights")
+    monkeypatch.setitem(_backends._REGISTRY, "weightless", weightless)
+    with pytest.raises(ValueError, match=r"backend 'weightless' cannot return attention weights.*'reference'"):
+        attnkit.attention(q3, k3, v3, backend="weightless", return_weights=True)
 
 
 def test_backends_are_listed():

@@ -48,8 +48,9 @@ def attention(
         generator: the random source of dropout (on the inputs' device type).
         return_weights: also return the weights ``[..., Lq, Lk]`` (per query head) that were
             applied to ``value``, after masking and dropout, so ``output == weights @ value``.
-        backend: ``"auto"`` (the fused kernel unless weights are asked for), ``"reference"``
-            (the readable formula) or ``"torch"`` (``F.scaled_dot_product_attention``); see
+        backend: ``"auto"`` (currently ``"torch"``), ``"reference"`` (the readable formula) or
+            ``"torch"`` (``F.scaled_dot_product_attention``; with ``return_weights`` a
+            materialised path of fused ops: baddbmm, in-place softmax, bmm); see
             :func:`attnkit.backends`.
 
     Returns:

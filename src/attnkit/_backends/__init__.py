@@ -57,9 +57,7 @@ def get_backend(name: str) -> Backend:
 
 
 def choose(call: AttentionCall) -> Backend:
-    """What ``backend="auto"`` runs: the fused kernel, unless weights are asked for."""
-    if call.return_weights:
-        return _REGISTRY["reference"]
+    """What ``backend="auto"`` runs: the fused kernel; with weights, its materialised fused-op path."""
     return _REGISTRY["torch"]
 
 
@@ -82,4 +80,8 @@ register_backend(
     Backend("reference", _reference.reference_attention,
             "the readable formula: scores, scale, mask, softmax, dropout, weighted sum", returns_weights=True)
 )
-register_backend(Backend("torch", _fused.torch_attention, "PyTorch's fused F.scaled_dot_product_attention"))
+register_backend(
+    Backend("torch", _fused.torch_attention,
+            "PyTorch's fused F.scaled_dot_product_attention; weights via baddbmm + in-place softmax",
+            returns_weights=True)
+)

@@ -3,6 +3,8 @@
 The translation is exact: ``is_causal=True`` only where SDPA's top-left causal equals
 attnkit's bottom-right one (``Lq == Lk`` and no other mask), a dense mask otherwise; GQA via
 ``enable_gqa``; the explicit ``scale``; dropout drawn from ``generator`` when one is given.
+SDPA returns no weights: calls that ask for them take the materialised path of
+:mod:`.fused_weights` instead.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._call import AttentionCall
+from .empty_rows import give_empty_rows_a_key
+from .fused_weights import fused_weights_attention
 
 # Device types whose SDPA kernels already return zeros (and finite gradients) for query rows
 # with no allowed key; verified by the test suite for torch >= 2.5 on CPU. Elsewhere such
@@ -40,16 +44,9 @@ def _rng_from(generator: torch.Generator | None, device: torch.device) -> Iterat
             yield
 
 
-def _give_empty_rows_a_key(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Let rows with no allowed key attend everything; return the new mask and those rows."""
-    allowed = mask if mask.dtype == torch.bool else mask != float("-inf")
-    no_key = ~allowed.any(dim=-1, keepdim=True)
-    if mask.dtype == torch.bool:
-        return mask | no_key, no_key
-    return mask.masked_fill(no_key, 0.0), no_key
-
-
 def torch_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    if call.return_weights:
+        return fused_weights_attention(call)
     query, key, value = call.query, call.key, call.value
     if call.causal and call.mask is None and call.q_len == call.k_len:
         attn_mask, is_causal = None, True
@@ -58,7 +55,7 @@ def torch_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
 
     no_key = None
     if attn_mask is not None and query.device.type not in EMPTY_ROWS_GIVE_ZEROS:
-        attn_mask, no_key = _give_empty_rows_a_key(attn_mask)
+        attn_mask, no_key = give_empty_rows_a_key(attn_mask)
 
     with _rng_from(call.generator if call.dropout > 0 else None, query.device):
         output = F.scaled_dot_product_attention(
