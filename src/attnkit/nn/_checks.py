@@ -1,0 +1,58 @@
+"""Argument checks shared by the layers: clear errors that name the argument and the shapes."""
+
+from __future__ import annotations
+
+import numbers
+
+from torch import Tensor
+
+from .._backends import backends
+
+
+def positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def optional_positive_int(name: str, value: object, default: int) -> int:
+    return default if value is None else positive_int(name, value)
+
+
+def dropout_probability(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"dropout must be a float in [0, 1), got {value!r}")
+    return float(value)
+
+
+def backend_name(value: object) -> str:
+    if value not in backends():
+        raise ValueError(f"unknown backend {value!r}; available: {backends()}")
+    return value  # type: ignore[return-value]
+
+
+def features(name: str, tensor: object, size: int) -> Tensor:
+    """Check that ``tensor`` is ``[B, L, size]`` or ``[L, size]``."""
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor [B, L, {size}] or [L, {size}], got {type(tensor).__name__}")
+    if tensor.dim() not in (2, 3) or tensor.shape[-1] != size:
+        raise ValueError(f"{name} must be [B, L, {size}] or [L, {size}], got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def same_batch(query: Tensor, name: str, other: Tensor) -> None:
+    """``other`` (key, value or context) has the query's batch layout: both batched alike."""
+    if other.dim() != query.dim() or other.shape[:-2] != query.shape[:-2]:
+        raise ValueError(
+            f"{name} must have the query's batch dims {tuple(query.shape[:-2])} ([B, L, features] or "
+            f"[L, features] like query {tuple(query.shape)}), got {name} {tuple(other.shape)}"
+        )
+
+
+def same_sequences(key: Tensor, value: Tensor) -> None:
+    """key and value describe the same tokens: same batch and length."""
+    if key.shape[:-1] != value.shape[:-1]:
+        raise ValueError(
+            f"key and value must have the same batch and length [..., Lk, *], got key {tuple(key.shape)} "
+            f"and value {tuple(value.shape)}"
+        )

@@ -1,0 +1,99 @@
+"""A key/value cache for incremental decoding: one per layer, preallocated, only the kv heads."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _checks
+
+
+class KVCache:
+    r"""The projected keys and values of every token a layer has seen, in preallocated buffers.
+
+    Decoding feeds a few new tokens at a time; their keys and values are written after the
+    ones already stored and attention runs over everything so far. With ``causal=True`` the
+    new queries are the *last* rows of the causal mask, which is exactly attnkit's
+    bottom-right alignment (query ``i`` of ``Lq`` new ones sees keys ``j <= i + Lk - Lq``), so
+    decoding in any chunks gives the outputs of one causal pass over the whole sequence::
+
+        step 1 (3 tokens)      step 2 (1 token)      step 3 (2 tokens)
+        # . .                  # # # #               # # # # # .
+        # # .                                        # # # # # #
+        # # #
+
+    Only ``num_kv_heads`` heads are stored (grouped-query / multi-query attention shrinks the
+    cache by ``num_heads / num_kv_heads``). Make one per layer with
+    :meth:`MultiHeadAttention.new_cache`; use it under ``torch.no_grad()`` (it is written in
+    place), and :meth:`reset` it before a new sequence.
+
+    Attributes:
+        keys: ``[B, num_kv_heads, max_length, head_dim]`` buffer; rows ``< len(cache)`` are valid.
+        values: ``[B, num_kv_heads, max_length, value_head_dim]`` buffer.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_length: int,
+        num_kv_heads: int,
+        head_dim: int,
+        value_head_dim: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        batch_size = _checks.positive_int("batch_size", batch_size)
+        max_length = _checks.positive_int("max_length", max_length)
+        num_kv_heads = _checks.positive_int("num_kv_heads", num_kv_heads)
+        head_dim = _checks.positive_int("head_dim", head_dim)
+        value_head_dim = _checks.optional_positive_int("value_head_dim", value_head_dim, head_dim)
+        self.keys = torch.zeros(batch_size, num_kv_heads, max_length, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(batch_size, num_kv_heads, max_length, value_head_dim, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def max_length(self) -> int:
+        return self.keys.shape[2]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def reset(self) -> None:
+        """Forget every stored token (the buffers are kept)."""
+        self.length = 0
+
+    def update(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Append new ``keys [B, Hkv, n, head_dim]`` and ``values [B, Hkv, n, value_head_dim]``.
+
+        Returns every key and value stored so far, ``[B, Hkv, len(cache), *]`` views of the buffers.
+        """
+        new = keys.shape[2] if keys.dim() == 4 else "n"
+        expected_keys = (*self.keys.shape[:2], new, self.keys.shape[3])
+        expected_values = (*self.values.shape[:2], new, self.values.shape[3])
+        if tuple(keys.shape) != expected_keys or tuple(values.shape) != expected_values:
+            raise ValueError(
+                f"cache expects keys {list(expected_keys)} and values {list(expected_values)} "
+                f"([B, Hkv, n, D]), got keys {tuple(keys.shape)} and values {tuple(values.shape)}"
+            )
+        if {keys.dtype, values.dtype} != {self.keys.dtype} or {keys.device, values.device} != {self.keys.device}:
+            raise TypeError(
+                f"cache holds {self.keys.dtype} on {self.keys.device}, got keys {keys.dtype} on {keys.device} "
+                f"and values {values.dtype} on {values.device}; make the cache with the layer's dtype and device"
+            )
+        end = self.length + keys.shape[2]
+        if end > self.max_length:
+            raise ValueError(
+                f"cache overflow: it holds {self.length} of max_length={self.max_length} tokens, "
+                f"cannot add {keys.shape[2]} more; make a larger cache or reset() it"
+            )
+        self.keys[:, :, self.length:end] = keys
+        self.values[:, :, self.length:end] = values
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def __repr__(self) -> str:
+        batch, heads, max_length, head_dim = self.keys.shape
+        return (f"KVCache(length={self.length}, max_length={max_length}, batch_size={batch}, "
+                f"num_kv_heads={heads}, head_dim={head_dim}, value_head_dim={self.values.shape[3]}, "
+                f"dtype={self.keys.dtype}, device={self.keys.device})")

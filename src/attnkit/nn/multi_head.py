@@ -1,0 +1,245 @@
+"""Production multi-head attention: one matrix per projection, split into heads (seeds 002, 003)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .. import _steps
+from ..core import attention
+from . import _checks, convert, interop
+from .kv_cache import KVCache
+from .self_attention import SelfAttention
+
+
+class MultiHeadAttention(nn.Module):
+    r"""Batch-first multi-head attention over :func:`attnkit.attention`; GQA and MQA included.
+
+    ::
+
+        query [B, Lq, E] --q_proj--> [B, Lq, H * D]    --split--> queries [B, H,   Lq, D]
+        key   [B, Lk, kdim] --k_proj--> [B, Lk, Hkv * D]  --split--> keys  [B, Hkv, Lk, D]
+        value [B, Lk, vdim] --v_proj--> [B, Lk, Hkv * Dv] --split--> values [B, Hkv, Lk, Dv]
+        attention(queries, keys, values) -> heads [B, H, Lq, Dv]
+        --concatenate--> [B, Lq, H * Dv] --out_proj--> output [B, Lq, out_dim]
+
+    Query head ``h`` reads key/value head ``h // (H // Hkv)``: ``num_kv_heads=H`` is classic
+    multi-head attention, ``1 < num_kv_heads < H`` grouped-query, ``num_kv_heads=1`` multi-query.
+
+    Args:
+        embed_dim: features of ``query`` (``E``); also of the output unless ``out_dim`` is set.
+        num_heads: query heads ``H``.
+        kdim, vdim: features of ``key`` and ``value``; default ``embed_dim``.
+        num_kv_heads: key/value heads ``Hkv`` (dividing ``H``); default ``num_heads``.
+        bias: give all four projections a bias.
+        dropout: dropout on the attention weights, in training mode only.
+        causal: default for ``forward(causal=...)``; bottom-right aligned (see :class:`KVCache`).
+        backend: the :func:`attnkit.attention` backend.
+        head_dim: ``D``, the size of each head's queries and keys; default ``embed_dim // num_heads``.
+        value_head_dim: ``Dv``; default ``head_dim``.
+        out_dim: features of the output; default ``embed_dim``.
+        output_projection: ``False`` drops ``out_proj`` (it becomes ``nn.Identity``): the output
+            is the concatenated heads, as in seeds 001 and 002's list of heads.
+
+    Projections are ``nn.Linear`` modules named ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``
+    with PyTorch's default ``nn.Linear`` initialisation (``nn.MultiheadAttention`` uses
+    Xavier-uniform weights and zero biases; :meth:`from_torch` copies its values).
+
+    Differences from ``torch.nn.MultiheadAttention`` (see :meth:`forward`): one ``mask``
+    with **True = may attend** instead of ``key_padding_mask``/``attn_mask`` with True = ignore;
+    weights per head ``[B, H, Lq, Lk]``, never averaged; a query with no key to attend gives
+    zeros where PyTorch gives NaN; ``causal`` is bottom-right aligned when ``Lq != Lk``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        causal: bool = False,
+        backend: str = "auto",
+        head_dim: int | None = None,
+        value_head_dim: int | None = None,
+        out_dim: int | None = None,
+        output_projection: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.embed_dim = _checks.positive_int("embed_dim", embed_dim)
+        self.num_heads = _checks.positive_int("num_heads", num_heads)
+        self.kdim = _checks.optional_positive_int("kdim", kdim, self.embed_dim)
+        self.vdim = _checks.optional_positive_int("vdim", vdim, self.embed_dim)
+        self.num_kv_heads = _checks.optional_positive_int("num_kv_heads", num_kv_heads, self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if head_dim is None and self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads}), "
+                "or give head_dim explicitly"
+            )
+        self.head_dim = _checks.optional_positive_int("head_dim", head_dim, self.embed_dim // self.num_heads)
+        self.value_head_dim = _checks.optional_positive_int("value_head_dim", value_head_dim, self.head_dim)
+        concatenated = self.num_heads * self.value_head_dim
+        if not output_projection and out_dim not in (None, concatenated):
+            raise ValueError(
+                f"without an output projection the output has num_heads * value_head_dim = {concatenated} "
+                f"features, got out_dim={out_dim}"
+            )
+        self.out_dim = concatenated if not output_projection else _checks.optional_positive_int(
+            "out_dim", out_dim, self.embed_dim)
+        self.dropout = _checks.dropout_probability(dropout)
+        self.causal = bool(causal)
+        self.backend = _checks.backend_name(backend)
+
+        factory = dict(device=device, dtype=dtype)
+        self.q_proj = nn.Linear(self.embed_dim, self.num_heads * self.head_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(self.kdim, self.num_kv_heads * self.head_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(self.vdim, self.num_kv_heads * self.value_head_dim, bias=bias, **factory)
+        self.out_proj: nn.Module = (nn.Linear(concatenated, self.out_dim, bias=bias, **factory)
+                                    if output_projection else nn.Identity())
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        causal: bool | None = None,
+        need_weights: bool = False,
+        cache: KVCache | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Multi-head attention from ``query`` to ``key``/``value`` (self-attention when omitted).
+
+        Args:
+            query: ``[B, Lq, embed_dim]`` (or unbatched ``[Lq, embed_dim]``).
+            key: ``[B, Lk, kdim]``; default ``query`` (self-attention).
+            value: ``[B, Lk, vdim]``; default ``key``.
+            mask: boolean (**True = may attend**) or additive float (``-inf`` removes a key),
+                broadcastable to ``[B, H, Lq, Lk]``. A 2-D mask is ``[Lq, Lk]``. For key
+                padding use ``attnkit.masks.padding_mask(lengths_or_keep)`` (``[B, 1, 1, Lk]``);
+                PyTorch's masks (True = ignore) convert with
+                ``attnkit.masks.from_torch_key_padding_mask`` and ``from_torch_attn_mask``.
+                With a cache, ``Lk`` counts every cached key plus the new ones.
+            causal: query ``i`` sees only keys ``j <= i + Lk - Lq`` (bottom-right aligned, as
+                decoding with a cache needs); intersected with ``mask``. Default: the layer's.
+            need_weights: also return the weights. They come from a materialised ``[B, H, Lq, Lk]``
+                path; without them the fused kernel runs and never stores that matrix.
+            cache: a :class:`KVCache` from :meth:`new_cache` (self-attention only): the new
+                tokens' keys and values are appended to it and attention runs over all of them.
+
+        Returns:
+            ``output [B, Lq, out_dim]`` when ``need_weights=False``, else
+            ``(output, weights [B, H, Lq, Lk])``: per head, after masking and dropout.
+            A query row with no key it may attend gives zeros, and zero weights, never NaN
+            (``nn.MultiheadAttention`` returns NaN there).
+        """
+        _checks.features("query", query, self.embed_dim)
+        if key is None:
+            if value is not None:
+                raise ValueError("value was given without key; pass key too (value defaults to key)")
+            key = query
+        else:
+            _checks.features("key", key, self.kdim)
+            _checks.same_batch(query, "key", key)
+        if value is None:
+            value = key
+        else:
+            _checks.features("value", value, self.vdim)
+            _checks.same_sequences(key, value)
+        if cache is not None and key is not query:
+            raise ValueError("a KVCache serves self-attention decoding: call forward(query, cache=cache) without key")
+
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+        batch, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
+        queries = self.q_proj(query).view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        keys = self.k_proj(key).view(batch, k_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        values = self.v_proj(value).view(batch, k_len, self.num_kv_heads, self.value_head_dim).transpose(1, 2)
+        if cache is not None:
+            keys, values = cache.update(keys, values)
+        _steps.record("queries", queries)
+        _steps.record("keys", keys)
+        _steps.record("values", values)
+
+        result = attention(
+            queries, keys, values,
+            mask=mask,
+            causal=self.causal if causal is None else causal,
+            dropout=self.dropout if self.training else 0.0,
+            return_weights=need_weights,
+            backend=self.backend,
+        )
+        heads = result[0] if need_weights else result
+        _steps.record("heads", heads)
+        concatenated = heads.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.value_head_dim)
+        _steps.record("concatenated", concatenated)
+        output = self.out_proj(concatenated)
+        _steps.record("projected", output)
+
+        if unbatched:
+            output = output.squeeze(0)
+        if not need_weights:
+            return output
+        weights = result[1]
+        return output, (weights.squeeze(0) if unbatched else weights)
+
+    def new_cache(
+        self,
+        batch_size: int,
+        max_length: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """An empty :class:`KVCache` for this layer (its ``num_kv_heads`` heads only), on the
+        layer's dtype and device unless told otherwise."""
+        weight = self.k_proj.weight
+        return KVCache(batch_size, max_length, self.num_kv_heads, self.head_dim, self.value_head_dim,
+                       dtype=dtype or weight.dtype, device=device or weight.device)
+
+    @classmethod
+    def from_heads(cls, heads: Sequence[SelfAttention] | nn.Module, **kwargs: object) -> MultiHeadAttention:
+        """The fused layer computing what a :class:`HeadList` (or a list of :class:`SelfAttention`
+        heads, concatenated) computes; see :func:`attnkit.nn.convert.from_heads`."""
+        return convert.from_heads(cls, heads, **kwargs)
+
+    @classmethod
+    def from_stacked(cls, w_query: Tensor, w_key: Tensor, w_value: Tensor, **kwargs: object) -> MultiHeadAttention:
+        """The fused layer for stacked per-head weights ``[H, d_out, d_in]`` (seed 001, :class:`StackedHeads`);
+        see :func:`attnkit.nn.convert.from_stacked`."""
+        return convert.from_stacked(cls, w_query, w_key, w_value, **kwargs)
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention, **kwargs: object) -> MultiHeadAttention:
+        """A copy of ``torch.nn.MultiheadAttention``'s weights; see :func:`attnkit.nn.interop.from_torch`."""
+        return interop.from_torch(cls, module, **kwargs)
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """An equivalent ``torch.nn.MultiheadAttention`` (batch_first=True); see :func:`attnkit.nn.interop.to_torch`."""
+        return interop.to_torch(self)
+
+    def extra_repr(self) -> str:
+        extras = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}"]
+        if self.num_kv_heads != self.num_heads:
+            extras.append(f"num_kv_heads={self.num_kv_heads}")
+        extras.append(f"head_dim={self.head_dim}")
+        if self.value_head_dim != self.head_dim:
+            extras.append(f"value_head_dim={self.value_head_dim}")
+        if (self.kdim, self.vdim) != (self.embed_dim, self.embed_dim):
+            extras += [f"kdim={self.kdim}", f"vdim={self.vdim}"]
+        if not isinstance(self.out_proj, nn.Linear):
+            extras.append("output_projection=False")
+        elif self.out_dim != self.embed_dim:
+            extras.append(f"out_dim={self.out_dim}")
+        extras += [f"dropout={self.dropout}", f"causal={self.causal}", f"backend={self.backend!r}"]
+        return ", ".join(extras)

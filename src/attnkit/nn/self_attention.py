@@ -1,0 +1,131 @@
+"""One attention head with its own query, key and value projections (seeds 001, 002, 004)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .. import _steps
+from ..core import attention
+from . import _checks
+
+
+class SelfAttention(nn.Module):
+    r"""A single attention head: project, attend, return the context vectors.
+
+    ``queries = x @ Wq^T``, ``keys = context @ Wk^T``, ``values = context @ Wv^T``, then
+    ``attnkit.attention(queries, keys, values)`` with scale ``1/sqrt(d_qk)``. Self-attention
+    when ``context`` is omitted (``context = x``), cross-attention otherwise (seed 001's
+    8-key example, seed 004's separate inputs).
+
+    Args:
+        d_in: features of each input token ``x``.
+        d_qk: size of queries and keys (seed 001: 24; seed 002: 2).
+        d_v: size of values and of the output, default ``d_qk`` (seed 001: 28).
+        qkv_bias: give the projections a bias (seed 004 does, seeds 001 and 002 do not).
+        causal: query ``i`` sees only keys ``j <= i + Lk - Lq`` (bottom-right aligned).
+        dropout: dropout on the attention weights, in training mode only.
+        d_context: features of the ``context`` tokens, default ``d_in``.
+        backend: the :func:`attnkit.attention` backend.
+
+    The projections are ``nn.Linear`` modules ``q_proj``, ``k_proj``, ``v_proj`` created in that
+    order, so ``torch.manual_seed(123); SelfAttention(3, 2)`` starts from the same weights as
+    seed 002's ``SelfAttention_v2(3, 2)``.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_qk: int,
+        d_v: int | None = None,
+        *,
+        qkv_bias: bool = False,
+        causal: bool = False,
+        dropout: float = 0.0,
+        d_context: int | None = None,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.d_in = _checks.positive_int("d_in", d_in)
+        self.d_qk = _checks.positive_int("d_qk", d_qk)
+        self.d_v = _checks.optional_positive_int("d_v", d_v, self.d_qk)
+        self.d_context = _checks.optional_positive_int("d_context", d_context, self.d_in)
+        self.causal = bool(causal)
+        self.dropout = _checks.dropout_probability(dropout)
+        self.backend = _checks.backend_name(backend)
+        factory = dict(device=device, dtype=dtype)
+        self.q_proj = nn.Linear(self.d_in, self.d_qk, bias=qkv_bias, **factory)
+        self.k_proj = nn.Linear(self.d_context, self.d_qk, bias=qkv_bias, **factory)
+        self.v_proj = nn.Linear(self.d_context, self.d_v, bias=qkv_bias, **factory)
+
+    @classmethod
+    def from_weights(cls, w_query: Tensor, w_key: Tensor, w_value: Tensor, **kwargs: object) -> SelfAttention:
+        """A head (without biases) whose projections are the given matrices.
+
+        The matrices are in ``nn.Linear`` layout ``[d_out, d_in]``, applied as ``W @ x`` (seed 001).
+        Seed 002 writes ``x @ W`` with ``W [d_in, d_out]``: pass ``W.T``. ``kwargs`` go to the
+        constructor (``causal``, ``dropout``, ``backend``).
+        """
+        if not (w_query.dim() == w_key.dim() == w_value.dim() == 2):
+            raise ValueError(
+                "w_query, w_key, w_value must be 2-D [d_out, d_in], got shapes "
+                f"{tuple(w_query.shape)}, {tuple(w_key.shape)}, {tuple(w_value.shape)}"
+            )
+        if w_key.shape[0] != w_query.shape[0] or w_value.shape[1] != w_key.shape[1]:
+            raise ValueError(
+                f"w_key must be [d_qk={w_query.shape[0]}, d_context] and w_value [d_v, d_context] "
+                f"with the same d_context, got w_query {tuple(w_query.shape)}, w_key {tuple(w_key.shape)}, "
+                f"w_value {tuple(w_value.shape)}"
+            )
+        head = cls(w_query.shape[1], w_query.shape[0], w_value.shape[0], d_context=w_key.shape[1],
+                   device=w_query.device, dtype=w_query.dtype, **kwargs)  # type: ignore[arg-type]
+        with torch.no_grad():
+            for linear, weight in ((head.q_proj, w_query), (head.k_proj, w_key), (head.v_proj, w_value)):
+                linear.weight.copy_(weight)
+        return head
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend from ``x`` to ``context`` (or to ``x`` itself).
+
+        Args:
+            x: ``[B, Lq, d_in]`` or ``[Lq, d_in]``.
+            context: ``[B, Lk, d_context]`` or ``[Lk, d_context]``, batched like ``x``; default ``x``.
+            mask: boolean (**True = may attend**) or additive float, broadcastable to
+                ``[B, Lq, Lk]`` (``[Lq, Lk]`` unbatched).
+            need_weights: also return the attention weights.
+
+        Returns:
+            ``output [B, Lq, d_v]``, or ``(output, weights [B, Lq, Lk])`` with ``need_weights``.
+            A query with no key to attend gets zeros.
+        """
+        _checks.features("x", x, self.d_in)
+        if context is None:
+            context = x
+        else:
+            _checks.features("context", context, self.d_context)
+            _checks.same_batch(x, "context", context)
+        queries, keys, values = self.q_proj(x), self.k_proj(context), self.v_proj(context)
+        _steps.record("queries", queries)
+        _steps.record("keys", keys)
+        _steps.record("values", values)
+        return attention(
+            queries, keys, values,
+            mask=mask, causal=self.causal, dropout=self.dropout if self.training else 0.0,
+            return_weights=need_weights, backend=self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        extras = [f"d_in={self.d_in}", f"d_qk={self.d_qk}", f"d_v={self.d_v}"]
+        if self.d_context != self.d_in:
+            extras.append(f"d_context={self.d_context}")
+        extras += [f"causal={self.causal}", f"dropout={self.dropout}", f"backend={self.backend!r}"]
+        return ", ".join(extras)

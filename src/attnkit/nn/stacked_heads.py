@@ -1,0 +1,115 @@
+"""Multi-head attention with per-head weights stacked in ``[H, d_out, d_in]`` tensors (seed 001)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .. import _steps
+from ..core import attention
+from . import _checks
+
+
+class StackedHeads(nn.Module):
+    r"""Every head's projection matrix in one ``[num_heads, d_out, d_in]`` parameter.
+
+    Seed 001 applies them with ``torch.bmm(W, x^T)``; here ``x @ W^T`` is broadcast over the
+    head dim, which is the same product: ``queries[h] = x @ w_query[h]^T``. The heads' outputs
+    are concatenated (``[B, L, num_heads * d_v]``); there is no output projection.
+    :meth:`MultiHeadAttention.from_stacked` turns these tensors into the fused layer.
+
+    Args:
+        d_in, d_qk, d_v, causal, dropout, d_context, backend: as :class:`SelfAttention`.
+        num_heads: how many heads.
+
+    Parameters ``w_query [H, d_qk, d_in]``, ``w_key [H, d_qk, d_context]``,
+    ``w_value [H, d_v, d_context]`` start as ``nn.Linear`` weights do: uniform in
+    ``±1/sqrt(fan_in)``.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_qk: int,
+        num_heads: int,
+        d_v: int | None = None,
+        *,
+        causal: bool = False,
+        dropout: float = 0.0,
+        d_context: int | None = None,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.d_in = _checks.positive_int("d_in", d_in)
+        self.d_qk = _checks.positive_int("d_qk", d_qk)
+        self.num_heads = _checks.positive_int("num_heads", num_heads)
+        self.d_v = _checks.optional_positive_int("d_v", d_v, self.d_qk)
+        self.d_context = _checks.optional_positive_int("d_context", d_context, self.d_in)
+        self.causal = bool(causal)
+        self.dropout = _checks.dropout_probability(dropout)
+        self.backend = _checks.backend_name(backend)
+        factory = dict(device=device, dtype=dtype)
+        self.w_query = nn.Parameter(torch.empty(self.num_heads, self.d_qk, self.d_in, **factory))
+        self.w_key = nn.Parameter(torch.empty(self.num_heads, self.d_qk, self.d_context, **factory))
+        self.w_value = nn.Parameter(torch.empty(self.num_heads, self.d_v, self.d_context, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for weight in (self.w_query, self.w_key, self.w_value):
+            bound = 1.0 / math.sqrt(weight.shape[-1])
+            nn.init.uniform_(weight, -bound, bound)
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Project ``x`` (and ``context``) for every head at once, attend, concatenate.
+
+        Args:
+            x: ``[B, Lq, d_in]`` or ``[Lq, d_in]``.
+            context: ``[B, Lk, d_context]`` or ``[Lk, d_context]``; default ``x``.
+            mask: boolean (**True = may attend**) or additive float, broadcastable to
+                ``[B, H, Lq, Lk]`` (``[H, Lq, Lk]`` unbatched).
+            need_weights: also return every head's weights.
+
+        Returns:
+            ``output [B, Lq, num_heads * d_v]``, or ``(output, weights [B, H, Lq, Lk])``.
+        """
+        _checks.features("x", x, self.d_in)
+        if context is None:
+            context = x
+        else:
+            _checks.features("context", context, self.d_context)
+            _checks.same_batch(x, "context", context)
+        # [B, 1, L, d_in] @ [H, d_in, d_out] -> [B, H, L, d_out]
+        queries = x.unsqueeze(-3) @ self.w_query.transpose(-1, -2)
+        keys = context.unsqueeze(-3) @ self.w_key.transpose(-1, -2)
+        values = context.unsqueeze(-3) @ self.w_value.transpose(-1, -2)
+        _steps.record("queries", queries)
+        _steps.record("keys", keys)
+        _steps.record("values", values)
+        result = attention(
+            queries, keys, values,
+            mask=mask, causal=self.causal, dropout=self.dropout if self.training else 0.0,
+            return_weights=need_weights, backend=self.backend,
+        )
+        heads = result[0] if need_weights else result
+        _steps.record("heads", heads)
+        concatenated = heads.transpose(-3, -2).flatten(-2)  # [B, L, H, d_v] -> [B, L, H * d_v]
+        _steps.record("concatenated", concatenated)
+        return (concatenated, result[1]) if need_weights else concatenated
+
+    def extra_repr(self) -> str:
+        extras = [f"d_in={self.d_in}", f"d_qk={self.d_qk}", f"num_heads={self.num_heads}", f"d_v={self.d_v}"]
+        if self.d_context != self.d_in:
+            extras.append(f"d_context={self.d_context}")
+        extras += [f"causal={self.causal}", f"dropout={self.dropout}", f"backend={self.backend!r}"]
+        return ", ".join(extras)
