@@ -56,3 +56,13 @@ def same_sequences(key: Tensor, value: Tensor) -> None:
             f"key and value must have the same batch and length [..., Lk, *], got key {tuple(key.shape)} "
             f"and value {tuple(value.shape)}"
         )
+
+
+def inputs_with_context(x: Tensor, context: Tensor | None, d_in: int, d_context: int) -> Tensor:
+    """Check a layer's ``x`` and ``context`` (default: ``x`` itself); return the context."""
+    features("x", x, d_in)
+    name = "context" if context is not None else "context (defaulting to x)"
+    context = x if context is None else context
+    features(name, context, d_context)
+    same_batch(x, "context", context)
+    return context

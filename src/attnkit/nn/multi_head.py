@@ -143,18 +143,16 @@ class MultiHeadAttention(nn.Module):
             (``nn.MultiheadAttention`` returns NaN there).
         """
         _checks.features("query", query, self.embed_dim)
-        if key is None:
-            if value is not None:
-                raise ValueError("value was given without key; pass key too (value defaults to key)")
-            key = query
-        else:
-            _checks.features("key", key, self.kdim)
-            _checks.same_batch(query, "key", key)
-        if value is None:
-            value = key
-        else:
-            _checks.features("value", value, self.vdim)
-            _checks.same_sequences(key, value)
+        if key is None and value is not None:
+            raise ValueError("value was given without key; pass key too (value defaults to key)")
+        key_name = "key" if key is not None else "key (defaulting to query)"
+        key = query if key is None else key
+        _checks.features(key_name, key, self.kdim)
+        _checks.same_batch(query, "key", key)
+        value_name = "value" if value is not None else "value (defaulting to key)"
+        value = key if value is None else value
+        _checks.features(value_name, value, self.vdim)
+        _checks.same_sequences(key, value)
         if cache is not None and key is not query:
             raise ValueError("a KVCache serves self-attention decoding: call forward(query, cache=cache) without key")
 

@@ -107,12 +107,7 @@ class SelfAttention(nn.Module):
             ``output [B, Lq, d_v]``, or ``(output, weights [B, Lq, Lk])`` with ``need_weights``.
             A query with no key to attend gets zeros.
         """
-        _checks.features("x", x, self.d_in)
-        if context is None:
-            context = x
-        else:
-            _checks.features("context", context, self.d_context)
-            _checks.same_batch(x, "context", context)
+        context = _checks.inputs_with_context(x, context, self.d_in, self.d_context)
         queries, keys, values = self.q_proj(x), self.k_proj(context), self.v_proj(context)
         _steps.record("queries", queries)
         _steps.record("keys", keys)

@@ -83,12 +83,7 @@ class StackedHeads(nn.Module):
         Returns:
             ``output [B, Lq, num_heads * d_v]``, or ``(output, weights [B, H, Lq, Lk])``.
         """
-        _checks.features("x", x, self.d_in)
-        if context is None:
-            context = x
-        else:
-            _checks.features("context", context, self.d_context)
-            _checks.same_batch(x, "context", context)
+        context = _checks.inputs_with_context(x, context, self.d_in, self.d_context)
         # [B, 1, L, d_in] @ [H, d_in, d_out] -> [B, H, L, d_out]
         queries = x.unsqueeze(-3) @ self.w_query.transpose(-1, -2)
         keys = context.unsqueeze(-3) @ self.w_key.transpose(-1, -2)

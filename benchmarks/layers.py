@@ -1,0 +1,76 @@
+"""attnkit.nn.MultiHeadAttention vs torch.nn.MultiheadAttention, forward time, measured in one run.
+
+Both layers hold the same weights (ours is made with ``from_torch``) and run batch-first
+self-attention on the same input: embed 512, 8 heads, batch 1, fp32. Modes:
+
+- eval: ``.eval()`` under ``torch.no_grad()``, where PyTorch takes its native fast path;
+- train: ``.train()`` with autograd recording (dropout 0, so both compute the same numbers).
+
+``need_weights=True`` asks both for per-head weights (PyTorch: ``average_attn_weights=False``,
+the same output as ours). Ratio = PyTorch's time / ours: above 1 means attnkit is faster.
+Goal: >= 1.5 in eval at L = 2048, >= 1.0 everywhere.
+    python benchmarks/layers.py [--lengths 512 2048] [--repeats N] [--batch B] [--threads T]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from attnkit.nn import MultiHeadAttention  # noqa: E402
+from common import describe_machine, median_times  # noqa: E402
+
+EMBED, HEADS = 512, 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    torch.manual_seed(0)
+    theirs = nn.MultiheadAttention(EMBED, HEADS, batch_first=True)
+    ours = MultiHeadAttention.from_torch(theirs)
+    print(f"# attnkit.nn.MultiHeadAttention vs torch.nn.MultiheadAttention, forward  ({describe_machine()})")
+    print(f"# embed {EMBED}, {HEADS} heads, batch {args.batch}, fp32, self-attention; median of "
+          f"{args.repeats} interleaved runs (shared machine: medians, not minima)\n")
+    print("| L | mode | need_weights | attnkit (ms) | PyTorch (ms) | speed-up (PyTorch / attnkit) |")
+    print("|---:|---|---|---:|---:|---:|")
+    worst = float("inf")
+    eval_2048 = None
+    for length in args.lengths:
+        x = torch.randn(args.batch, length, EMBED)
+        for mode in ("eval", "train"):
+            ours.train(mode == "train")
+            theirs.train(mode == "train")
+            grad = torch.no_grad() if mode == "eval" else contextlib.nullcontext()
+            for need_weights in (False, True):
+                with grad:
+                    times = median_times({
+                        "ours": lambda: ours(x, need_weights=need_weights),
+                        "theirs": lambda: theirs(x, x, x, need_weights=need_weights, average_attn_weights=False),
+                    }, repeats=args.repeats)
+                speedup = times["theirs"] / times["ours"]
+                worst = min(worst, speedup)
+                if mode == "eval" and length == 2048:
+                    eval_2048 = speedup if eval_2048 is None else min(eval_2048, speedup)
+                print(f"| {length} | {mode} | {need_weights} | {times['ours'] * 1e3:.1f} | "
+                      f"{times['theirs'] * 1e3:.1f} | {speedup:.2f} |", flush=True)
+    print(f"\nslowest speed-up: {worst:.2f} (goal: >= 1.0)")
+    if eval_2048 is not None:
+        print(f"eval at L=2048, slowest of need_weights off/on: {eval_2048:.2f} (goal: >= 1.5)")
+
+
+if __name__ == "__main__":
+    main()
