@@ -174,7 +174,7 @@ def test_extra_repr_describes_each_layer():
     assert "out_dim=3" in repr(MultiHeadAttention(8, 4, out_dim=3))
     assert "output_projection=False" in repr(MultiHeadAttention(8, 4, output_projection=False))
     assert "d_in=3, d_qk=2, d_v=2, causal=True" in repr(SelfAttention(3, 2, causal=True))
-    assert "d_in=16, d_qk=24, num_heads=3, d_v=28" in repr(StackedHeads(16, 24, 3, d_v=28))
+    assert "num_heads=3, d_in=16, d_qk=24, d_v=28" in repr(StackedHeads(16, 24, 3, d_v=28))
     assert "num_heads=2" in repr(HeadList(4, 2, 2))
     assert "max_length=5" in repr(KVCache(1, 5, 2, 4))
 

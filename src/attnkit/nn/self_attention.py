@@ -6,11 +6,11 @@ import torch
 from torch import Tensor, nn
 
 from .. import _steps
-from ..core import attention
 from . import _checks
+from ._head_base import HeadLayer
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(HeadLayer):
     r"""A single attention head: project, attend, return the context vectors.
 
     ``queries = x @ Wq^T``, ``keys = context @ Wk^T``, ``values = context @ Wv^T``, then
@@ -47,14 +47,7 @@ class SelfAttention(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.d_in = _checks.positive_int("d_in", d_in)
-        self.d_qk = _checks.positive_int("d_qk", d_qk)
-        self.d_v = _checks.optional_positive_int("d_v", d_v, self.d_qk)
-        self.d_context = _checks.optional_positive_int("d_context", d_context, self.d_in)
-        self.causal = bool(causal)
-        self.dropout = _checks.dropout_probability(dropout)
-        self.backend = _checks.backend_name(backend)
+        super().__init__(d_in, d_qk, d_v, d_context, causal=causal, dropout=dropout, backend=backend)
         factory = dict(device=device, dtype=dtype)
         self.q_proj = nn.Linear(self.d_in, self.d_qk, bias=qkv_bias, **factory)
         self.k_proj = nn.Linear(self.d_context, self.d_qk, bias=qkv_bias, **factory)
@@ -112,15 +105,4 @@ class SelfAttention(nn.Module):
         _steps.record("queries", queries)
         _steps.record("keys", keys)
         _steps.record("values", values)
-        return attention(
-            queries, keys, values,
-            mask=mask, causal=self.causal, dropout=self.dropout if self.training else 0.0,
-            return_weights=need_weights, backend=self.backend,
-        )
-
-    def extra_repr(self) -> str:
-        extras = [f"d_in={self.d_in}", f"d_qk={self.d_qk}", f"d_v={self.d_v}"]
-        if self.d_context != self.d_in:
-            extras.append(f"d_context={self.d_context}")
-        extras += [f"causal={self.causal}", f"dropout={self.dropout}", f"backend={self.backend!r}"]
-        return ", ".join(extras)
+        return self.attend(queries, keys, values, mask, need_weights)

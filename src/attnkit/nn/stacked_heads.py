@@ -8,11 +8,11 @@ import torch
 from torch import Tensor, nn
 
 from .. import _steps
-from ..core import attention
 from . import _checks
+from ._head_base import HeadLayer
 
 
-class StackedHeads(nn.Module):
+class StackedHeads(HeadLayer):
     r"""Every head's projection matrix in one ``[num_heads, d_out, d_in]`` parameter.
 
     Seed 001 applies them with ``torch.bmm(W, x^T)``; here ``x @ W^T`` is broadcast over the
@@ -43,15 +43,8 @@ class StackedHeads(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.d_in = _checks.positive_int("d_in", d_in)
-        self.d_qk = _checks.positive_int("d_qk", d_qk)
+        super().__init__(d_in, d_qk, d_v, d_context, causal=causal, dropout=dropout, backend=backend)
         self.num_heads = _checks.positive_int("num_heads", num_heads)
-        self.d_v = _checks.optional_positive_int("d_v", d_v, self.d_qk)
-        self.d_context = _checks.optional_positive_int("d_context", d_context, self.d_in)
-        self.causal = bool(causal)
-        self.dropout = _checks.dropout_probability(dropout)
-        self.backend = _checks.backend_name(backend)
         factory = dict(device=device, dtype=dtype)
         self.w_query = nn.Parameter(torch.empty(self.num_heads, self.d_qk, self.d_in, **factory))
         self.w_key = nn.Parameter(torch.empty(self.num_heads, self.d_qk, self.d_context, **factory))
@@ -91,11 +84,7 @@ class StackedHeads(nn.Module):
         _steps.record("queries", queries)
         _steps.record("keys", keys)
         _steps.record("values", values)
-        result = attention(
-            queries, keys, values,
-            mask=mask, causal=self.causal, dropout=self.dropout if self.training else 0.0,
-            return_weights=need_weights, backend=self.backend,
-        )
+        result = self.attend(queries, keys, values, mask, need_weights)
         heads = result[0] if need_weights else result
         _steps.record("heads", heads)
         concatenated = heads.transpose(-3, -2).flatten(-2)  # [B, L, H, d_v] -> [B, L, H * d_v]
@@ -103,8 +92,4 @@ class StackedHeads(nn.Module):
         return (concatenated, result[1]) if need_weights else concatenated
 
     def extra_repr(self) -> str:
-        extras = [f"d_in={self.d_in}", f"d_qk={self.d_qk}", f"num_heads={self.num_heads}", f"d_v={self.d_v}"]
-        if self.d_context != self.d_in:
-            extras.append(f"d_context={self.d_context}")
-        extras += [f"causal={self.causal}", f"dropout={self.dropout}", f"backend={self.backend!r}"]
-        return ", ".join(extras)
+        return f"num_heads={self.num_heads}, {super().extra_repr()}"

@@ -1,0 +1,40 @@
+"""What :class:`SelfAttention` and :class:`StackedHeads` share: head sizes, how a head attends."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ..core import attention
+from . import _checks
+
+
+class HeadLayer(nn.Module):
+    """Checked head sizes (``d_in``, ``d_qk``, ``d_v``, ``d_context``) and attention settings
+    (``causal``, ``dropout``, ``backend``) of a layer whose heads each have their own projections."""
+
+    def __init__(self, d_in: int, d_qk: int, d_v: int | None, d_context: int | None, *,
+                 causal: bool, dropout: float, backend: str) -> None:
+        super().__init__()
+        self.d_in = _checks.positive_int("d_in", d_in)
+        self.d_qk = _checks.positive_int("d_qk", d_qk)
+        self.d_v = _checks.optional_positive_int("d_v", d_v, self.d_qk)
+        self.d_context = _checks.optional_positive_int("d_context", d_context, self.d_in)
+        self.causal = bool(causal)
+        self.dropout = _checks.dropout_probability(dropout)
+        self.backend = _checks.backend_name(backend)
+
+    def attend(self, queries: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None,
+               need_weights: bool) -> Tensor | tuple[Tensor, Tensor]:
+        """``attnkit.attention`` with this layer's settings; dropout only in training mode."""
+        return attention(
+            queries, keys, values,
+            mask=mask, causal=self.causal, dropout=self.dropout if self.training else 0.0,
+            return_weights=need_weights, backend=self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        extras = [f"d_in={self.d_in}", f"d_qk={self.d_qk}", f"d_v={self.d_v}"]
+        if self.d_context != self.d_in:
+            extras.append(f"d_context={self.d_context}")
+        extras += [f"causal={self.causal}", f"dropout={self.dropout}", f"backend={self.backend!r}"]
+        return ", ".join(extras)
