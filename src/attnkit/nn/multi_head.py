@@ -139,20 +139,11 @@ class MultiHeadAttention(nn.Module):
         Returns:
             ``output [B, Lq, out_dim]`` when ``need_weights=False``, else
             ``(output, weights [B, H, Lq, Lk])``: per head, after masking and dropout.
-            A query row with no key it may attend gives zeros, and zero weights, never NaN
-            (``nn.MultiheadAttention`` returns NaN there).
+            A query row with no key it may attend gives zero heads (the output is then
+            ``out_proj``'s bias) and zero weights, never NaN; ``nn.MultiheadAttention`` returns
+            NaN there whenever it materialises the weights.
         """
-        _checks.features("query", query, self.embed_dim)
-        if key is None and value is not None:
-            raise ValueError("value was given without key; pass key too (value defaults to key)")
-        key_name = "key" if key is not None else "key (defaulting to query)"
-        key = query if key is None else key
-        _checks.features(key_name, key, self.kdim)
-        _checks.same_batch(query, "key", key)
-        value_name = "value" if value is not None else "value (defaulting to key)"
-        value = key if value is None else value
-        _checks.features(value_name, value, self.vdim)
-        _checks.same_sequences(key, value)
+        key, value = self._key_and_value(query, key, value)
         if cache is not None and key is not query:
             raise ValueError("a KVCache serves self-attention decoding: call forward(query, cache=cache) without key")
 
@@ -190,6 +181,21 @@ class MultiHeadAttention(nn.Module):
             return output
         weights = result[1]
         return output, (weights.squeeze(0) if unbatched else weights)
+
+    def _key_and_value(self, query: Tensor, key: Tensor | None, value: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Check the inputs' shapes; fill in the defaults (key = query, value = key)."""
+        _checks.features("query", query, self.embed_dim)
+        if key is None and value is not None:
+            raise ValueError("value was given without key; pass key too (value defaults to key)")
+        key_name = "key" if key is not None else "key (defaulting to query)"
+        key = query if key is None else key
+        _checks.features(key_name, key, self.kdim)
+        _checks.same_batch(query, "key", key)
+        value_name = "value" if value is not None else "value (defaulting to key)"
+        value = key if value is None else value
+        _checks.features(value_name, value, self.vdim)
+        _checks.same_sequences(key, value)
+        return key, value
 
     def new_cache(
         self,
