@@ -32,7 +32,9 @@ def setups(draw):
     lq, lk = draw(st.integers(1, 6)), draw(st.integers(1, 6))
     cross = draw(st.booleans())
     batch = draw(st.sampled_from([None, 1, 2]))
-    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # the layer's initial weights
     lead = () if batch is None else (batch,)
     x = torch.randn(*lead, lq, d_in, generator=g)
     context = torch.randn(*lead, lk, d_context, generator=g) if cross else None
