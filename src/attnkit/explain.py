@@ -1,7 +1,7 @@
 """A step-by-step walkthrough of attention in the terminal.
 
-It runs :func:`attnkit.attention` with the readable reference backend while recording each
-named intermediate, then prints every step with its shape, its values and one line of what
+It runs :func:`attnkit.attention` under :func:`attnkit.trace.record`, which keeps each named
+intermediate, then prints every step with its shape, its values and one line of what
 it means, and ends with a plain-language reading of the weights.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import _steps, masks, toy
+from . import masks, toy, trace
 from .core import attention
 
 
@@ -54,9 +54,9 @@ def toy_steps(*, causal: bool = False, scale: float = 1.0) -> list[Step]:
     """Seed 002's weightless self-attention: the embeddings are queries, keys and values at once."""
     tokens = toy.TOKENS
     inputs = toy.embeddings()
-    with _steps.recording() as recorded:
-        attention(inputs, inputs, inputs, causal=causal, scale=scale, return_weights=True, backend="reference")
-    found = dict(recorded)
+    with trace.record() as recorded:
+        attention(inputs, inputs, inputs, causal=causal, scale=scale)
+    found = recorded[0].steps
 
     steps = [
         Step("inputs", inputs, "one embedding per token; here they serve as queries, keys and values", tokens),
