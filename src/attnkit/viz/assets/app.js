@@ -50,7 +50,8 @@ function selectSentence(index) {
   buildHeadToggles($("head-toggles"), s.heads, state.heads, render);
   const precision = s.meta.dtype === "float16"
     ? "weights stored as float16 (3 significant digits)" : "weights stored as float32 (exact)";
-  $("summary").textContent = [s.meta.model, `${s.T} tokens`, `${s.layers} layers × ${s.heads} heads`, precision]
+  const count = (n, noun) => `${n} ${noun}${n === 1 ? "" : "s"}`;
+  $("summary").textContent = [s.meta.model, count(s.T, "token"), `${count(s.layers, "layer")} × ${count(s.heads, "head")}`, precision]
     .filter(Boolean).join(" · ");
   $("text").textContent = s.meta.text;
   render();
