@@ -48,7 +48,7 @@ def report(records, tmp_path_factory):
     return write_report(records, tmp_path_factory.mktemp("report"), title="attnkit browser test")
 
 
-def choose(browser: Browser, select_id: str, value: int) -> None:
+def choose(browser: Browser, select_id: str, value: int | str) -> None:
     from selenium.webdriver.support.ui import Select
 
     Select(browser.driver.find_element("id", select_id)).select_by_value(str(value))
@@ -114,6 +114,11 @@ def test_choosing_another_layer_or_head_changes_the_head_view(browser, report):
     browser.driver.find_element("css selector", "#head-toggles input[data-head='0']").click()
     browser.wait_ready()
     assert browser.canvas_png("head-canvas") == third  # same state, same drawing
+    top_k = browser.driver.find_element("id", "top-k")
+    top_k.clear()
+    top_k.send_keys("1\n")  # one line per query and head
+    browser.wait_ready()
+    assert browser.canvas_png("head-canvas") != third
     browser.driver.find_element("xpath", "//div[@id='head-toggles']/button[text()='none']").click()
     browser.wait_ready()
     assert browser.canvas_png("head-canvas") not in (first, third, without_head_0)
@@ -177,6 +182,9 @@ def test_clicking_a_head_in_the_model_view_enlarges_it(browser, report):
     layer, head = 2, 5
     x = g["labelWidth"] + head * (g["thumb"] + g["gap"]) + g["thumb"] / 2
     y = g["top"] + layer * (g["thumb"] + g["gap"]) + g["thumb"] / 2
+    per_head = browser.canvas_png("model-canvas")
+    choose(browser, "scale", "absolute")
+    assert browser.canvas_png("model-canvas") != per_head
     browser.point_at("model-canvas", x, y)
     assert tooltip(browser).startswith("layer 2, head 5")
     browser.point_at("model-canvas", x, y, click=True)

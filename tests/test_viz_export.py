@@ -42,8 +42,10 @@ def test_head_png_has_the_asked_pixel_size_and_is_not_blank(tmp_path):
 def test_grid_png_size_follows_the_documented_formula(tmp_path):
     path = save_grid(_record(layers=2, heads=3), tmp_path / "sub" / "grid.png", cell=1.0, dpi=50)
     pixels = _pixels(path.read_bytes())
-    assert pixels.shape[:2] == (round((0.9 + 2) * 50), round((0.8 + 3) * 50))
+    assert pixels.shape[:2] == (round((0.9 + 2) * 50), round(max(4, 0.8 + 3) * 50))
     assert _not_blank(pixels)
+    wide = save_grid(_record(layers=1, heads=12), tmp_path / "wide.png", cell=0.5, dpi=40)
+    assert _pixels(wide.read_bytes()).shape[:2] == (round((0.9 + 0.5) * 40), round((0.8 + 6) * 40))
 
 
 def _svg(path) -> ET.Element:

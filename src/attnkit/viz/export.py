@@ -64,7 +64,7 @@ def save_grid(
 ) -> Path:
     """Save every layer (rows) x head (columns) as a small heatmap; return the path.
 
-    The figure is ``(0.8 + heads * cell)`` x ``(0.9 + layers * cell)`` inches at ``dpi``.
+    The figure is ``max(4, 0.8 + heads * cell)`` x ``(0.9 + layers * cell)`` inches at ``dpi``.
     ``scale="head"`` colours each head from 0 to its own largest weight, ``"absolute"`` from 0
     to 1 for all.
     """
@@ -72,7 +72,7 @@ def save_grid(
     path = Path(path)
     _format(path)
     layers, heads = record.num_layers, record.num_heads
-    width, height = 0.8 + heads * cell, 0.9 + layers * cell
+    width, height = max(4.0, 0.8 + heads * cell), 0.9 + layers * cell
     figure = Figure(figsize=(width, height), dpi=dpi)
     # Margins in inches, converted to figure fractions: room for the labels and the title.
     figure.subplots_adjust(left=0.7 / width, right=1 - 0.1 / width, bottom=0.1 / height,
@@ -84,7 +84,7 @@ def save_grid(
             weights = record.head(layer, head)
             ax = axes[layer][head]
             ax.imshow(_pooled(weights, pixels).numpy(), cmap=_CMAP, vmin=0, vmax=_vmax(weights, scale),
-                      interpolation="nearest", aspect="auto")
+                      interpolation="nearest", aspect="equal")
             ax.set_xticks([])
             ax.set_yticks([])
             if layer == 0:
@@ -92,7 +92,7 @@ def save_grid(
             if head == 0:
                 ax.set_ylabel(record.layer_names[layer], fontsize=8)
     colours = "0 to each head's largest weight" if scale == "head" else "0 to 1"
-    figure.suptitle(f"{_short(record.text)}\n{record.model + ', ' if record.model else ''}colours: {colours}",
+    figure.suptitle(f"{_short(record.text, width)}\n{record.model + ', ' if record.model else ''}colours: {colours}",
                     fontsize=9, y=1 - 0.1 / height, va="top")
     return _save(figure, path)
 
@@ -141,9 +141,11 @@ def save_head(
                         color="white" if value > 0.6 * vmax else "black")
     figure.colorbar(image, ax=ax, shrink=0.8, label="weight")
     model = f"{record.model}, " if record.model else ""
-    ax.set_title(f"{_short(record.text)}\n{model}{record.layer_names[layer]}, head {head}", fontsize=10)
+    ax.set_title(f"{_short(record.text, size[0])}\n{model}{record.layer_names[layer]}, head {head}", fontsize=10)
     return _save(figure, path)
 
 
-def _short(text: str, limit: int = 90) -> str:
+def _short(text: str, width_inches: float) -> str:
+    """The text cut to what fits on one line of a title that wide (~12 characters an inch)."""
+    limit = max(10, int(width_inches * 12))
     return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -40,7 +40,9 @@ class Sentence {
   load() {
     if (this.weights) return this;
     const start = performance.now();
-    const bytes = decodeBase64(document.getElementById(this.meta.data).textContent);
+    const block = document.getElementById(this.meta.data);
+    const bytes = decodeBase64(block.textContent);
+    block.remove();  // the decoded copy is kept; the text would only hold memory
     this.weights = this.meta.dtype === "float16"
       ? float16ToFloat32(new Uint16Array(bytes.buffer, bytes.byteOffset, bytes.byteLength / 2))
       : new Float32Array(bytes.buffer, bytes.byteOffset, bytes.byteLength / 4);
