@@ -45,6 +45,8 @@ function selectSentence(index) {
   state.head = Math.min(state.head, s.heads - 1);
   state.heads = new Set(Array.from({ length: s.heads }, (_, h) => h));
   state.hover = null;
+  state.topK = defaultTopK(s);
+  $("top-k").value = String(state.topK);
   options($("layer"), s.meta.layerNames, state.layer);
   options($("head"), Array.from({ length: s.heads }, (_, h) => `head ${h}`), state.head);
   buildHeadToggles($("head-toggles"), s.heads, state.heads, render);
@@ -121,5 +123,4 @@ options($("sentence"), sentences.map((s, i) => {
   return `${i + 1}. ${text}`;
 }), 0);
 $("min-weight").value = String(state.minWeight);
-$("top-k").value = String(state.topK);
 selectSentence(0);

@@ -4,6 +4,14 @@
 // among the topK of their query row (per head) are drawn, batched into one path per opacity level.
 
 const OPACITY_LEVELS = 20;
+// Without a GPU, Chromium rasterises ~100,000 lines a second: the default top-k keeps a head
+// view with every head shown to about this many lines (16 per query and head up to 156 tokens
+// x 12 heads, 5 at 512 tokens), so that a redraw takes about 0.3 s at most.
+const LINE_BUDGET = 30000;
+
+function defaultTopK(sentence) {
+  return Math.max(2, Math.min(16, Math.round(LINE_BUDGET / (sentence.T * sentence.heads))));
+}
 
 function sortedHeads(state) {
   return [...state.heads].sort((a, b) => a - b);
