@@ -98,10 +98,12 @@ $("head").addEventListener("change", (event) => { state.head = Number(event.targ
 $("scale").addEventListener("change", (event) => { state.scale = event.target.value; render(); });
 $("min-weight").addEventListener("change", (event) => {
   state.minWeight = Math.max(0, Number(event.target.value) || 0);
+  lineCache.clear();  // lines of the old settings will not be drawn again
   render();
 });
 $("top-k").addEventListener("change", (event) => {
   state.topK = Math.max(1, Math.floor(Number(event.target.value)) || 1);
+  lineCache.clear();
   render();
 });
 for (const button of document.querySelectorAll("nav button")) {
