@@ -7,19 +7,20 @@ BIN    := $(VENV)/bin
 # The CPU build of this exact release is served locally; any other spec pulls a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# numpy only silences torch's import-time warning; attnkit itself never imports it.
+# numpy silences torch's import-time warning; the core never imports it (the viz extra does,
+# with matplotlib for image exports, so `make demo` can write its report and images).
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet $(TORCH) numpy
-	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet $(TORCH) -e '.[viz]'
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
-	$(BIN)/pip install --quiet $(TORCH) -e '.[test]'
+	$(BIN)/pip install --quiet $(TORCH) -e '.[test,viz]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -27,7 +28,17 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/attnkit explain
 
-test: $(VENV)/.installed-test
+# The report's browser tests drive Debian's chromium through its chromedriver (no browser
+# download is possible here). Installed only where we are root; elsewhere those tests skip.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing Debian's chromium and chromium-driver for the browser tests"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+	  || echo "WARNING: chromium could not be installed: the browser tests will be skipped"; \
+	else echo "note: not root: chromium not installed, the browser tests will be skipped"; fi
+
+test: $(VENV)/.installed-test browser
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.installed

@@ -8,7 +8,7 @@ import torch
 
 import attnkit
 import seed002_printed
-from attnkit import _steps, toy
+from attnkit import toy, trace
 
 # --- seed 000: the worked scaled dot-product example (it divides by sqrt(4) for 3-d vectors) ---
 TEMP_K = torch.tensor([[10, 0, 0], [0, 10, 0], [0, 0, 10], [0, 0, 10]], dtype=torch.float32)
@@ -60,10 +60,9 @@ PRINTED = dict(atol=5e-5, rtol=0)  # the notebooks print 4 decimals
 
 def test_seed002_weightless_self_attention():
     inputs = toy.embeddings()
-    with _steps.recording() as steps:
-        context, weights = attnkit.attention(inputs, inputs, inputs, scale=1.0, return_weights=True,
-                                             backend="reference")  # the backend that reports its steps
-    scores = dict(steps)["scores"]
+    with trace.record() as recorded:
+        context, weights = attnkit.attention(inputs, inputs, inputs, scale=1.0, return_weights=True)
+    scores = recorded[0]["scores"]
     torch.testing.assert_close(scores[1], torch.tensor(SEED002_SCORES_ROW_2), **PRINTED)
     torch.testing.assert_close(weights, torch.tensor(SEED002_WEIGHTS), **PRINTED)
     torch.testing.assert_close(context, torch.tensor(SEED002_CONTEXT), **PRINTED)

@@ -1,4 +1,4 @@
-"""The ``attnkit`` command line."""
+"""The ``attnkit`` command line: ``explain`` walks through attention step by step."""
 
 from __future__ import annotations
 
@@ -6,15 +6,34 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog."
+
 
 def _explain(args: argparse.Namespace) -> int:
-    from .explain import render, toy_steps
+    from . import explain
 
-    print("Self-attention, step by step, on seed 002's sentence \"Your journey starts with one step\"")
-    if args.causal:
-        print("(causal: each token may attend only to itself and the tokens before it)")
+    if args.model == "toy":
+        if args.text is not None or args.layer or args.head:
+            raise SystemExit("attnkit explain: the toy model has one fixed sentence and one head; "
+                             "use --model minilm for your own text, --layer and --head")
+        print("Self-attention, step by step, on seed 002's sentence \"Your journey starts with one step\"")
+        if args.causal:
+            print("(causal: each token may attend only to itself and the tokens before it)")
+        steps = explain.toy_steps(causal=args.causal, scale=args.scale if args.scale is not None else 1.0)
+    else:
+        from . import models
+
+        encoder = models.load(args.model)
+        text = args.text if args.text is not None else DEFAULT_TEXT
+        print(f"Layer {args.layer}, head {args.head} of {encoder.name} on {text!r}")
+        if args.causal:
+            print("(causal: a mask the model was not trained with, applied in every layer to show the mechanism)")
+        try:
+            steps = explain.model_steps(encoder, text, layer=args.layer, head=args.head, causal=args.causal)
+        except ValueError as error:
+            raise SystemExit(f"attnkit explain: {error}") from None
     print()
-    print(render(toy_steps(causal=args.causal, scale=args.scale)))
+    print(explain.render(steps))
     return 0
 
 
@@ -22,9 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnkit", description="Attention mechanisms, exact and easy to look inside.")
     commands = parser.add_subparsers(dest="command", required=True)
     explain = commands.add_parser("explain", help="walk through attention step by step")
+    explain.add_argument("text", nargs="?", help=f"text to explain (with a real model; default {DEFAULT_TEXT!r})")
+    explain.add_argument("--model", default="toy",
+                         help="'toy' (seed 002's six tokens, default), 'minilm', or a model directory")
+    explain.add_argument("--layer", type=int, default=0, help="layer to show (real models)")
+    explain.add_argument("--head", type=int, default=0, help="head to show (real models)")
     explain.add_argument("--causal", action="store_true", help="mask future tokens and show the mask")
-    explain.add_argument("--scale", type=float, default=1.0,
-                         help="score scale (default 1, as in the seed's weightless example)")
+    explain.add_argument("--scale", type=float, default=None,
+                         help="score scale for the toy model (default 1, as in the seed's weightless example)")
     explain.set_defaults(run=_explain)
     return parser
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _backends
+from . import _backends, _steps
 from ._call import make_call
 
 
@@ -67,10 +67,17 @@ def attention(
         generator=generator, return_weights=return_weights,
     )
     chosen = _backends.resolve(backend, call)
-    if call.k_len == 0:
-        # No keys at all: every row is empty. The readable formula handles that shape directly.
+    if call.k_len == 0 or _steps.active():
+        # No keys at all (every row is empty), or a trace is listening: the readable formula
+        # handles the first directly and is the one backend that reports its steps.
         chosen = _backends.get_backend("reference")
-    output, weights = chosen.run(call)
+    if _steps.active():
+        with _steps.group(None):
+            for name, tensor in (("queries", call.query), ("keys", call.key), ("values", call.value)):
+                _steps.record(name, tensor)
+            output, weights = chosen.run(call)
+    else:
+        output, weights = chosen.run(call)
     if return_weights:
         assert weights is not None
         return output, weights

@@ -1,8 +1,9 @@
 """A step-by-step walkthrough of attention in the terminal.
 
-It runs :func:`attnkit.attention` with the readable reference backend while recording each
-named intermediate, then prints every step with its shape, its values and one line of what
-it means, and ends with a plain-language reading of the weights.
+It runs attention under :func:`attnkit.trace.record`, which keeps each named intermediate,
+then prints every step with its shape, its (trimmed) values and one line of what it means,
+and ends with a plain-language reading of the weights. Two sources: the toy example of
+seed 002 (six hand-written 3-d token vectors) and a real pretrained encoder (MiniLM).
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import _steps, masks, toy
+from . import masks, toy, trace
 from .core import attention
+
+MAX_ROWS, MAX_COLS = 12, 8
 
 
 @dataclass(frozen=True)
 class Step:
-    """One named intermediate of an attention call."""
+    """One named intermediate of an attention call, with labels for its rows and columns."""
 
     name: str
     tensor: Tensor
@@ -28,25 +31,42 @@ class Step:
     cols: Sequence[str] | None = None
 
 
-def _format_matrix(t: Tensor, rows: Sequence[str] | None, cols: Sequence[str] | None, decimals: int = 4) -> str:
+def _keep(n: int, limit: int) -> list[int | None]:
+    """Indices to show of ``n``: all if they fit, else the first ones, a gap (None), the last two."""
+    if n <= limit:
+        return list(range(n))
+    return [*range(limit - 3), None, n - 2, n - 1]
+
+
+def format_matrix(t: Tensor, rows: Sequence[str] | None = None, cols: Sequence[str] | None = None,
+                  decimals: int = 4) -> str:
+    """A 1-D or 2-D tensor as aligned text with row/column labels, trimmed to fit a terminal."""
     t = t.detach().cpu()
     if t.dim() == 1:
-        t = t[None]
-        rows = None
-    if t.dtype == torch.bool:
-        cells = [["True" if v else "." for v in row] for row in t.tolist()]
-    else:
-        cells = [[f"{v:.{decimals}f}" for v in row] for row in t.tolist()]
-    width = max(len(c) for row in cells for c in row)
-    if cols is not None:
-        width = max(width, *(len(c) for c in cols))
-    label_width = max((len(r) for r in rows), default=0) if rows else 0
+        t, rows = t[None], None
+    row_ids, col_ids = _keep(t.shape[0], MAX_ROWS), _keep(t.shape[1], MAX_COLS)
+
+    def cell(i: int | None, j: int | None) -> str:
+        if i is None or j is None:
+            return "..."
+        value = t[i, j].item()
+        if t.dtype == torch.bool:
+            return "True" if value else "."
+        return f"{value:.{decimals}f}"
+
+    table = [[cell(i, j) for j in col_ids] for i in row_ids]
+    col_labels = [cols[j] if j is not None else "..." for j in col_ids] if cols is not None else None
+    width = max(len(c) for line in table for c in line)
+    if col_labels:
+        width = max(width, *(len(c) for c in col_labels))
+    row_labels = [rows[i] if i is not None else "..." for i in row_ids] if rows else None
+    label_width = max(len(r) for r in row_labels) if row_labels else 0
     lines = []
-    if cols is not None:
-        lines.append(" " * (label_width + 2) + " ".join(c.rjust(width) for c in cols))
-    for i, row in enumerate(cells):
-        label = rows[i].ljust(label_width) + "  " if rows else ""
-        lines.append(label + " ".join(c.rjust(width) for c in row))
+    if col_labels:
+        lines.append(" " * (label_width + 2) + " ".join(c.rjust(width) for c in col_labels))
+    for r, line in enumerate(table):
+        label = row_labels[r].ljust(label_width) + "  " if row_labels else ""
+        lines.append(label + " ".join(c.rjust(width) for c in line))
     return "\n".join(lines)
 
 
@@ -54,17 +74,15 @@ def toy_steps(*, causal: bool = False, scale: float = 1.0) -> list[Step]:
     """Seed 002's weightless self-attention: the embeddings are queries, keys and values at once."""
     tokens = toy.TOKENS
     inputs = toy.embeddings()
-    with _steps.recording() as recorded:
-        attention(inputs, inputs, inputs, causal=causal, scale=scale, return_weights=True, backend="reference")
-    found = dict(recorded)
-
+    with trace.record() as recorded:
+        attention(inputs, inputs, inputs, causal=causal, scale=scale)
+    found = recorded[0].steps
+    scale_note = ("scale = 1: the seed's weightless example does not divide by sqrt(d)" if scale == 1.0
+                  else f"scale = {scale:g} keeps the softmax from saturating")
     steps = [
         Step("inputs", inputs, "one embedding per token; here they serve as queries, keys and values", tokens),
         Step("scores", found["scores"], "query . key for every pair: how similar two tokens are", tokens, tokens),
-        Step("scaled_scores", found["scaled_scores"],
-             f"scores x scale (scale = {scale:g}; the seed's weightless example does not divide by sqrt(d))"
-             if scale == 1.0 else f"scores x scale (scale = {scale:g}) keeps the softmax from saturating",
-             tokens, tokens),
+        Step("scaled_scores", found["scaled_scores"], f"scores x scale ({scale_note})", tokens, tokens),
     ]
     if causal:
         steps.append(Step("mask", masks.causal_mask(len(tokens)),
@@ -76,6 +94,41 @@ def toy_steps(*, causal: bool = False, scale: float = 1.0) -> list[Step]:
                       tokens, tokens))
     steps.append(Step("context", found["output"],
                       "weights @ values: each token's attention-weighted average of the value vectors", tokens))
+    return steps
+
+
+def model_steps(encoder, text: str, *, layer: int = 0, head: int = 0, causal: bool = False) -> list[Step]:
+    """One head of one layer of a real encoder (see :func:`attnkit.models.load`) on ``text``."""
+    config = encoder.model.config
+    if not 0 <= layer < config.num_hidden_layers:
+        raise ValueError(f"layer must be in [0, {config.num_hidden_layers - 1}] for this model, got {layer}")
+    if not 0 <= head < config.num_attention_heads:
+        raise ValueError(f"head must be in [0, {config.num_attention_heads - 1}] for this model, got {head}")
+    with trace.record() as recorded:
+        out = encoder.encode(text, causal=causal)
+    tokens = out.tokens[0]
+    call = recorded.layers[layer]
+    d = call["queries"].shape[-1]
+    first = lambda name: call.head(name, head)[0]  # noqa: E731  (batch of one text)
+    steps = [
+        Step("inputs", call["inputs"][0], f"the hidden states entering layer {layer}: one vector per token", tokens),
+        Step("queries", first("queries"), f"inputs @ W_q, head {head}'s slice: what each token looks for", tokens),
+        Step("keys", first("keys"), "inputs @ W_k: what each token offers to be found by", tokens),
+        Step("values", first("values"), "inputs @ W_v: what each token passes on when attended", tokens),
+        Step("scores", first("scores"), "query . key for every pair of tokens", tokens, tokens),
+        Step("scaled_scores", first("scaled_scores"), f"scores / sqrt({d}): keeps the softmax from saturating",
+             tokens, tokens),
+    ]
+    if "masked_scores" in call.steps:
+        steps.append(Step("masked_scores", first("masked_scores"),
+                          "-inf where a token may not attend (padding or the causal mask)", tokens, tokens))
+    steps += [
+        Step("weights", first("weights"), "softmax of each row: how much each token attends to each other",
+             tokens, tokens),
+        Step("heads", first("output"), f"weights @ values: head {head}'s context vector for each token", tokens),
+        Step("concatenated", call["concatenated"][0], "all heads' context vectors side by side", tokens),
+        Step("projected", call["projected"][0], "concatenated @ W_o: the attention layer's output", tokens),
+    ]
     return steps
 
 
@@ -93,10 +146,9 @@ def render(steps: Sequence[Step]) -> str:
     """The walkthrough as text: each step's name, shape, meaning and values."""
     out = []
     for number, step in enumerate(steps, start=1):
-        shape = list(step.tensor.shape)
-        out.append(f"Step {number}: {step.name} {shape}")
+        out.append(f"Step {number}: {step.name} {list(step.tensor.shape)}")
         out.append(f"  {step.meaning}")
-        body = _format_matrix(step.tensor, step.rows, step.cols)
+        body = format_matrix(step.tensor, step.rows, step.cols)
         out.append("\n".join("    " + line for line in body.splitlines()))
         out.append("")
     weights = next(s for s in steps if s.name == "weights")

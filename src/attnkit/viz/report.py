@@ -1,0 +1,102 @@
+"""One standalone HTML file showing the attention of one or many sentences.
+
+Everything is inline (style, script, data) and nothing refers to any URL, so the file works
+offline and opened straight from disk (file://). The page draws on <canvas>, so inputs of 512
+tokens stay responsive; the weights are embedded as base64 bytes (see :mod:`.encode`).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Iterable
+from importlib import resources
+from pathlib import Path
+
+from .encode import Precision, encode_weights
+from .progress import progress as _progress
+from .record import AttentionRecord
+
+DEFAULT_NAME = "attention.html"
+
+# Concatenated in this order into the page's one inline script (later files use earlier ones).
+_SCRIPTS = ("data.js", "colours.js", "canvas.js", "head_view.js", "model_view.js", "heatmap.js", "app.js")
+
+
+def _asset(name: str) -> str:
+    return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
+
+
+def _script_json(value: object) -> str:
+    # Inside <script>, only "</script" or "<!--" could end or confuse the block: escape every "<".
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")
+
+
+def render_report(
+    records: AttentionRecord | Iterable[AttentionRecord],
+    *,
+    title: str = "attnkit: attention report",
+    precision: Precision = "auto",
+    progress: bool | None = None,
+) -> str:
+    """The report's HTML text; see :func:`write_report`."""
+    records = [records] if isinstance(records, AttentionRecord) else list(records)
+    if not records:
+        raise ValueError("records: got none, expected at least one AttentionRecord")
+    metas, blocks = [], []
+    for i, record in enumerate(_progress(records, label="encoding attention", enabled=progress)):
+        if not isinstance(record, AttentionRecord):
+            raise TypeError(f"records: item {i} is a {type(record).__name__}, expected an AttentionRecord")
+        dtype, data = encode_weights(record.attentions, precision)
+        metas.append({
+            "text": record.text, "tokens": list(record.tokens), "model": record.model,
+            "layerNames": list(record.layer_names), "layers": record.num_layers,
+            "heads": record.num_heads, "dtype": dtype, "data": f"attnkit-data-{i}",
+        })
+        blocks.append(f'<script type="application/octet-stream" id="attnkit-data-{i}">{data}</script>')
+    script = "(() => {\n\"use strict\";\n" + "\n".join(_asset(name) for name in _SCRIPTS) + "\n})();"
+    page = _asset("report.html")
+    # Fill the small slots first and the data last, so no inserted text is scanned for slots.
+    for slot, text in (
+        ("{{TITLE}}", html.escape(title)),
+        ("{{STYLE}}", _asset("report.css")),
+        ("{{META}}", _script_json({"title": title, "records": metas})),
+        ("{{SCRIPT}}", script),
+    ):
+        page = page.replace(slot, text)
+    return page.replace("{{DATA}}", "\n".join(blocks))
+
+
+def write_report(
+    records: AttentionRecord | Iterable[AttentionRecord],
+    out: str | Path,
+    *,
+    title: str = "attnkit: attention report",
+    precision: Precision = "auto",
+    progress: bool | None = None,
+) -> Path:
+    """Write one standalone HTML report and return its path.
+
+    Args:
+        records: one :class:`AttentionRecord` per sentence (a sentence selector switches
+            between them).
+        out: a ``.html`` file path, or a directory (created if needed) that receives
+            ``attention.html``.
+        title: shown as the page's heading and title.
+        precision: how weights are stored: ``"float32"`` (exact), ``"float16"`` (half the
+            size, 3 significant digits) or ``"auto"`` (float32 unless a sentence has more than
+            ``encode.EXACT_LIMIT`` weights).
+        progress: draw a progress bar on stderr while encoding; ``None`` shows it for many
+            sentences (``progress.MANY`` or more).
+
+    The page has three views: the head view (lines from each query token to the keys it
+    attends, one colour per head, heads selectable, hover a token to isolate its lines), the
+    model view (every layer x head as a small heatmap, click one to enlarge it) and the exact
+    heatmap of one head (hover a cell for query, key and weight).
+    """
+    out = Path(out)
+    path = out if out.suffix.lower() in (".html", ".htm") else out / DEFAULT_NAME
+    page = render_report(records, title=title, precision=precision, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page, encoding="utf-8")
+    return path
