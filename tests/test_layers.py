@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attnkit
-from attnkit import _steps, masks
+from attnkit import masks, trace
 from attnkit.nn import HeadList, KVCache, MultiHeadAttention, SelfAttention, StackedHeads
 from oracle import oracle_attention
 
@@ -120,21 +120,26 @@ def test_multi_head_weights_and_mask_path_compiles():
                 torch.testing.assert_close(ours, expected)
 
 
-def test_intermediates_are_reported_with_their_names_and_shapes():
+def test_each_layer_call_is_one_traced_call_with_named_intermediates():
     layer = MultiHeadAttention(12, 4, num_kv_heads=2, vdim=5, value_head_dim=2)
-    query, memory = torch.randn(2, 3, 12), torch.randn(2, 7, 5)
-    key = torch.randn(2, 7, 12)
-    with _steps.recording() as steps:
+    query, key, memory = torch.randn(2, 3, 12), torch.randn(2, 7, 12), torch.randn(2, 7, 5)
+    with trace.record() as recorded:
         output = layer(query, key, memory)
-    recorded = {name: tuple(t.shape) for name, t in steps}
-    assert recorded == {
+    assert len(recorded) == 1 and recorded[0].module is layer and recorded[0].layer == 0
+    shapes = {name: tuple(t.shape) for name, t in recorded[0].steps.items()}
+    assert {name: shapes[name] for name in ("queries", "keys", "values", "heads", "concatenated", "projected")} == {
         "queries": (2, 4, 3, 3), "keys": (2, 2, 7, 3), "values": (2, 2, 7, 2),
         "heads": (2, 4, 3, 2), "concatenated": (2, 3, 8), "projected": (2, 3, 12),
     }
-    assert torch.equal(dict(steps)["projected"], output)
-    with _steps.recording() as steps:
-        StackedHeads(12, 3, 2)(query)
-    assert [name for name, _ in steps][-2:] == ["heads", "concatenated"]
+    assert shapes["weights"] == (2, 4, 3, 7)  # the core's steps land in the layer's call
+    torch.testing.assert_close(recorded[0]["projected"], output)
+
+    stacked, listed = StackedHeads(12, 3, 2), HeadList(12, 3, 2, out_dim=4)
+    with trace.record() as recorded:
+        stacked(query)
+        listed(query)
+    assert [call.module for call in recorded] == [stacked, *listed.heads]  # a list's heads are separate calls
+    assert recorded[0]["concatenated"].shape == (2, 3, 6) and recorded[0]["weights"].shape == (2, 2, 3, 3)
 
 
 def test_dropout_only_in_training():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .. import _steps
 from . import _checks
 from .self_attention import SelfAttention
 
@@ -22,7 +21,8 @@ class HeadList(nn.Module):
 
     Each head has its own projections; their outputs are concatenated along the features
     (``[B, L, num_heads * d_v]``) and, if ``out_dim`` is given, projected by ``out_proj``
-    (seed 000's ``linear``). This is the most literal form of multi-head attention;
+    (seed 000's ``linear``). This is the most literal form of multi-head attention (and in
+    :mod:`attnkit.trace` each head is a call of its own);
     :meth:`MultiHeadAttention.from_heads` turns it into the fused layer that computes the same.
 
     Args:
@@ -83,12 +83,9 @@ class HeadList(nn.Module):
         results = [head(x, context, mask=head_mask(mask, h), need_weights=need_weights)
                    for h, head in enumerate(self.heads)]
         outputs = [r[0] for r in results] if need_weights else results
-        concatenated = torch.cat(outputs, dim=-1)
-        _steps.record("concatenated", concatenated)
-        output = concatenated
+        output = torch.cat(outputs, dim=-1)
         if self.out_proj is not None:
-            output = self.out_proj(concatenated)
-            _steps.record("projected", output)
+            output = self.out_proj(output)
         if need_weights:
             return output, torch.stack([r[1] for r in results], dim=-3)
         return output

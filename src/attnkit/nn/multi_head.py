@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from .. import _steps
 from ..core import attention
 from . import _checks, convert, interop
+from ._traced import traced_call
 from .kv_cache import KVCache
 from .self_attention import SelfAttention
 
@@ -106,6 +107,7 @@ class MultiHeadAttention(nn.Module):
         self.out_proj: nn.Module = (nn.Linear(concatenated, self.out_dim, bias=bias, **factory)
                                     if output_projection else nn.Identity())
 
+    @traced_call
     def forward(
         self,
         query: Tensor,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .. import _steps
 from . import _checks
 from ._head_base import HeadLayer
+from ._traced import traced_call
 
 
 class SelfAttention(HeadLayer):
@@ -79,6 +79,7 @@ class SelfAttention(HeadLayer):
                 linear.weight.copy_(weight)
         return head
 
+    @traced_call
     def forward(
         self,
         x: Tensor,
@@ -102,7 +103,4 @@ class SelfAttention(HeadLayer):
         """
         context = _checks.inputs_with_context(x, context, self.d_in, self.d_context)
         queries, keys, values = self.q_proj(x), self.k_proj(context), self.v_proj(context)
-        _steps.record("queries", queries)
-        _steps.record("keys", keys)
-        _steps.record("values", values)
         return self.attend(queries, keys, values, mask, need_weights)

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from .. import _steps
 from . import _checks
 from ._head_base import HeadLayer
+from ._traced import traced_call
 
 
 class StackedHeads(HeadLayer):
@@ -56,6 +57,7 @@ class StackedHeads(HeadLayer):
             bound = 1.0 / math.sqrt(weight.shape[-1])
             nn.init.uniform_(weight, -bound, bound)
 
+    @traced_call
     def forward(
         self,
         x: Tensor,
@@ -81,9 +83,6 @@ class StackedHeads(HeadLayer):
         queries = x.unsqueeze(-3) @ self.w_query.transpose(-1, -2)
         keys = context.unsqueeze(-3) @ self.w_key.transpose(-1, -2)
         values = context.unsqueeze(-3) @ self.w_value.transpose(-1, -2)
-        _steps.record("queries", queries)
-        _steps.record("keys", keys)
-        _steps.record("values", values)
         result = self.attend(queries, keys, values, mask, need_weights)
         heads = result[0] if need_weights else result
         _steps.record("heads", heads)
