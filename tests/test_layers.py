@@ -127,8 +127,9 @@ def test_each_layer_call_is_one_traced_call_with_named_intermediates():
         output = layer(query, key, memory)
     assert len(recorded) == 1 and recorded[0].module is layer and recorded[0].layer == 0
     shapes = {name: tuple(t.shape) for name, t in recorded[0].steps.items()}
-    assert {name: shapes[name] for name in ("queries", "keys", "values", "heads", "concatenated", "projected")} == {
-        "queries": (2, 4, 3, 3), "keys": (2, 2, 7, 3), "values": (2, 2, 7, 2),
+    names = ("inputs", "queries", "keys", "values", "heads", "concatenated", "projected")
+    assert {name: shapes[name] for name in names} == {
+        "inputs": (2, 3, 12), "queries": (2, 4, 3, 3), "keys": (2, 2, 7, 3), "values": (2, 2, 7, 2),
         "heads": (2, 4, 3, 2), "concatenated": (2, 3, 8), "projected": (2, 3, 12),
     }
     assert shapes["weights"] == (2, 4, 3, 7)  # the core's steps land in the layer's call

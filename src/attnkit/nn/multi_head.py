@@ -149,6 +149,7 @@ class MultiHeadAttention(nn.Module):
         if cache is not None and key is not query:
             raise ValueError("a KVCache serves self-attention decoding: call forward(query, cache=cache) without key")
 
+        _steps.record("inputs", query)
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
