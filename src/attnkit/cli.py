@@ -1,4 +1,5 @@
-"""The ``attnkit`` command line: ``explain`` walks through attention step by step."""
+"""The ``attnkit`` command line: ``explain`` walks through attention step by step, ``show``
+writes a report of a real model's attention."""
 
 from __future__ import annotations
 
@@ -37,6 +38,22 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show(args: argparse.Namespace) -> int:
+    from .show import show
+
+    try:
+        result = show(args.text, model=args.model, out=args.out, layer=args.layer, head=args.head,
+                      images=not args.no_images)
+    except ValueError as error:
+        raise SystemExit(f"attnkit show: {error}") from None
+    print("\n".join(result.summary))
+    print()
+    print("wrote:")
+    for path in result.paths:
+        print(f"  {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnkit", description="Attention mechanisms, exact and easy to look inside.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--scale", type=float, default=None,
                          help="score scale for the toy model (default 1, as in the seed's weightless example)")
     explain.set_defaults(run=_explain)
+
+    show = commands.add_parser("show", help="write a standalone HTML report and images of a model's attention")
+    show.add_argument("text", nargs="*", help="texts to show (default: a built-in sentence)")
+    show.add_argument("--model", default="minilm", help="'minilm' (default), a model directory, or 'toy'")
+    show.add_argument("--out", default="attnkit-report", help="output directory (default: attnkit-report)")
+    show.add_argument("--layer", type=int, default=0, help="layer of the single-head images")
+    show.add_argument("--head", type=int, default=0, help="head of the single-head images")
+    show.add_argument("--no-images", action="store_true", help="write only the HTML report")
+    show.set_defaults(run=_show)
     return parser
 
 

@@ -1,0 +1,169 @@
+"""A BERT-family encoder built from attnkit's layers.
+
+Embeddings (word + position + token type, LayerNorm), then N blocks of
+``x = LayerNorm(x + MultiHeadAttention(x))`` and ``x = LayerNorm(x + FFN(x))``: the post-norm
+layout of BERT and MiniLM. Every attention call goes through
+:class:`attnkit.nn.MultiHeadAttention`, hence through :func:`attnkit.attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..nn import MultiHeadAttention
+
+# Hugging Face's names for the activations we support: "gelu" is the exact (erf) GELU.
+_ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The subset of a Hugging Face ``config.json`` that a BERT encoder needs."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    pad_token_id: int = 0
+
+    @classmethod
+    def from_dict(cls, raw: dict, *, source: str = "config") -> "BertConfig":
+        """Build from a parsed ``config.json``; missing keys or unsupported settings are clear errors."""
+        model_type = raw.get("model_type", "bert")
+        if model_type != "bert":
+            raise ValueError(f"{source}: model_type is {model_type!r}; attnkit loads BERT-family encoders ('bert')")
+        position_type = raw.get("position_embedding_type", "absolute")
+        if position_type != "absolute":
+            raise ValueError(f"{source}: position_embedding_type {position_type!r} is not supported (only 'absolute')")
+        all_fields = dataclasses.fields(cls)
+        missing = [f.name for f in all_fields if f.name not in raw and f.default is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"{source}: missing required key(s) {missing}")
+        config = cls(**{f.name: raw[f.name] for f in all_fields if f.name in raw})
+        if config.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"{source}: hidden_act {config.hidden_act!r} is not supported; "
+                             f"expected one of {sorted(_ACTIVATIONS)}")
+        if config.hidden_size % config.num_attention_heads:
+            raise ValueError(f"{source}: hidden_size {config.hidden_size} is not divisible by "
+                             f"num_attention_heads {config.num_attention_heads}")
+        return config
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "BertConfig":
+        try:
+            raw = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON ({error})") from None
+        return cls.from_dict(raw, source=str(path))
+
+
+class BertEmbeddings(nn.Module):
+    """Token ids -> vectors: word + absolute position + token type, then LayerNorm."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.word = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        """``input_ids [B, T]`` -> ``[B, T, E]``. Token type 0 is added when none is given, as
+        the checkpoint was trained with it (leaving it out shifts every vector)."""
+        if input_ids.shape[1] > self.position.num_embeddings:
+            raise ValueError(f"input_ids has {input_ids.shape[1]} tokens; this model has "
+                             f"{self.position.num_embeddings} positions")
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        x = self.word(input_ids) + self.position(positions) + self.token_type(token_type_ids)
+        return self.dropout(self.norm(x))
+
+
+class BertLayer(nn.Module):
+    """Post-norm transformer block: attention and feed-forward, each with residual + LayerNorm."""
+
+    def __init__(self, config: BertConfig, *, backend: str = "auto") -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.attention = MultiHeadAttention(hidden, config.num_attention_heads,
+                                            dropout=config.attention_probs_dropout_prob, backend=backend)
+        self.attention_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.intermediate = nn.Linear(hidden, config.intermediate_size)
+        self.output = nn.Linear(config.intermediate_size, hidden)
+        self.output_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.gelu_approximate = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: Tensor, mask: Tensor | None, *, need_weights: bool = False,
+                causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        """``x [B, T, E]``, ``mask`` broadcastable to ``[B, H, T, T]`` (True = may attend)."""
+        weights = None
+        if need_weights:
+            attended, weights = self.attention(x, mask=mask, causal=causal, need_weights=True)
+        else:
+            attended = self.attention(x, mask=mask, causal=causal)
+        x = self.attention_norm(x + self.dropout(attended))
+        hidden = F.gelu(self.intermediate(x), approximate=self.gelu_approximate)
+        x = self.output_norm(x + self.dropout(self.output(hidden)))
+        return x, weights
+
+
+class BertEncoder(nn.Module):
+    """Embeddings and a stack of :class:`BertLayer`; returns hidden states and, if asked, weights."""
+
+    def __init__(self, config: BertConfig, *, backend: str = "auto") -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.layers = nn.ModuleList(BertLayer(config, backend=backend) for _ in range(config.num_hidden_layers))
+
+    def set_backend(self, backend: str) -> None:
+        """Run every attention call of the model on ``backend`` (see :func:`attnkit.backends`)."""
+        for layer in self.layers:
+            layer.attention.backend = backend
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        *,
+        need_weights: bool = False,
+        causal: bool = False,
+    ) -> tuple[Tensor, tuple[Tensor, ...] | None]:
+        """``input_ids [B, T]``, ``attention_mask [B, T]`` (1/True on real tokens, 0 on padding).
+
+        ``causal`` adds a causal mask in every layer: BERT was trained without one, so this only
+        serves to show the mechanism on a real model.
+
+        Returns ``hidden_states [B, T, E]`` and, with ``need_weights``, one ``[B, H, T, T]``
+        weight tensor per layer (padded keys get exactly zero weight).
+        """
+        key_mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask must match input_ids {tuple(input_ids.shape)}, "
+                                 f"got {tuple(attention_mask.shape)}")
+            key_mask = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]: True = real key
+        x = self.embeddings(input_ids, token_type_ids)
+        all_weights = []
+        for layer in self.layers:
+            x, weights = layer(x, key_mask, need_weights=need_weights, causal=causal)
+            all_weights.append(weights)
+        return x, (tuple(all_weights) if need_weights else None)

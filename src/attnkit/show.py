@@ -1,0 +1,101 @@
+"""``attnkit show``: run texts through a model and write the report, images and a summary."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import toy
+from .core import attention
+
+DEFAULT_TEXTS = ("The quick brown fox jumps over the lazy dog.",)
+
+
+@dataclass
+class ShowResult:
+    """What :func:`show` wrote and found."""
+
+    paths: list[Path]
+    summary: list[str]
+
+
+def toy_record():
+    """Seed 002's six tokens as a one-layer, one-head record (weightless self-attention)."""
+    from .viz import AttentionRecord
+
+    inputs = toy.embeddings()
+    _, weights = attention(inputs, inputs, inputs, scale=1.0, return_weights=True)
+    return AttentionRecord(" ".join(toy.TOKENS), toy.TOKENS, weights[None, None], model="toy")
+
+
+def model_records(texts: Sequence[str], model: str = "minilm", *, batch_size: int = 16):
+    """One :class:`~attnkit.viz.AttentionRecord` per text, from every layer's weights."""
+    from . import models
+    from .viz import progress, records_from_batch
+
+    encoder = models.load(model)
+    records = []
+    batches = range(0, len(texts), batch_size)
+    for start in progress(batches, label=f"encoding {len(texts)} texts", enabled=len(texts) > batch_size or None):
+        chunk = list(texts[start : start + batch_size])
+        out = encoder.encode(chunk, need_weights=True)
+        records += records_from_batch(chunk, out.tokens, out.attentions, model=encoder.name)
+    return records
+
+
+def _is_special(token: str) -> bool:
+    return token.startswith("[") and token.endswith("]")
+
+
+def most_attended(record, layer: int) -> list[tuple[str, float]]:
+    """For each head of ``layer``: the word token that receives the most attention, and the
+    average weight a query gives it. Special tokens ([CLS], [SEP]) are left out: BERT heads
+    park most of their weight there, which says little about the sentence."""
+    received = record.attentions[layer].mean(dim=1)  # [heads, T]: average weight each key receives
+    words = [i for i, t in enumerate(record.tokens) if not _is_special(t)] or list(range(record.num_tokens))
+    result = []
+    for head in received:
+        best = max(words, key=lambda i: float(head[i]))
+        result.append((record.tokens[best], float(head[best])))
+    return result
+
+
+def summarise(record) -> list[str]:
+    """Per layer, the most-attended word token of each head, and the share taken by special tokens."""
+    special = [i for i, t in enumerate(record.tokens) if _is_special(t)]
+    lines = [f"{record.text!r} ({record.num_tokens} tokens): most-attended word of each head"]
+    for layer in range(record.num_layers):
+        heads = "  ".join(f"{token}({weight:.2f})" for token, weight in most_attended(record, layer))
+        line = f"  layer {layer}: {heads}"
+        if special:
+            share = float(record.attentions[layer][..., special].sum(-1).mean())
+            line += f"   [special tokens take {share:.0%}]"
+        lines.append(line)
+    return lines
+
+
+def show(texts: Sequence[str] | None, *, model: str = "minilm", out: str | Path = "attnkit-report",
+         layer: int = 0, head: int = 0, images: bool = True) -> ShowResult:
+    """Write ``out/attention.html`` (every text) and, with ``images``, PNG and SVG images of the
+    first text's layer x head grid and of one head."""
+    from .viz import save_grid, save_head, write_report
+
+    out = Path(out)
+    if model == "toy":
+        if texts:
+            raise ValueError("the toy model has one fixed sentence; use --model minilm for your own texts")
+        records = [toy_record()]
+    else:
+        records = model_records(list(texts or DEFAULT_TEXTS), model)
+    first = records[0]
+    first.head(layer, head)  # a clear error for an out-of-range layer or head, before writing
+    paths = [write_report(records, out, title=f"attnkit: {first.model} attention")]
+    if images:
+        for suffix in ("png", "svg"):
+            paths.append(save_grid(first, out / f"grid.{suffix}"))
+            paths.append(save_head(first, layer, head, out / f"layer{layer}-head{head}.{suffix}"))
+    summary = [line for record in records[:3] for line in summarise(record)]
+    if len(records) > 3:
+        summary.append(f"... and {len(records) - 3} more texts in the report")
+    return ShowResult(paths, summary)
