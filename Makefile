@@ -29,7 +29,7 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(BIN)/attnkit explain
+	$(BIN)/attnkit show --out out/demo
 
 # The report's browser tests drive Debian's chromium through its chromedriver (no browser
 # download is possible here). Installed only where we are root; elsewhere those tests skip.
