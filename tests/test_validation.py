@@ -72,4 +72,4 @@ def test_float_mask_in_another_dtype_is_used_as_an_additive_bias():
 
 
 def test_backends_are_listed():
-    assert attnkit.backends() == ("auto", "reference", "torch")
+    assert attnkit.backends() == ("auto", "reference", "torch", "tiled")

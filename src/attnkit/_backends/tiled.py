@@ -1,0 +1,465 @@
+"""The ``"tiled"`` backend: block-sparse attention that skips masked blocks, exactly.
+
+For each block of ``BLOCK_SIZE`` queries, the mask's rows tell which keys the block may attend
+(:func:`attnkit.masks.plan_blocks`): a range attended by every row runs through the fused
+kernel with no mask at all, the partly attended edges get a small dense mask, everything else
+is never touched. Consecutive blocks whose ranges have the same length, the same mask pattern
+and evenly spaced starts (the interior of a sliding window, the blocks inside one document)
+become **one** kernel call over strided views, so a 16k-token window costs a handful of calls.
+Partial results of a row are merged with their log-sum-exp::
+
+    lse = log(sum_p exp(lse_p))          output = sum_p exp(lse_p - lse) * output_p
+
+Training keeps O(L) memory: the forward saves only query, key, value, output and lse; the
+backward recomputes each call (FlashAttention's split-key backward, :mod:`.kernels`).
+
+Conventions: ``lse[..., i]`` is the natural-log sum of ``exp(scale * q.k + bias)`` over the keys
+row ``i`` may attend, before dropout (float32 for half-precision inputs), and ``-inf`` for a row
+with no key, whose output is zeros. Dropout (with ``generator``) is drawn per kernel call from
+seeds taken from the generator once per call, so the same generator state gives the same result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from .._call import AttentionCall
+from ..masks import KeyRange, StructuredMask, causal, plan_blocks
+from . import kernels
+
+#: The plain-ops kernel (dropout, other devices) materialises the scores of a kernel call; groups
+#: are cut so that one call holds at most this many scores.
+MATH_SCORES = 1 << 23
+
+#: Queries per block. Small blocks waste little of a window on its masked corners; the fused
+#: kernel still sees large problems because runs of similar blocks are batched into one call
+#: (measured with benchmarks/masks.py).
+BLOCK_SIZE = 64
+
+#: A block whose key ranges span at most this many keys runs them as one range with a dense mask
+#: over the span, rather than one unmasked range plus masked edges: below it, the extra calls and
+#: merges cost more than masking the whole span.
+MERGE_SPAN = 1024
+
+
+@contextmanager
+def block_size(size: int) -> Iterator[None]:
+    """Run the tiled backend with ``size`` queries per block inside the ``with`` (tests use tiny
+    blocks to exercise many of them cheaply)."""
+    global BLOCK_SIZE
+    if size < 1:
+        raise ValueError(f"block size must be >= 1, got {size}")
+    saved, BLOCK_SIZE = BLOCK_SIZE, size
+    try:
+        yield
+    finally:
+        BLOCK_SIZE = saved
+
+
+# -- planning ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One kernel call: ``count`` consecutive blocks of ``rows`` queries from ``q0``, of sequences
+    ``batch``; block ``i`` attends keys ``key_start + i * key_step + [0, length)``, either all of
+    them (``full``) or with the mask pattern shared by the blocks."""
+
+    batch: slice
+    q0: int
+    rows: int
+    count: int
+    key_start: int
+    key_step: int
+    length: int
+    full: bool
+    seed: int = 0
+
+    @property
+    def q1(self) -> int:
+        return self.q0 + self.count * self.rows
+
+
+def _structure(call: AttentionCall) -> StructuredMask | None:
+    if call.causal:
+        return causal() if call.structure is None else call.structure & causal()
+    return call.structure
+
+
+def _row_bounds(call: AttentionCall) -> tuple[Tensor, Tensor]:
+    """``lo, hi`` of every query row, ``[S, Lq]`` with S = 1 or one row per sequence."""
+    structure = _structure(call)
+    if structure is None:
+        lo = torch.zeros(1, call.q_len, dtype=torch.int64)
+        return lo, torch.full_like(lo, call.k_len)
+    lo, hi = structure.row_bounds(call.q_len, call.k_len)
+    return (lo[None], hi[None]) if lo.dim() == 1 else (lo, hi)
+
+
+def _batch(call: AttentionCall) -> int:
+    return call.query.shape[0] if call.query.dim() >= 3 else 1
+
+
+def block_ranges(lo: Tensor, hi: Tensor, size: int) -> list[list[KeyRange]]:
+    """Each block's key ranges, with short spans merged into one masked range (``MERGE_SPAN``)."""
+    blocks = plan_blocks(lo, hi, size)
+    for index, ranges in enumerate(blocks):
+        if len(ranges) > 1 and ranges[-1].stop - ranges[0].start <= MERGE_SPAN:
+            blocks[index] = [KeyRange(ranges[0].start, ranges[-1].stop, False)]
+    return blocks
+
+
+def plan(call: AttentionCall, size: int | None = None) -> list[_Group]:
+    """Every kernel call the tiled backend makes for ``call``, in order.
+
+    Ranges of consecutive full-size blocks join one group when they have the same length,
+    fullness and mask pattern (relative to their start) and their starts step evenly. A dense
+    tensor mask differs from block to block, so with one every range is its own group."""
+    size = size or BLOCK_SIZE
+    lo, hi = _row_bounds(call)
+    per_sequence = lo.shape[0] > 1
+    groups: list[_Group] = []
+    for s in range(lo.shape[0]):
+        batch = slice(s, s + 1) if per_sequence else slice(0, _batch(call))
+        blocks = block_ranges(lo[s], hi[s], size)
+        patterns = _patterns(lo[s], hi[s], blocks, size)
+        open_runs: dict[tuple, _Group] = {}
+        for index, ranges in enumerate(blocks):
+            q0 = index * size
+            rows = min(size, call.q_len - q0)
+            batchable = call.mask is None and rows == size
+            extended: dict[tuple, _Group] = {}
+            for r in ranges:
+                signature = (r.stop - r.start, r.full, patterns.get((index, r.start)))
+                run = open_runs.pop(signature, None)
+                if run is not None and batchable and run.q1 == q0 and (
+                        run.count == 1 or run.key_start + run.count * run.key_step == r.start):
+                    step = r.start - run.key_start if run.count == 1 else run.key_step
+                    extended[signature] = replace(run, count=run.count + 1, key_step=step)
+                    continue
+                if run is not None:
+                    groups.append(run)
+                new = _Group(batch, q0, rows, 1, r.start, 0, r.stop - r.start, r.full)
+                if batchable:
+                    extended[signature] = new
+                else:
+                    groups.append(new)
+            groups.extend(open_runs.values())
+            open_runs = extended
+        groups.extend(open_runs.values())
+    return groups
+
+
+def _patterns(lo: Tensor, hi: Tensor, blocks: list[list[KeyRange]], size: int) -> dict[tuple[int, int], tuple]:
+    """For each partial range of each full-size block, its rows' ``lo, hi`` relative to the
+    range's start (clipped to it): equal patterns mean equal masks. Computed in one tensor op."""
+    partial = [(index, r) for index, ranges in enumerate(blocks) for r in ranges
+               if not r.full and (index + 1) * size <= lo.shape[0]]
+    if not partial:
+        return {}
+    rows = torch.tensor([index * size for index, _ in partial])[:, None] + torch.arange(size)
+    starts = torch.tensor([r.start for _, r in partial])[:, None]
+    lengths = torch.tensor([r.stop - r.start for _, r in partial])[:, None]
+    relative = torch.cat([lo[rows] - starts, hi[rows] - starts], dim=1)
+    relative = torch.minimum(relative.clamp(min=0), lengths).tolist()
+    return {(index, r.start): tuple(row) for (index, r), row in zip(partial, relative)}
+
+
+def visited_fraction(call: AttentionCall) -> float:
+    """Share of the ``Lq x Lk`` (query, key) pairs, over the batch, that the tiled plan computes."""
+    area = sum(g.count * g.rows * g.length * (g.batch.stop - g.batch.start) for g in plan(call))
+    return area / max(1, call.q_len * call.k_len * _batch(call))
+
+
+# -- layout --------------------------------------------------------------------------------------
+
+
+def _as_4d(t: Tensor) -> Tensor:
+    """``[L, D]`` -> ``[1, 1, L, D]``, ``[N, L, D]`` -> ``[N, 1, L, D]``; 4-D unchanged (a view)."""
+    if t.dim() == 2:
+        return t[None, None]
+    if t.dim() == 3:
+        return t[:, None]
+    return t
+
+
+def _mask_as_4d(mask: Tensor, rank: int) -> Tensor:
+    """A mask broadcastable to ``[..., Lq, Lk]`` of a rank-``rank`` call, as ``[Bm, Hm, Lq, Lk]``."""
+    mask = mask.reshape((1,) * (rank - mask.dim()) + tuple(mask.shape))
+    return _as_4d(mask) if rank < 4 else mask
+
+
+def _group_heads(t: Tensor, group: int) -> Tensor:
+    """``[N, H, n, ...]`` -> ``[N, H / group, group * n, ...]``: query heads sharing a key/value
+    head become extra rows of that head (row ``g * n + i`` is head ``g``'s query ``i``), so GQA
+    never copies keys. A tensor with one head (shared by all heads) repeats its rows instead."""
+    if group == 1:
+        return t
+    n, h, rows = t.shape[:3]
+    if h == 1:
+        return t.repeat(1, 1, group, *([1] * (t.dim() - 3)))
+    return t.reshape(n, h // group, group * rows, *t.shape[3:])
+
+
+def _ungroup_heads(t: Tensor, group: int) -> Tensor:
+    """Inverse of :func:`_group_heads`."""
+    if group == 1:
+        return t
+    n, hkv, rows = t.shape[:3]
+    return t.reshape(n, hkv * group, rows // group, *t.shape[3:])
+
+
+def _blocks_of(t: Tensor, b: int, start: int, step: int, count: int, length: int) -> Tensor:
+    """A view ``[count, H, length, ...]`` of sequence ``b`` of ``t [B, H, L, ...]``: entry ``i``
+    holds positions ``start + i * step + [0, length)`` (overlapping or repeated when step < length)."""
+    size = (count, t.shape[1], length, *t.shape[3:])
+    strides = (step * t.stride(2), t.stride(1), t.stride(2), *t.stride()[3:])
+    return t.as_strided(size, strides, t.storage_offset() + b * t.stride(0) + start * t.stride(2))
+
+
+class _Problem:
+    """A call in the backend's layout: 4-D tensors, row bounds, the dense tensor mask if any."""
+
+    def __init__(self, call: AttentionCall, query: Tensor, key: Tensor, value: Tensor) -> None:
+        self.query, self.key, self.value = query, key, value
+        self.scale, self.dropout = call.scale, call.dropout
+        self.group = query.shape[1] // key.shape[1]
+        self.lo, self.hi = (t.to(query.device) for t in _row_bounds(call))
+        self.mask = None if call.mask is None else _mask_as_4d(call.mask, call.query.dim())
+        self.flash = kernels.flash_applies(query, value, call.dropout)
+
+    def queries(self, g: _Group, b: int, t: Tensor | None = None) -> Tensor:
+        """Rows of ``g`` from ``t`` (default: the query) for sequence ``b``, grouped by kv head."""
+        t = self.query if t is None else t
+        return _group_heads(_blocks_of(t, b, g.q0, g.rows, g.count, g.rows), self.group)
+
+    def keys(self, g: _Group, b: int, t: Tensor) -> Tensor:
+        return _blocks_of(t, b, g.key_start, g.key_step, g.count, g.length)
+
+    def bias(self, g: _Group, b: int) -> tuple[Tensor | None, Tensor | None]:
+        """The additive mask of ``g``'s first block (shared by all its blocks), query dtype,
+        grouped like the queries, or None when every pair is allowed; and which grouped rows
+        have at least one key (None when all do)."""
+        q0, q1, k0, k1 = g.q0, g.q0 + g.rows, g.key_start, g.key_start + g.length
+        allowed = None
+        if not g.full:
+            s = b if self.lo.shape[0] > 1 else 0
+            keys = torch.arange(k0, k1, device=self.query.device)
+            allowed = ((keys >= self.lo[s, q0:q1, None]) & (keys < self.hi[s, q0:q1, None]))[None, None]
+        bias = None
+        if self.mask is not None:
+            dense = self.mask[b if self.mask.shape[0] > 1 else 0, None, :, q0:q1, k0:k1]
+            if dense.dtype == torch.bool:
+                allowed = dense if allowed is None else dense & allowed
+            else:
+                bias = dense if allowed is None else dense.masked_fill(~allowed, float("-inf"))
+        if bias is None and allowed is None:
+            return None, None
+        if bias is None:
+            bias = torch.zeros(allowed.shape, dtype=self.query.dtype, device=self.query.device)
+            bias = bias.masked_fill_(~allowed, float("-inf"))
+        has_key = (bias != float("-inf")).any(-1, keepdim=True)
+        return _group_heads(bias, self.group), _group_heads(has_key, self.group)[..., 0]
+
+
+def _merge_into(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> None:
+    """Merge a partial result over more keys into ``out, lse`` in place (see the module docstring);
+    rows with no key on either side stay zeros with lse ``-inf``."""
+    merged = torch.logaddexp(lse, part_lse)
+    finite = torch.where(torch.isfinite(merged), merged, torch.zeros_like(merged))
+    out.mul_(torch.exp(lse - finite)[..., None]).add_(part * torch.exp(part_lse - finite)[..., None])
+    lse.copy_(merged)
+
+
+def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+# -- the autograd function (no weights: O(L) memory) ---------------------------------------------
+
+
+def _calls(problem: _Problem, groups: list[_Group], plain: bool) -> Iterator[tuple[_Group, int]]:
+    """Each kernel call as (group, sequence). For the ``plain``-ops kernel, groups are cut into
+    pieces of at most ``MATH_SCORES`` scores (same cut, and seeds, in forward and backward)."""
+    heads = problem.query.shape[1]
+    for g in groups:
+        if plain:
+            per_block = heads * g.rows * g.length
+            most = max(1, MATH_SCORES // max(per_block, 1))
+            for first in range(0, g.count, most):
+                count = min(most, g.count - first)
+                part = replace(g, q0=g.q0 + first * g.rows, count=count,
+                               key_start=g.key_start + first * g.key_step, seed=g.seed + first)
+                yield from ((part, b) for b in range(g.batch.start, g.batch.stop))
+            continue
+        yield from ((g, b) for b in range(g.batch.start, g.batch.stop))
+
+
+def _run_forward(problem: _Problem, groups: list[_Group]) -> tuple[Tensor, Tensor]:
+    query, key, value, group = problem.query, problem.key, problem.value, problem.group
+    work = _accumulator_dtype(query.dtype)
+    out = torch.zeros(*query.shape[:-1], value.shape[-1], dtype=work, device=query.device)
+    lse = torch.full(query.shape[:-1], float("-inf"), dtype=work, device=query.device)
+    written: set[tuple[int, int]] = set()  # (sequence, block start) already holding a partial result
+    for g, b in _calls(problem, groups, plain=not problem.flash):
+        bias, has_key = problem.bias(g, b)
+        rows, k, v = problem.queries(g, b), problem.keys(g, b, key), problem.keys(g, b, value)
+        if problem.flash:
+            part, part_lse = kernels.flash_forward(rows, k, v, bias, problem.scale)
+            if has_key is not None:
+                part_lse = part_lse.masked_fill(~has_key, float("-inf"))
+        else:
+            part, part_lse, _ = kernels.math_forward(rows, k, v, bias, problem.scale, problem.dropout,
+                                                     _seed(g, b))
+        out_view = _blocks_of(out, b, g.q0, g.rows, g.count, g.rows)
+        lse_view = _blocks_of(lse, b, g.q0, g.rows, g.count, g.rows)
+        part, part_lse = _ungroup_heads(part, group), _ungroup_heads(part_lse, group)
+        blocks = {(b, g.q0 + i * g.rows) for i in range(g.count)}
+        if blocks.isdisjoint(written):  # the first keys of these rows: nothing to merge with
+            out_view.copy_(part)
+            lse_view.copy_(part_lse)
+        else:
+            _merge_into(out_view, lse_view, part.to(work), part_lse.to(work))
+        written |= blocks
+    return out.to(query.dtype), lse
+
+
+def _seed(g: _Group, b: int) -> int:
+    """The dropout seed of one kernel call: the group's, offset by the sequence."""
+    return g.seed * 1_000_003 + b
+
+
+class _TiledAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, problem, groups):  # type: ignore[override]
+        problem.query, problem.key, problem.value = query, key, value
+        out, lse = _run_forward(problem, groups)
+        ctx.problem, ctx.groups = problem, groups
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out, lse  # both differentiable: later issues merge partial results through lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):  # type: ignore[override]
+        query, key, value, out, lse = ctx.saved_tensors
+        problem, groups = ctx.problem, ctx.groups
+        problem.query, problem.key, problem.value = query, key, value
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        use_flash = problem.flash and grad_lse is None
+        work = _accumulator_dtype(query.dtype)
+        grads = [torch.zeros(t.shape, dtype=work, device=t.device) for t in (query, key, value)]
+        for g, b in _calls(problem, groups, plain=not use_flash):
+            bias, _ = problem.bias(g, b)
+            rows, k, v = problem.queries(g, b), problem.keys(g, b, key), problem.keys(g, b, value)
+            d_out = problem.queries(g, b, grad_out)
+            o = problem.queries(g, b, out)
+            row_lse = problem.queries(g, b, lse[..., None])[..., 0]
+            if use_flash:
+                dq, dk, dv = kernels.flash_backward(d_out.contiguous(), rows, k, v, o, row_lse, bias, problem.scale)
+            else:
+                d_lse = None if grad_lse is None else problem.queries(g, b, grad_lse[..., None])[..., 0]
+                dq, dk, dv = kernels.math_backward(d_out, rows, k, v, o, row_lse, bias, problem.scale,
+                                                   problem.dropout, _seed(g, b), d_lse)
+            _blocks_of(grads[0], b, g.q0, g.rows, g.count, g.rows).add_(_ungroup_heads(dq, problem.group))
+            _add_to_keys(grads[1], b, g, dk)
+            _add_to_keys(grads[2], b, g, dv)
+        dq, dk, dv = (grad.to(t.dtype) for grad, t in zip(grads, (query, key, value)))
+        return dq, dk, dv, None, None
+
+
+def _add_to_keys(target: Tensor, b: int, g: _Group, grad: Tensor) -> None:
+    """Add the gradient of a group's key views ``[count, Hkv, length, D]`` to ``target[b]``;
+    the views may overlap (a sliding window), so overlapping positions accumulate."""
+    if g.count == 1 or g.key_step == 0:
+        target[b, :, g.key_start:g.key_start + g.length] += grad.sum(0)
+        return
+    starts = g.key_start + g.key_step * torch.arange(g.count, device=grad.device)
+    index = (starts[:, None] + torch.arange(g.length, device=grad.device)).flatten()
+    target[b].index_add_(1, index, grad.transpose(0, 1).reshape(grad.shape[1], -1, grad.shape[-1]))
+
+
+def _with_seeds(groups: list[_Group], call: AttentionCall) -> list[_Group]:
+    """Give every group its own dropout seeds, drawn from the call's generator (or the global
+    RNG) once per call; sequence ``b`` of a group uses ``seed + b``."""
+    if call.dropout == 0:
+        return groups
+    device = call.generator.device if call.generator is not None else torch.device("cpu")
+    seed = int(torch.randint(0, 2**40, (), generator=call.generator, device=device))
+    seeded = []
+    for g in groups:  # consecutive seeds, one per block, so that cut groups keep distinct ones
+        seeded.append(replace(g, seed=seed))
+        seed += g.count
+    return seeded
+
+
+# -- weights, block by block ---------------------------------------------------------------------
+
+
+def _with_weights(call: AttentionCall, problem: _Problem) -> tuple[Tensor, Tensor, Tensor]:
+    """Output, weights ``[B, H, Lq, Lk]`` and lse: each query block over the span of its key
+    ranges, in differentiable plain ops (the weights are ``Lq x Lk`` anyway, so plain autograd
+    is the right memory trade here)."""
+    query, group = problem.query, problem.group
+    value_dim, k_len = problem.value.shape[-1], call.k_len
+    work = _accumulator_dtype(query.dtype)
+    seed = _with_seeds([_Group(slice(0, 1), 0, 1, 1, 0, 0, 1, True)], call)[0].seed
+    outs, weights, lses = [], [], []
+    for b in range(query.shape[0]):
+        s = b if problem.lo.shape[0] > 1 else 0
+        out_rows, weight_rows, lse_rows = [], [], []
+        for index, ranges in enumerate(block_ranges(problem.lo[s].cpu(), problem.hi[s].cpu(), BLOCK_SIZE)):
+            q0 = index * BLOCK_SIZE
+            rows = min(BLOCK_SIZE, call.q_len - q0)
+            if not ranges:
+                out_rows.append(query.new_zeros(1, query.shape[1], rows, value_dim))
+                weight_rows.append(query.new_zeros(1, query.shape[1], rows, k_len))
+                lse_rows.append(torch.full((1, query.shape[1], rows), float("-inf"), dtype=work, device=query.device))
+                continue
+            span = _Group(slice(b, b + 1), q0, rows, 1, ranges[0].start, 0, ranges[-1].stop - ranges[0].start, False)
+            bias, _ = problem.bias(span, b)
+            output, lse, weight = kernels.math_forward(
+                problem.queries(span, b), problem.keys(span, b, problem.key), problem.keys(span, b, problem.value),
+                bias, problem.scale, problem.dropout, seed + b * call.q_len + q0)
+            out_rows.append(_ungroup_heads(output, group))
+            lse_rows.append(_ungroup_heads(lse, group).to(work))
+            weight = _ungroup_heads(weight, group)
+            weight_rows.append(torch.nn.functional.pad(weight, (span.key_start, k_len - span.key_start - span.length)))
+        outs.append(torch.cat(out_rows, dim=2))
+        weights.append(torch.cat(weight_rows, dim=2))
+        lses.append(torch.cat(lse_rows, dim=2))
+    return torch.cat(outs), torch.cat(weights), torch.cat(lses)
+
+
+# -- the backend ---------------------------------------------------------------------------------
+
+
+def tiled_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Run ``call`` block by block; returns ``(output, weights or None, lse)`` in the call's layout."""
+    query, key, value = (_as_4d(t) for t in (call.query, call.key, call.value))
+    problem = _Problem(call, query, key, value)
+    if call.return_weights:
+        out, weights, lse = _with_weights(call, problem)
+        weights = weights.reshape(call.scores_shape)
+    else:
+        out, lse = _TiledAttention.apply(query, key, value, problem, _with_seeds(plan(call), call))
+        weights = None
+    shape = call.query.shape[:-1]
+    return out.reshape(*shape, call.value.shape[-1]), weights, lse.reshape(shape)
+
+
+#: ``"auto"`` runs a structured mask tiled when the call has at least this many (query, key)
+#: pairs per sequence and head, and the plan computes at most ``AUTO_MAX_VISITED`` of them.
+AUTO_MIN_PAIRS = 1 << 20
+AUTO_MAX_VISITED = 0.5
+
+
+def profits(call: AttentionCall) -> bool:
+    """Whether ``"auto"`` should run ``call`` tiled rather than with the fused dense kernel."""
+    if call.q_len * call.k_len < AUTO_MIN_PAIRS:
+        return False
+    return visited_fraction(call) <= AUTO_MAX_VISITED
