@@ -48,17 +48,19 @@ MERGE_SPAN = 1024
 
 
 @contextmanager
-def block_size(size: int) -> Iterator[None]:
-    """Run the tiled backend with ``size`` queries per block inside the ``with`` (tests use tiny
-    blocks to exercise many of them cheaply)."""
-    global BLOCK_SIZE
-    if size < 1:
-        raise ValueError(f"block size must be >= 1, got {size}")
-    saved, BLOCK_SIZE = BLOCK_SIZE, size
+def tuning(*, block_size: int | None = None, merge_span: int | None = None) -> Iterator[None]:
+    """Run the tiled backend with other ``BLOCK_SIZE`` / ``MERGE_SPAN`` inside the ``with``
+    (tests use tiny blocks and no merging to exercise many blocks and partial merges cheaply)."""
+    global BLOCK_SIZE, MERGE_SPAN
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    saved = BLOCK_SIZE, MERGE_SPAN
+    BLOCK_SIZE = BLOCK_SIZE if block_size is None else block_size
+    MERGE_SPAN = MERGE_SPAN if merge_span is None else merge_span
     try:
         yield
     finally:
-        BLOCK_SIZE = saved
+        BLOCK_SIZE, MERGE_SPAN = saved
 
 
 # -- planning ------------------------------------------------------------------------------------
@@ -188,10 +190,12 @@ def _as_4d(t: Tensor) -> Tensor:
     return t
 
 
-def _mask_as_4d(mask: Tensor, rank: int) -> Tensor:
-    """A mask broadcastable to ``[..., Lq, Lk]`` of a rank-``rank`` call, as ``[Bm, Hm, Lq, Lk]``."""
-    mask = mask.reshape((1,) * (rank - mask.dim()) + tuple(mask.shape))
-    return _as_4d(mask) if rank < 4 else mask
+def _mask_as_4d(mask: Tensor, call: AttentionCall) -> Tensor:
+    """A mask broadcastable to the call's ``[..., Lq, Lk]`` as a view ``[Bm, Hm, Lq, Lk]``
+    (``Bm``, ``Hm`` are 1 where it broadcasts), so that blocks of rows and keys can be sliced."""
+    mask = mask.reshape((1,) * (call.query.dim() - mask.dim()) + tuple(mask.shape))
+    mask = _as_4d(mask) if call.query.dim() < 4 else mask
+    return mask.expand(*mask.shape[:2], call.q_len, call.k_len)
 
 
 def _group_heads(t: Tensor, group: int) -> Tensor:
@@ -230,7 +234,7 @@ class _Problem:
         self.scale, self.dropout = call.scale, call.dropout
         self.group = query.shape[1] // key.shape[1]
         self.lo, self.hi = (t.to(query.device) for t in _row_bounds(call))
-        self.mask = None if call.mask is None else _mask_as_4d(call.mask, call.query.dim())
+        self.mask = None if call.mask is None else _mask_as_4d(call.mask, call)
         self.flash = kernels.flash_applies(query, value, call.dropout)
 
     def queries(self, g: _Group, b: int, t: Tensor | None = None) -> Tensor:
@@ -341,6 +345,7 @@ class _TiledAttention(torch.autograd.Function):
         out, lse = _run_forward(problem, groups)
         ctx.problem, ctx.groups = problem, groups
         ctx.save_for_backward(query, key, value, out, lse)
+        ctx.set_materialize_grads(False)  # an unused lse gets no gradient: the fused backward applies
         return out, lse  # both differentiable: later issues merge partial results through lse
 
     @staticmethod
