@@ -181,6 +181,24 @@ def test_gradcheck_output_and_log_sum_exp(name):
     assert torch.autograd.gradcheck(lambda q, k, v: fn(q, k, v)[0], (q, k, v))  # fused backward when Dv == Dk
 
 
+@pytest.mark.parametrize("dv", [4, 3], ids=["fused kernel", "plain kernel"])
+def test_calls_cut_to_the_size_limits_stay_exact(monkeypatch, dv):
+    """Big groups are cut into several kernel calls (fewer blocks, or fewer rows of one block)."""
+    monkeypatch.setattr(tiled, "CALL_ROWS", 5)
+    monkeypatch.setattr(tiled, "CALL_SCORES", 40)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 23, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 23, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 23, dv, generator=g, dtype=torch.float64, requires_grad=True)
+    for mask in (masks.sliding_window(5), masks.document([11, 12])):
+        def fn(q, k, v):
+            with tiled.tuning(block_size=2, merge_span=0):
+                return attnkit.attention(q, k, v, mask=mask, backend="tiled")
+        expected, _ = oracle_attention(q, k, v, mask=mask.dense(23, 23))
+        torch.testing.assert_close(fn(q, k, v), expected)
+        assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dv", [16, 8], ids=["fused kernel", "plain kernel"])
 def test_rows_with_no_key_give_zeros_finite_gradients_and_minus_inf_lse(dtype, dv):

@@ -32,9 +32,11 @@ from .._call import AttentionCall
 from ..masks import KeyRange, StructuredMask, causal, plan_blocks
 from . import kernels
 
-#: The plain-ops kernel (dropout, other devices) materialises the scores of a kernel call; groups
-#: are cut so that one call holds at most this many scores.
-MATH_SCORES = 1 << 23
+#: Limits of one kernel call, so that its temporaries stay small next to the inputs: the
+#: plain-ops kernel (dropout, other devices) materialises its scores; the fused kernel returns a
+#: partial output of ``rows x heads x Dv`` (32k rows x heads: 8 MiB at Dv = 64 in fp32).
+CALL_SCORES = 1 << 23
+CALL_ROWS = 1 << 15
 
 #: Queries per block. Small blocks waste little of a window on its masked corners; the fused
 #: kernel still sees large problems because runs of similar blocks are batched into one call
@@ -154,7 +156,15 @@ def plan(call: AttentionCall, size: int | None = None) -> list[_Group]:
             groups.extend(open_runs.values())
             open_runs = extended
         groups.extend(open_runs.values())
-    return groups
+    return [_stacked(g) for g in groups]
+
+
+def _stacked(g: _Group) -> _Group:
+    """Blocks that all attend the same keys (the inside of a document, the rows past a padding
+    cut) run as one block of all their rows: one plain call, which the kernel runs best."""
+    if g.count > 1 and g.key_step == 0:
+        return replace(g, rows=g.rows * g.count, count=1)
+    return g
 
 
 def _patterns(lo: Tensor, hi: Tensor, blocks: list[list[KeyRange]], size: int) -> dict[tuple[int, int], tuple]:
@@ -288,28 +298,33 @@ def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _calls(problem: _Problem, groups: list[_Group], plain: bool) -> Iterator[tuple[_Group, int]]:
-    """Each kernel call as (group, sequence). For the ``plain``-ops kernel, groups are cut into
-    pieces of at most ``MATH_SCORES`` scores (same cut, and seeds, in forward and backward)."""
+    """Each kernel call as (group, sequence). Groups are cut so that one call holds at most
+    ``CALL_SCORES`` scores with the ``plain``-ops kernel (which materialises them) or
+    ``CALL_ROWS`` query rows (times heads) with the fused one (whose partial output is copied
+    into place): a batch of blocks into fewer blocks, one block into fewer rows. The cut, and so
+    the dropout seeds, are the same in forward and backward."""
     heads = problem.query.shape[1]
     for g in groups:
-        if plain:
-            per_block = heads * g.rows * g.length
-            most = max(1, MATH_SCORES // max(per_block, 1))
-            for first in range(0, g.count, most):
-                count = min(most, g.count - first)
-                part = replace(g, q0=g.q0 + first * g.rows, count=count,
-                               key_start=g.key_start + first * g.key_step, seed=g.seed + first)
-                yield from ((part, b) for b in range(g.batch.start, g.batch.stop))
-            continue
-        yield from ((g, b) for b in range(g.batch.start, g.batch.stop))
+        per_row = heads * (g.length if plain else 1)
+        most_rows = max(1, (CALL_SCORES if plain else CALL_ROWS) // max(per_row, 1))
+        if g.count == 1:
+            parts = [replace(g, q0=g.q0 + first, rows=min(most_rows, g.rows - first), seed=g.seed + i)
+                     for i, first in enumerate(range(0, g.rows, most_rows))]
+        else:
+            most = max(1, most_rows // g.rows)
+            parts = [replace(g, q0=g.q0 + first * g.rows, count=min(most, g.count - first),
+                             key_start=g.key_start + first * g.key_step, seed=g.seed + i)
+                     for i, first in enumerate(range(0, g.count, most))]
+        for part in parts:
+            yield from ((part, b) for b in range(g.batch.start, g.batch.stop))
 
 
 def _run_forward(problem: _Problem, groups: list[_Group]) -> tuple[Tensor, Tensor]:
     query, key, value, group = problem.query, problem.key, problem.value, problem.group
     work = _accumulator_dtype(query.dtype)
-    out = torch.zeros(*query.shape[:-1], value.shape[-1], dtype=work, device=query.device)
-    lse = torch.full(query.shape[:-1], float("-inf"), dtype=work, device=query.device)
-    written: set[tuple[int, int]] = set()  # (sequence, block start) already holding a partial result
+    out = torch.empty(*query.shape[:-1], value.shape[-1], dtype=work, device=query.device)
+    lse = torch.empty(query.shape[:-1], dtype=work, device=query.device)
+    covered = torch.zeros(query.shape[0], query.shape[2], dtype=torch.bool)  # rows holding a result
     for g, b in _calls(problem, groups, plain=not problem.flash):
         bias, has_key = problem.bias(g, b)
         rows, k, v = problem.queries(g, b), problem.keys(g, b, key), problem.keys(g, b, value)
@@ -323,13 +338,20 @@ def _run_forward(problem: _Problem, groups: list[_Group]) -> tuple[Tensor, Tenso
         out_view = _blocks_of(out, b, g.q0, g.rows, g.count, g.rows)
         lse_view = _blocks_of(lse, b, g.q0, g.rows, g.count, g.rows)
         part, part_lse = _ungroup_heads(part, group), _ungroup_heads(part_lse, group)
-        blocks = {(b, g.q0 + i * g.rows) for i in range(g.count)}
-        if blocks.isdisjoint(written):  # the first keys of these rows: nothing to merge with
+        seen = covered[b, g.q0:g.q1]
+        if not seen.any():  # the first keys of these rows: nothing to merge with
             out_view.copy_(part)
             lse_view.copy_(part_lse)
         else:
+            if not seen.all():  # some rows start here: give them "no key yet" before merging
+                fresh = ~seen.to(out.device)
+                out[b, :, g.q0:g.q1][:, fresh] = 0.0
+                lse[b, :, g.q0:g.q1][:, fresh] = float("-inf")
             _merge_into(out_view, lse_view, part.to(work), part_lse.to(work))
-        written |= blocks
+        covered[b, g.q0:g.q1] = True
+    if not covered.all():  # rows with no key at all: zeros, lse -inf
+        out.masked_fill_(~covered[:, None, :, None].to(out.device), 0.0)
+        lse.masked_fill_(~covered[:, None, :].to(lse.device), float("-inf"))
     return out.to(query.dtype), lse
 
 
@@ -394,12 +416,9 @@ def _with_seeds(groups: list[_Group], call: AttentionCall) -> list[_Group]:
     if call.dropout == 0:
         return groups
     device = call.generator.device if call.generator is not None else torch.device("cpu")
-    seed = int(torch.randint(0, 2**40, (), generator=call.generator, device=device))
-    seeded = []
-    for g in groups:  # consecutive seeds, one per block, so that cut groups keep distinct ones
-        seeded.append(replace(g, seed=seed))
-        seed += g.count
-    return seeded
+    base = int(torch.randint(0, 2**40, (), generator=call.generator, device=device))
+    # Group i owns seeds base + i * 2**20 + [0, 2**20): one per part after _calls cuts it.
+    return [replace(g, seed=base + i * 2**20) for i, g in enumerate(groups)]
 
 
 # -- weights, block by block ---------------------------------------------------------------------
