@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 import attnkit  # noqa: E402
 from attnkit import masks  # noqa: E402
-from attnkit._backends import tiled  # noqa: E402
+from attnkit._backends import choose, tiled  # noqa: E402
 from attnkit._call import make_call  # noqa: E402
 from common import describe_machine, median_times  # noqa: E402
 
@@ -267,8 +267,8 @@ def long_run(args: argparse.Namespace) -> None:
 def threshold_sweep(args: argparse.Namespace) -> None:
     """Tiled vs the fused dense path (what auto would run otherwise) for short lengths."""
     print(f"# tiled / torch-with-dense-mask time, B=1, H={HEADS}, D={HEAD_DIM}, fp32 ({describe_machine()})")
-    print("| L | mask | visited | tiled (ms) | torch (ms) | tiled / torch |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print("| L | mask | visited | tiled (ms) | torch (ms) | tiled / torch | auto runs |")
+    print("|---:|---|---:|---:|---:|---:|---|")
     for length in args.sweep:
         query, key, value = inputs(length)
         sweep = {
@@ -284,7 +284,8 @@ def threshold_sweep(args: argparse.Namespace) -> None:
             call = make_call(query, key, value, mask=mask, causal=False, scale=None, dropout=0.0,
                              generator=None, return_weights=False)
             print(f"| {length} | {name} | {tiled.visited_fraction(call):.2f} | {times['tiled'] * 1e3:.2f} "
-                  f"| {times['torch'] * 1e3:.2f} | {times['tiled'] / times['torch']:.2f} |", flush=True)
+                  f"| {times['torch'] * 1e3:.2f} | {times['tiled'] / times['torch']:.2f} | {choose(call).name} |",
+                  flush=True)
 
 
 def main() -> None:

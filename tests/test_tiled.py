@@ -316,6 +316,8 @@ def test_auto_runs_long_structured_masks_tiled_and_everything_else_fused():
     assert choose(_call(4096, masks.document([1024] * 4))).name == "tiled"
     assert choose(_call(128, masks.sliding_window(16))).name == "torch"  # too short to profit
     assert choose(_call(4096, masks.padding([4096]))).name == "torch"  # nothing to skip
+    assert choose(_call(4096, masks.causal() & masks.padding([3000]))).name == "tiled"
+    assert choose(_call(4096, masks.causal())).name == "torch"  # SDPA's own causal path is as fast
     assert choose(_call(4096, None)).name == "torch"
     assert choose(_call(16, None, return_lse=True)).name == "tiled"  # only tiled gives the lse
 

@@ -81,7 +81,7 @@ class AttentionCall:
         A plain ``causal()`` becomes ``causal=True``, which keeps fused kernels' causal fast path."""
         if self.structure is None:
             return self
-        if isinstance(self.structure, _masks.structured._Causal):
+        if self.structure.is_causal:
             return replace(self, structure=None, causal=True)
         dense = self.structure.dense(self.q_len, self.k_len, ndim=self.query.dim(), device=self.query.device)
         return replace(self, structure=None, mask=dense)

@@ -21,6 +21,7 @@ seeds taken from the generator once per call, so the same generator state gives 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -37,6 +38,9 @@ from . import kernels
 #: partial output of ``rows x heads x Dv`` (32k rows x heads: 8 MiB at Dv = 64 in fp32).
 CALL_SCORES = 1 << 23
 CALL_ROWS = 1 << 15
+
+#: Levels of coarser blocks above ``BLOCK_SIZE`` (each 4x the one below), see ``level_ranges``.
+LEVELS = 3
 
 #: Queries per block. Small blocks waste little of a window on its masked corners; the fused
 #: kernel still sees large problems because runs of similar blocks are batched into one call
@@ -118,45 +122,111 @@ def block_ranges(lo: Tensor, hi: Tensor, size: int) -> list[list[KeyRange]]:
     return blocks
 
 
+def _subtract(r: KeyRange, done: tuple[int, int] | None) -> list[KeyRange]:
+    """The parts of ``r`` outside the interval ``done`` (keys already computed for these rows)."""
+    if done is None or done[1] <= r.start or r.stop <= done[0]:
+        return [r]
+    parts = [KeyRange(r.start, done[0], r.full), KeyRange(done[1], r.stop, r.full)]
+    return [p for p in parts if p.start < p.stop]
+
+
+def level_ranges(lo: Tensor, hi: Tensor, size: int, levels: int) -> list[tuple[int, list[list[KeyRange]]]]:
+    """Key ranges per block at each level: ``(block size, ranges of each block)``, coarse to fine.
+
+    A coarse block (``size * 4**k`` rows) whose rows all start at the same key (causal,
+    prefix-LM, padding, inside a document: the fine blocks' ranges would grow from block to
+    block and could not be batched) runs the keys that all its rows attend, when they are at
+    least as many as its rows and not already run by its parent: one big kernel call that takes
+    most of a causal mask's work. The finest blocks (``size``) run everything else; a sliding
+    window, whose fine blocks batch into one call, stays entirely at that level."""
+    done: dict[int, tuple[int, int]] = {}  # block index at the previous level -> keys run for it
+    previous = 0
+    result = []
+    for level in range(levels, 0, -1):
+        coarse = size * 4**level
+        current: dict[int, tuple[int, int]] = {}
+        runs = []
+        anchored = _same_start(lo, hi, coarse)
+        for index, ranges in enumerate(plan_blocks(lo, hi, coarse)):
+            parent = done.get(index * coarse // previous) if previous else None
+            full = next((r for r in ranges if r.full), None)
+            fresh = [] if full is None or not anchored[index] else _subtract(full, parent)
+            if fresh and sum(r.stop - r.start for r in fresh) >= coarse:
+                runs.append(fresh)
+                current[index] = (full.start, full.stop)
+            else:
+                runs.append([])
+                if parent is not None:
+                    current[index] = parent
+        result.append((coarse, runs))
+        done, previous = current, coarse
+    finest = block_ranges(lo, hi, size)
+    if previous:
+        finest = [[part for r in ranges for part in _subtract(r, done.get(index * size // previous))]
+                  for index, ranges in enumerate(finest)]
+    result.append((size, finest))
+    return result
+
+
+def _same_start(lo: Tensor, hi: Tensor, size: int) -> list[bool]:
+    """For each block of ``size`` rows: do all its non-empty rows start at the same key?"""
+    pad = -lo.shape[0] % size
+    nonempty = torch.cat([lo < hi, torch.zeros(pad, dtype=torch.bool)]).view(-1, size)
+    starts = torch.cat([lo, lo.new_zeros(pad)]).view(-1, size)
+    big = 2**62
+    first = torch.where(nonempty, starts, big).amin(1)
+    last = torch.where(nonempty, starts, -big).amax(1)
+    return (~nonempty.any(1) | (first == last)).tolist()
+
+
 def plan(call: AttentionCall, size: int | None = None) -> list[_Group]:
     """Every kernel call the tiled backend makes for ``call``, in order.
 
-    Ranges of consecutive full-size blocks join one group when they have the same length,
-    fullness and mask pattern (relative to their start) and their starts step evenly. A dense
-    tensor mask differs from block to block, so with one every range is its own group."""
+    At each level (:func:`level_ranges`), ranges of consecutive full-size blocks join one group
+    when they have the same length, fullness and mask pattern (relative to their start) and
+    their starts step evenly. A dense tensor mask differs from block to block, so with one there
+    are no coarse levels and every range is its own group."""
     size = size or BLOCK_SIZE
     lo, hi = _row_bounds(call)
     per_sequence = lo.shape[0] > 1
     groups: list[_Group] = []
     for s in range(lo.shape[0]):
         batch = slice(s, s + 1) if per_sequence else slice(0, _batch(call))
-        blocks = block_ranges(lo[s], hi[s], size)
-        patterns = _patterns(lo[s], hi[s], blocks, size)
-        open_runs: dict[tuple, _Group] = {}
-        for index, ranges in enumerate(blocks):
-            q0 = index * size
-            rows = min(size, call.q_len - q0)
-            batchable = call.mask is None and rows == size
-            extended: dict[tuple, _Group] = {}
-            for r in ranges:
-                signature = (r.stop - r.start, r.full, patterns.get((index, r.start)))
-                run = open_runs.pop(signature, None)
-                if run is not None and batchable and run.q1 == q0 and (
-                        run.count == 1 or run.key_start + run.count * run.key_step == r.start):
-                    step = r.start - run.key_start if run.count == 1 else run.key_step
-                    extended[signature] = replace(run, count=run.count + 1, key_step=step)
-                    continue
-                if run is not None:
-                    groups.append(run)
-                new = _Group(batch, q0, rows, 1, r.start, 0, r.stop - r.start, r.full)
-                if batchable:
-                    extended[signature] = new
-                else:
-                    groups.append(new)
-            groups.extend(open_runs.values())
-            open_runs = extended
-        groups.extend(open_runs.values())
+        for block, blocks in level_ranges(lo[s], hi[s], size, 0 if call.mask is not None else LEVELS):
+            groups.extend(_runs(blocks, block, lo[s], hi[s], batch, call))
     return [_stacked(g) for g in groups]
+
+
+def _runs(blocks: list[list[KeyRange]], size: int, lo: Tensor, hi: Tensor, batch: slice,
+          call: AttentionCall) -> list[_Group]:
+    """Group the ranges of consecutive blocks of one level into batched kernel calls."""
+    patterns = _patterns(lo, hi, blocks, size)
+    groups: list[_Group] = []
+    open_runs: dict[tuple, _Group] = {}
+    for index, ranges in enumerate(blocks):
+        q0 = index * size
+        rows = min(size, call.q_len - q0)
+        batchable = call.mask is None and rows == size
+        extended: dict[tuple, _Group] = {}
+        for r in ranges:
+            signature = (r.stop - r.start, r.full, patterns.get((index, r.start)))
+            run = open_runs.pop(signature, None)
+            if run is not None and batchable and run.q1 == q0 and (
+                    run.count == 1 or run.key_start + run.count * run.key_step == r.start):
+                step = r.start - run.key_start if run.count == 1 else run.key_step
+                extended[signature] = replace(run, count=run.count + 1, key_step=step)
+                continue
+            if run is not None:
+                groups.append(run)
+            new = _Group(batch, q0, rows, 1, r.start, 0, r.stop - r.start, r.full)
+            if batchable:
+                extended[signature] = new
+            else:
+                groups.append(new)
+        groups.extend(open_runs.values())
+        open_runs = extended
+    groups.extend(open_runs.values())
+    return groups
 
 
 def _stacked(g: _Group) -> _Group:
@@ -184,7 +254,7 @@ def _patterns(lo: Tensor, hi: Tensor, blocks: list[list[KeyRange]], size: int) -
 
 def visited_fraction(call: AttentionCall) -> float:
     """Share of the ``Lq x Lk`` (query, key) pairs, over the batch, that the tiled plan computes."""
-    area = sum(g.count * g.rows * g.length * (g.batch.stop - g.batch.start) for g in plan(call))
+    area = sum(g.count * g.rows * g.length * (g.batch.stop - g.batch.start) for g in _plan_of(call))
     return area / max(1, call.q_len * call.k_len * _batch(call))
 
 
@@ -470,20 +540,42 @@ def tiled_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None, Tensor]
         out, weights, lse = _with_weights(call, problem)
         weights = weights.reshape(call.scores_shape)
     else:
-        out, lse = _TiledAttention.apply(query, key, value, problem, _with_seeds(plan(call), call))
+        out, lse = _TiledAttention.apply(query, key, value, problem, _with_seeds(_plan_of(call), call))
         weights = None
     shape = call.query.shape[:-1]
     return out.reshape(*shape, call.value.shape[-1]), weights, lse.reshape(shape)
 
 
-#: ``"auto"`` runs a structured mask tiled when the call has at least this many (query, key)
-#: pairs per sequence and head, and the plan computes at most ``AUTO_MAX_VISITED`` of them.
-AUTO_MIN_PAIRS = 1 << 20
-AUTO_MAX_VISITED = 0.5
+#: When ``"auto"`` runs a structured mask tiled (benchmarks/masks.py --threshold, B=1, H=8,
+#: D=64, fp32, 2 CPU threads): below 512 x 512 pairs the fused dense kernel always won; at
+#: 512 x 512 tiled won where it computed <= 30% of the pairs (window, documents: 0.7-0.85x
+#: the time) and lost at 50% (1.2x); from 1024 x 1024 it won at 50% too (0.6-0.75x).
+AUTO_MIN_PAIRS = 512 * 512
+AUTO_MAX_VISITED = ((1024 * 1024, 0.3), (float("inf"), 0.6))  # (pairs below, visited share at most)
 
 
 def profits(call: AttentionCall) -> bool:
-    """Whether ``"auto"`` should run ``call`` tiled rather than with the fused dense kernel."""
-    if call.q_len * call.k_len < AUTO_MIN_PAIRS:
+    """Whether ``"auto"`` should run ``call`` (which has a structured mask) tiled rather than
+    densified through the fused kernel."""
+    pairs = call.q_len * call.k_len
+    if pairs < AUTO_MIN_PAIRS:
         return False
-    return visited_fraction(call) <= AUTO_MAX_VISITED
+    if _structure(call).is_causal and call.mask is None and call.q_len == call.k_len:
+        return False  # SDPA's own causal path skips the same blocks and was 3-12% faster
+    limit = next(share for below, share in AUTO_MAX_VISITED if pairs < below)
+    return visited_fraction(call) <= limit
+
+
+# A plan is computed once per call even when "auto" asked profits() first: the last one is kept,
+# tied to its call by a weak reference (the call's tensors are not kept alive by it).
+_last_plan: tuple[weakref.ref, tuple[int, int, int], list[_Group]] | None = None
+
+
+def _plan_of(call: AttentionCall) -> list[_Group]:
+    global _last_plan
+    settings = (BLOCK_SIZE, MERGE_SPAN, LEVELS)
+    if _last_plan is not None and _last_plan[0]() is call and _last_plan[1] == settings:
+        return _last_plan[2]
+    groups = plan(call)
+    _last_plan = (weakref.ref(call), settings, groups)
+    return groups

@@ -70,6 +70,8 @@ class StructuredMask:
 
     #: Number of sequences the mask describes, or None when it is the same for all of them.
     batch_size: int | None = None
+    #: True only for ``causal()`` itself, which dense paths can pass as ``causal=True`` instead.
+    is_causal: bool = False
 
     def bounds(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Keys ``lo <= j < hi`` for each query at ``positions`` (int64 ``[n]``, key coordinates,
@@ -198,6 +200,8 @@ def plan_blocks(lo: Tensor, hi: Tensor, block_size: int) -> list[list[KeyRange]]
 
 
 class _Causal(StructuredMask):
+    is_causal = True
+
     def bounds(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         return torch.zeros_like(positions), positions + 1
 
