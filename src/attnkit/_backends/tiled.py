@@ -42,10 +42,11 @@ CALL_ROWS = 1 << 15
 #: Levels of coarser blocks above ``BLOCK_SIZE`` (each 4x the one below), see ``level_ranges``.
 LEVELS = 3
 
-#: Queries per block. Small blocks waste little of a window on its masked corners; the fused
-#: kernel still sees large problems because runs of similar blocks are batched into one call
-#: (measured with benchmarks/masks.py).
-BLOCK_SIZE = 64
+#: Queries per block. Small blocks waste little of a window on its masked corners (a 512-key
+#: window computes 543 keys per row with 32-row blocks); the fused kernel still sees large
+#: problems because runs of similar blocks are batched into one call. benchmarks/masks.py: 32
+#: was 7% faster than 64 on the 512 window at L = 16384, equal on documents and causal+padding.
+BLOCK_SIZE = 32
 
 #: A block whose key ranges span at most this many keys runs them as one range with a dense mask
 #: over the span, rather than one unmasked range plus masked edges: below it, the extra calls and
@@ -367,15 +368,22 @@ def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 # -- the autograd function (no weights: O(L) memory) ---------------------------------------------
 
 
-def _calls(problem: _Problem, groups: list[_Group], plain: bool) -> Iterator[tuple[_Group, int]]:
+def _calls(problem: _Problem, groups: list[_Group], plain: bool,
+           backward: bool = False) -> Iterator[tuple[_Group, int]]:
     """Each kernel call as (group, sequence). Groups are cut so that one call holds at most
     ``CALL_SCORES`` scores with the ``plain``-ops kernel (which materialises them) or
-    ``CALL_ROWS`` query rows (times heads) with the fused one (whose partial output is copied
-    into place): a batch of blocks into fewer blocks, one block into fewer rows. The cut, and so
-    the dropout seeds, are the same in forward and backward."""
+    ``CALL_ROWS`` rows (times heads) of its partial results with the fused one: query rows in
+    the forward; query rows and key rows in the backward, whose key gradients are as long as
+    the (overlapping) key views. A batch of blocks is cut into fewer blocks, one block into fewer
+    rows. With the plain-ops kernel the cut, and so the dropout seeds, are the same both ways."""
     heads = problem.query.shape[1]
     for g in groups:
-        per_row = heads * (g.length if plain else 1)
+        if plain:
+            per_row = heads * g.length
+        elif backward and g.count > 1:
+            per_row = heads * (1 + -(-g.length // g.rows))  # its query row and its share of keys
+        else:
+            per_row = heads
         most_rows = max(1, (CALL_SCORES if plain else CALL_ROWS) // max(per_row, 1))
         if g.count == 1:
             parts = [replace(g, q0=g.q0 + first, rows=min(most_rows, g.rows - first), seed=g.seed + i)
@@ -450,7 +458,7 @@ class _TiledAttention(torch.autograd.Function):
         use_flash = problem.flash and grad_lse is None
         work = _accumulator_dtype(query.dtype)
         grads = [torch.zeros(t.shape, dtype=work, device=t.device) for t in (query, key, value)]
-        for g, b in _calls(problem, groups, plain=not use_flash):
+        for g, b in _calls(problem, groups, plain=not use_flash, backward=True):
             bias, _ = problem.bias(g, b)
             rows, k, v = problem.queries(g, b), problem.keys(g, b, key), problem.keys(g, b, value)
             d_out = problem.queries(g, b, grad_out)

@@ -11,44 +11,8 @@ is an additive bias (``0`` keeps, ``-inf`` removes). ``causal`` is aligned **bot
   backend accepts as ``mask=`` and that the ``"tiled"`` backend uses to skip masked blocks.
 """
 
-from .dense import (
-    causal_mask,
-    combine,
-    from_torch_attn_mask,
-    from_torch_key_padding_mask,
-    lengths_to_keep,
-    padding_mask,
-    to_additive,
-    to_bool,
-    to_string,
-)
-from .structured import (
-    KeyRange,
-    StructuredMask,
-    causal,
-    document,
-    padding,
-    plan_blocks,
-    prefix_lm,
-    sliding_window,
-)
+from . import dense, structured
+from .dense import *  # noqa: F403  (the names listed in dense.__all__)
+from .structured import *  # noqa: F403  (the names listed in structured.__all__)
 
-__all__ = [
-    "causal_mask",
-    "padding_mask",
-    "lengths_to_keep",
-    "from_torch_key_padding_mask",
-    "from_torch_attn_mask",
-    "to_additive",
-    "to_bool",
-    "combine",
-    "to_string",
-    "StructuredMask",
-    "KeyRange",
-    "causal",
-    "sliding_window",
-    "document",
-    "prefix_lm",
-    "padding",
-    "plan_blocks",
-]
+__all__ = [*dense.__all__, *structured.__all__]
