@@ -19,6 +19,7 @@ quarter of the keys is padding). For each contender it prints:
     python benchmarks/masks.py                 # the README table (several minutes)
     python benchmarks/masks.py --long          # L = 131072, window 512: ours only, memory check
     python benchmarks/masks.py --threshold     # tiled vs the fused dense path at short lengths
+    python benchmarks/masks.py --train         # forward + backward with the window
 """
 
 from __future__ import annotations
@@ -98,11 +99,23 @@ def _rss_kib(field: str) -> int:
 
 
 def child(contender: str, mask_name: str, length: int, window: int) -> None:
-    """Time one first call, then measure the extra peak memory of a second one; print JSON."""
+    """Time one first call, then measure the extra peak memory of a second one; print JSON.
+    ``ours-train`` / ``sdpa-train``: forward and backward (of the sum of squared outputs)."""
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
-    query, key, value = inputs(length)
+    train = contender.endswith("-train")
+    contender = contender.removesuffix("-train")
+    query, key, value = (t.requires_grad_(train) for t in inputs(length))
     structured, mask_mod = mask_set(length, window)[mask_name]
-    if contender == "ours":
+    if train:
+        forward = (lambda: attnkit.attention(query, key, value, mask=structured)) if contender == "ours" else (
+            lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=structured.dense(length, length)))
+
+        def call():
+            output = forward()
+            output.square().sum().backward()
+            return output.detach()
+        first = call
+    elif contender == "ours":
         def call():
             return attnkit.attention(query, key, value, mask=structured)
         first = call
@@ -264,6 +277,20 @@ def long_run(args: argparse.Namespace) -> None:
     print(f"(a dense boolean mask alone would take {length**2 / 2**30:.0f} GiB)")
 
 
+def training(args: argparse.Namespace) -> None:
+    """Forward + backward with the window: ours vs dense-mask SDPA, each in a fresh process."""
+    length, name = args.length, f"sliding window {args.window}"
+    print(f"# forward + backward, L={length}, {name}, B=1, H={HEADS}, D={HEAD_DIM}, fp32 ({describe_machine()})")
+    print("| contender | first call (s) | extra peak memory of the next call (MiB) |")
+    print("|---|---:|---:|")
+    for contender, label in (("ours-train", "attention(backend='auto')"), ("sdpa-train", "SDPA, dense mask")):
+        result = measure_first_call(contender, name, length, args.window)
+        if "error" in result:
+            print(f"| {label} | failed: {result['error']} | |")
+        else:
+            print(f"| {label} | {result['seconds']:.2f} | {result['extra_bytes'] / MIB:,.0f} |")
+
+
 def threshold_sweep(args: argparse.Namespace) -> None:
     """Tiled vs the fused dense path (what auto would run otherwise) for short lengths."""
     print(f"# tiled / torch-with-dense-mask time, B=1, H={HEADS}, D={HEAD_DIM}, fp32 ({describe_machine()})")
@@ -296,6 +323,7 @@ def main() -> None:
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     parser.add_argument("--long", action="store_true", help="L = 131072 with the window: memory check")
     parser.add_argument("--threshold", action="store_true", help="tiled vs fused at short lengths")
+    parser.add_argument("--train", action="store_true", help="forward + backward with the window")
     parser.add_argument("--sweep", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument("--child", nargs=4, metavar=("CONTENDER", "MASK", "LENGTH", "WINDOW"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -306,6 +334,8 @@ def main() -> None:
         long_run(args)
     elif args.threshold:
         threshold_sweep(args)
+    elif args.train:
+        training(args)
     else:
         main_table(args)
 
