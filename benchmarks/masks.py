@@ -192,7 +192,7 @@ def main_table(args: argparse.Namespace) -> None:
     flops, matmul = square_matmul()
     print(f"# Structured masks, B=1, H={HEADS}, D={HEAD_DIM}, fp32, L={length}  ({describe_machine()})")
     print(f"# steady: median of {args.repeats} interleaved runs; first call and extra peak memory: fresh process each\n")
-    rows, goals = [], []
+    rows = []
     for name, (structured, mask_mod) in mask_set(length, window).items():
         dense = structured.dense(length, length)
         contenders = {
@@ -210,7 +210,7 @@ def main_table(args: argparse.Namespace) -> None:
             errors["flex"] = (ours_out - contenders["flex"]()).abs().max().item()
         del ours_out
         times = median_times(contenders, repeats=args.repeats)
-        del dense
+        contenders = dense = None  # free the L x L mask before the fresh-process measurements
         first = {c: measure_first_call(c, name, length, window) for c in ("ours", "sdpa", "flex")
                  if c != "flex" or flex is not None}
         pairs = attended_pairs(structured, length)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import masks
-from attnkit._backends import choose, tiled
+from attnkit._backends import choose, tiled, tiled_plan
 from attnkit._call import make_call
 from oracle import oracle_attention
 from strategies import cases, mask_cases
@@ -308,7 +308,7 @@ def test_the_plan_computes_little_more_than_the_attended_pairs_in_few_calls():
     groups = tiled.plan(window)
     # The first 512 rows (windows clipped at key 0) differ block by block; the rest is one
     # batched call (or a few, cut to the size limit).
-    assert len(groups) <= 512 // tiled.BLOCK_SIZE + 8
+    assert len(groups) <= 512 // tiled_plan.BLOCK_SIZE + 8
     assert sum(g.count * g.rows for g in groups if g.count > 1) >= 4096 - 512
     documents = _call(4096, masks.document([1000, 1500, 1596]))
     assert len(tiled.plan(documents)) < 12

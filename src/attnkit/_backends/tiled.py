@@ -1,12 +1,12 @@
 """The ``"tiled"`` backend: block-sparse attention that skips masked blocks, exactly.
 
-For each block of ``BLOCK_SIZE`` queries, the mask's rows tell which keys the block may attend
-(:func:`attnkit.masks.plan_blocks`): a range attended by every row runs through the fused
-kernel with no mask at all, the partly attended edges get a small dense mask, everything else
-is never touched. Consecutive blocks whose ranges have the same length, the same mask pattern
-and evenly spaced starts (the interior of a sliding window, the blocks inside one document)
-become **one** kernel call over strided views, so a 16k-token window costs a handful of calls.
-Partial results of a row are merged with their log-sum-exp::
+For each block of queries, the mask's rows tell which keys the block may attend
+(:mod:`.tiled_plan`): a range attended by every row runs through the fused kernel with no
+mask at all, the partly attended edges get a small dense mask, everything else is never
+touched. Consecutive blocks whose ranges have the same length, the same mask pattern and
+evenly spaced starts (the interior of a sliding window) become **one** kernel call over
+strided views, so a 16k-token window costs a handful of calls. Partial results of a row are
+merged with their log-sum-exp::
 
     lse = log(sum_p exp(lse_p))          output = sum_p exp(lse_p - lse) * output_p
 
@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from .._call import AttentionCall
-from ..masks import KeyRange, StructuredMask, causal, plan_blocks
 from . import kernels
+from . import tiled_plan
+from .tiled_plan import Group, batch_size, block_ranges, plan, row_bounds, structure_of, tuning
+
+__all__ = ["tiled_attention", "profits", "plan", "visited_fraction", "tuning"]
 
 #: Limits of one kernel call, so that its temporaries stay small next to the inputs: the
 #: plain-ops kernel (dropout, other devices) materialises its scores; the fused kernel returns a
@@ -39,224 +41,10 @@ from . import kernels
 CALL_SCORES = 1 << 23
 CALL_ROWS = 1 << 15
 
-#: Levels of coarser blocks above ``BLOCK_SIZE`` (each 4x the one below), see ``level_ranges``.
-LEVELS = 3
-
-#: Queries per block. Small blocks waste little of a window on its masked corners (a 512-key
-#: window computes 543 keys per row with 32-row blocks); the fused kernel still sees large
-#: problems because runs of similar blocks are batched into one call. benchmarks/masks.py: 32
-#: was 7% faster than 64 on the 512 window at L = 16384, equal on documents and causal+padding.
-BLOCK_SIZE = 32
-
-#: A block whose key ranges span at most this many keys runs them as one range with a dense mask
-#: over the span, rather than one unmasked range plus masked edges: below it, the extra calls and
-#: merges cost more than masking the whole span.
-MERGE_SPAN = 1024
-
-
-@contextmanager
-def tuning(*, block_size: int | None = None, merge_span: int | None = None) -> Iterator[None]:
-    """Run the tiled backend with other ``BLOCK_SIZE`` / ``MERGE_SPAN`` inside the ``with``
-    (tests use tiny blocks and no merging to exercise many blocks and partial merges cheaply)."""
-    global BLOCK_SIZE, MERGE_SPAN
-    if block_size is not None and block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    saved = BLOCK_SIZE, MERGE_SPAN
-    BLOCK_SIZE = BLOCK_SIZE if block_size is None else block_size
-    MERGE_SPAN = MERGE_SPAN if merge_span is None else merge_span
-    try:
-        yield
-    finally:
-        BLOCK_SIZE, MERGE_SPAN = saved
-
-
-# -- planning ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Group:
-    """One kernel call: ``count`` consecutive blocks of ``rows`` queries from ``q0``, of sequences
-    ``batch``; block ``i`` attends keys ``key_start + i * key_step + [0, length)``, either all of
-    them (``full``) or with the mask pattern shared by the blocks."""
-
-    batch: slice
-    q0: int
-    rows: int
-    count: int
-    key_start: int
-    key_step: int
-    length: int
-    full: bool
-    seed: int = 0
-
-    @property
-    def q1(self) -> int:
-        return self.q0 + self.count * self.rows
-
-
-def _structure(call: AttentionCall) -> StructuredMask | None:
-    if call.causal:
-        return causal() if call.structure is None else call.structure & causal()
-    return call.structure
-
-
-def _row_bounds(call: AttentionCall) -> tuple[Tensor, Tensor]:
-    """``lo, hi`` of every query row, ``[S, Lq]`` with S = 1 or one row per sequence."""
-    structure = _structure(call)
-    if structure is None:
-        lo = torch.zeros(1, call.q_len, dtype=torch.int64)
-        return lo, torch.full_like(lo, call.k_len)
-    lo, hi = structure.row_bounds(call.q_len, call.k_len)
-    return (lo[None], hi[None]) if lo.dim() == 1 else (lo, hi)
-
-
-def _batch(call: AttentionCall) -> int:
-    return call.query.shape[0] if call.query.dim() >= 3 else 1
-
-
-def block_ranges(lo: Tensor, hi: Tensor, size: int) -> list[list[KeyRange]]:
-    """Each block's key ranges, with short spans merged into one masked range (``MERGE_SPAN``)."""
-    blocks = plan_blocks(lo, hi, size)
-    for index, ranges in enumerate(blocks):
-        if len(ranges) > 1 and ranges[-1].stop - ranges[0].start <= MERGE_SPAN:
-            blocks[index] = [KeyRange(ranges[0].start, ranges[-1].stop, False)]
-    return blocks
-
-
-def _subtract(r: KeyRange, done: tuple[int, int] | None) -> list[KeyRange]:
-    """The parts of ``r`` outside the interval ``done`` (keys already computed for these rows)."""
-    if done is None or done[1] <= r.start or r.stop <= done[0]:
-        return [r]
-    parts = [KeyRange(r.start, done[0], r.full), KeyRange(done[1], r.stop, r.full)]
-    return [p for p in parts if p.start < p.stop]
-
-
-def level_ranges(lo: Tensor, hi: Tensor, size: int, levels: int) -> list[tuple[int, list[list[KeyRange]]]]:
-    """Key ranges per block at each level: ``(block size, ranges of each block)``, coarse to fine.
-
-    A coarse block (``size * 4**k`` rows) whose rows all start at the same key (causal,
-    prefix-LM, padding, inside a document: the fine blocks' ranges would grow from block to
-    block and could not be batched) runs the keys that all its rows attend, when they are at
-    least as many as its rows and not already run by its parent: one big kernel call that takes
-    most of a causal mask's work. The finest blocks (``size``) run everything else; a sliding
-    window, whose fine blocks batch into one call, stays entirely at that level."""
-    done: dict[int, tuple[int, int]] = {}  # block index at the previous level -> keys run for it
-    previous = 0
-    result = []
-    for level in range(levels, 0, -1):
-        coarse = size * 4**level
-        current: dict[int, tuple[int, int]] = {}
-        runs = []
-        anchored = _same_start(lo, hi, coarse)
-        for index, ranges in enumerate(plan_blocks(lo, hi, coarse)):
-            parent = done.get(index * coarse // previous) if previous else None
-            full = next((r for r in ranges if r.full), None)
-            fresh = [] if full is None or not anchored[index] else _subtract(full, parent)
-            if fresh and sum(r.stop - r.start for r in fresh) >= coarse:
-                runs.append(fresh)
-                current[index] = (full.start, full.stop)
-            else:
-                runs.append([])
-                if parent is not None:
-                    current[index] = parent
-        result.append((coarse, runs))
-        done, previous = current, coarse
-    finest = block_ranges(lo, hi, size)
-    if previous:
-        finest = [[part for r in ranges for part in _subtract(r, done.get(index * size // previous))]
-                  for index, ranges in enumerate(finest)]
-    result.append((size, finest))
-    return result
-
-
-def _same_start(lo: Tensor, hi: Tensor, size: int) -> list[bool]:
-    """For each block of ``size`` rows: do all its non-empty rows start at the same key?"""
-    pad = -lo.shape[0] % size
-    nonempty = torch.cat([lo < hi, torch.zeros(pad, dtype=torch.bool)]).view(-1, size)
-    starts = torch.cat([lo, lo.new_zeros(pad)]).view(-1, size)
-    big = 2**62
-    first = torch.where(nonempty, starts, big).amin(1)
-    last = torch.where(nonempty, starts, -big).amax(1)
-    return (~nonempty.any(1) | (first == last)).tolist()
-
-
-def plan(call: AttentionCall, size: int | None = None) -> list[_Group]:
-    """Every kernel call the tiled backend makes for ``call``, in order.
-
-    At each level (:func:`level_ranges`), ranges of consecutive full-size blocks join one group
-    when they have the same length, fullness and mask pattern (relative to their start) and
-    their starts step evenly. A dense tensor mask differs from block to block, so with one there
-    are no coarse levels and every range is its own group."""
-    size = size or BLOCK_SIZE
-    lo, hi = _row_bounds(call)
-    per_sequence = lo.shape[0] > 1
-    groups: list[_Group] = []
-    for s in range(lo.shape[0]):
-        batch = slice(s, s + 1) if per_sequence else slice(0, _batch(call))
-        for block, blocks in level_ranges(lo[s], hi[s], size, 0 if call.mask is not None else LEVELS):
-            groups.extend(_runs(blocks, block, lo[s], hi[s], batch, call))
-    return [_stacked(g) for g in groups]
-
-
-def _runs(blocks: list[list[KeyRange]], size: int, lo: Tensor, hi: Tensor, batch: slice,
-          call: AttentionCall) -> list[_Group]:
-    """Group the ranges of consecutive blocks of one level into batched kernel calls."""
-    patterns = _patterns(lo, hi, blocks, size)
-    groups: list[_Group] = []
-    open_runs: dict[tuple, _Group] = {}
-    for index, ranges in enumerate(blocks):
-        q0 = index * size
-        rows = min(size, call.q_len - q0)
-        batchable = call.mask is None and rows == size
-        extended: dict[tuple, _Group] = {}
-        for r in ranges:
-            signature = (r.stop - r.start, r.full, patterns.get((index, r.start)))
-            run = open_runs.pop(signature, None)
-            if run is not None and batchable and run.q1 == q0 and (
-                    run.count == 1 or run.key_start + run.count * run.key_step == r.start):
-                step = r.start - run.key_start if run.count == 1 else run.key_step
-                extended[signature] = replace(run, count=run.count + 1, key_step=step)
-                continue
-            if run is not None:
-                groups.append(run)
-            new = _Group(batch, q0, rows, 1, r.start, 0, r.stop - r.start, r.full)
-            if batchable:
-                extended[signature] = new
-            else:
-                groups.append(new)
-        groups.extend(open_runs.values())
-        open_runs = extended
-    groups.extend(open_runs.values())
-    return groups
-
-
-def _stacked(g: _Group) -> _Group:
-    """Blocks that all attend the same keys (the inside of a document, the rows past a padding
-    cut) run as one block of all their rows: one plain call, which the kernel runs best."""
-    if g.count > 1 and g.key_step == 0:
-        return replace(g, rows=g.rows * g.count, count=1)
-    return g
-
-
-def _patterns(lo: Tensor, hi: Tensor, blocks: list[list[KeyRange]], size: int) -> dict[tuple[int, int], tuple]:
-    """For each partial range of each full-size block, its rows' ``lo, hi`` relative to the
-    range's start (clipped to it): equal patterns mean equal masks. Computed in one tensor op."""
-    partial = [(index, r) for index, ranges in enumerate(blocks) for r in ranges
-               if not r.full and (index + 1) * size <= lo.shape[0]]
-    if not partial:
-        return {}
-    rows = torch.tensor([index * size for index, _ in partial])[:, None] + torch.arange(size)
-    starts = torch.tensor([r.start for _, r in partial])[:, None]
-    lengths = torch.tensor([r.stop - r.start for _, r in partial])[:, None]
-    relative = torch.cat([lo[rows] - starts, hi[rows] - starts], dim=1)
-    relative = torch.minimum(relative.clamp(min=0), lengths).tolist()
-    return {(index, r.start): tuple(row) for (index, r), row in zip(partial, relative)}
-
-
 def visited_fraction(call: AttentionCall) -> float:
     """Share of the ``Lq x Lk`` (query, key) pairs, over the batch, that the tiled plan computes."""
     area = sum(g.count * g.rows * g.length * (g.batch.stop - g.batch.start) for g in _plan_of(call))
-    return area / max(1, call.q_len * call.k_len * _batch(call))
+    return area / max(1, call.q_len * call.k_len * batch_size(call))
 
 
 # -- layout --------------------------------------------------------------------------------------
@@ -314,19 +102,19 @@ class _Problem:
         self.query, self.key, self.value = query, key, value
         self.scale, self.dropout = call.scale, call.dropout
         self.group = query.shape[1] // key.shape[1]
-        self.lo, self.hi = (t.to(query.device) for t in _row_bounds(call))
+        self.lo, self.hi = (t.to(query.device) for t in row_bounds(call))
         self.mask = None if call.mask is None else _mask_as_4d(call.mask, call)
         self.flash = kernels.flash_applies(query, value, call.dropout)
 
-    def queries(self, g: _Group, b: int, t: Tensor | None = None) -> Tensor:
+    def queries(self, g: Group, b: int, t: Tensor | None = None) -> Tensor:
         """Rows of ``g`` from ``t`` (default: the query) for sequence ``b``, grouped by kv head."""
         t = self.query if t is None else t
         return _group_heads(_blocks_of(t, b, g.q0, g.rows, g.count, g.rows), self.group)
 
-    def keys(self, g: _Group, b: int, t: Tensor) -> Tensor:
+    def keys(self, g: Group, b: int, t: Tensor) -> Tensor:
         return _blocks_of(t, b, g.key_start, g.key_step, g.count, g.length)
 
-    def bias(self, g: _Group, b: int) -> tuple[Tensor | None, Tensor | None]:
+    def bias(self, g: Group, b: int) -> tuple[Tensor | None, Tensor | None]:
         """The additive mask of ``g``'s first block (shared by all its blocks), query dtype,
         grouped like the queries, or None when every pair is allowed; and which grouped rows
         have at least one key (None when all do)."""
@@ -368,8 +156,8 @@ def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 # -- the autograd function (no weights: O(L) memory) ---------------------------------------------
 
 
-def _calls(problem: _Problem, groups: list[_Group], plain: bool,
-           backward: bool = False) -> Iterator[tuple[_Group, int]]:
+def _calls(problem: _Problem, groups: list[Group], plain: bool,
+           backward: bool = False) -> Iterator[tuple[Group, int]]:
     """Each kernel call as (group, sequence). Groups are cut so that one call holds at most
     ``CALL_SCORES`` scores with the ``plain``-ops kernel (which materialises them) or
     ``CALL_ROWS`` rows (times heads) of its partial results with the fused one: query rows in
@@ -397,7 +185,7 @@ def _calls(problem: _Problem, groups: list[_Group], plain: bool,
             yield from ((part, b) for b in range(g.batch.start, g.batch.stop))
 
 
-def _run_forward(problem: _Problem, groups: list[_Group]) -> tuple[Tensor, Tensor]:
+def _run_forward(problem: _Problem, groups: list[Group]) -> tuple[Tensor, Tensor]:
     query, key, value, group = problem.query, problem.key, problem.value, problem.group
     work = _accumulator_dtype(query.dtype)
     out = torch.empty(*query.shape[:-1], value.shape[-1], dtype=work, device=query.device)
@@ -433,7 +221,7 @@ def _run_forward(problem: _Problem, groups: list[_Group]) -> tuple[Tensor, Tenso
     return out.to(query.dtype), lse
 
 
-def _seed(g: _Group, b: int) -> int:
+def _seed(g: Group, b: int) -> int:
     """The dropout seed of one kernel call: the group's, offset by the sequence."""
     return g.seed * 1_000_003 + b
 
@@ -441,7 +229,6 @@ def _seed(g: _Group, b: int) -> int:
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, problem, groups):  # type: ignore[override]
-        problem.query, problem.key, problem.value = query, key, value
         out, lse = _run_forward(problem, groups)
         ctx.problem, ctx.groups = problem, groups
         ctx.save_for_backward(query, key, value, out, lse)
@@ -452,7 +239,7 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):  # type: ignore[override]
         query, key, value, out, lse = ctx.saved_tensors
         problem, groups = ctx.problem, ctx.groups
-        problem.query, problem.key, problem.value = query, key, value
+        problem.query, problem.key, problem.value = query, key, value  # the saved, checked versions
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         use_flash = problem.flash and grad_lse is None
@@ -477,7 +264,7 @@ class _TiledAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def _add_to_keys(target: Tensor, b: int, g: _Group, grad: Tensor) -> None:
+def _add_to_keys(target: Tensor, b: int, g: Group, grad: Tensor) -> None:
     """Add the gradient of a group's key views ``[count, Hkv, length, D]`` to ``target[b]``;
     the views may overlap (a sliding window), so overlapping positions accumulate."""
     if g.count == 1 or g.key_step == 0:
@@ -488,13 +275,18 @@ def _add_to_keys(target: Tensor, b: int, g: _Group, grad: Tensor) -> None:
     target[b].index_add_(1, index, grad.transpose(0, 1).reshape(grad.shape[1], -1, grad.shape[-1]))
 
 
-def _with_seeds(groups: list[_Group], call: AttentionCall) -> list[_Group]:
-    """Give every group its own dropout seeds, drawn from the call's generator (or the global
-    RNG) once per call; sequence ``b`` of a group uses ``seed + b``."""
+def _base_seed(call: AttentionCall) -> int:
+    """One draw from the call's generator (or the global RNG): every dropout pattern of the
+    call derives from it, so the same generator state gives the same result."""
+    device = call.generator.device if call.generator is not None else torch.device("cpu")
+    return int(torch.randint(0, 2**40, (), generator=call.generator, device=device))
+
+
+def _with_seeds(groups: list[Group], call: AttentionCall) -> list[Group]:
+    """Give every group its own dropout seeds (``_seed`` then separates parts and sequences)."""
     if call.dropout == 0:
         return groups
-    device = call.generator.device if call.generator is not None else torch.device("cpu")
-    base = int(torch.randint(0, 2**40, (), generator=call.generator, device=device))
+    base = _base_seed(call)
     # Group i owns seeds base + i * 2**20 + [0, 2**20): one per part after _calls cuts it.
     return [replace(g, seed=base + i * 2**20) for i, g in enumerate(groups)]
 
@@ -509,20 +301,21 @@ def _with_weights(call: AttentionCall, problem: _Problem) -> tuple[Tensor, Tenso
     query, group = problem.query, problem.group
     value_dim, k_len = problem.value.shape[-1], call.k_len
     work = _accumulator_dtype(query.dtype)
-    seed = _with_seeds([_Group(slice(0, 1), 0, 1, 1, 0, 0, 1, True)], call)[0].seed
+    seed = _base_seed(call) if call.dropout > 0 else 0
     outs, weights, lses = [], [], []
     for b in range(query.shape[0]):
         s = b if problem.lo.shape[0] > 1 else 0
         out_rows, weight_rows, lse_rows = [], [], []
-        for index, ranges in enumerate(block_ranges(problem.lo[s].cpu(), problem.hi[s].cpu(), BLOCK_SIZE)):
-            q0 = index * BLOCK_SIZE
-            rows = min(BLOCK_SIZE, call.q_len - q0)
+        size = tiled_plan.BLOCK_SIZE
+        for index, ranges in enumerate(block_ranges(problem.lo[s].cpu(), problem.hi[s].cpu(), size)):
+            q0 = index * size
+            rows = min(size, call.q_len - q0)
             if not ranges:
                 out_rows.append(query.new_zeros(1, query.shape[1], rows, value_dim))
                 weight_rows.append(query.new_zeros(1, query.shape[1], rows, k_len))
                 lse_rows.append(torch.full((1, query.shape[1], rows), float("-inf"), dtype=work, device=query.device))
                 continue
-            span = _Group(slice(b, b + 1), q0, rows, 1, ranges[0].start, 0, ranges[-1].stop - ranges[0].start, False)
+            span = Group(slice(b, b + 1), q0, rows, 1, ranges[0].start, 0, ranges[-1].stop - ranges[0].start, False)
             bias, _ = problem.bias(span, b)
             output, lse, weight = kernels.math_forward(
                 problem.queries(span, b), problem.keys(span, b, problem.key), problem.keys(span, b, problem.value),
@@ -556,8 +349,8 @@ def tiled_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None, Tensor]
 
 #: When ``"auto"`` runs a structured mask tiled (benchmarks/masks.py --threshold, B=1, H=8,
 #: D=64, fp32, 2 CPU threads): below 512 x 512 pairs the fused dense kernel always won; at
-#: 512 x 512 tiled won where it computed <= 30% of the pairs (window, documents: 0.7-0.85x
-#: the time) and lost at 50% (1.2x); from 1024 x 1024 it won at 50% too (0.6-0.75x).
+#: 512 x 512 tiled won where it computed <= 30% of the pairs (window, documents: 0.56-0.75x
+#: the time) and lost at 50% (1.2x); from 1024 x 1024 it won at 50% too (0.47-0.82x).
 AUTO_MIN_PAIRS = 512 * 512
 AUTO_MAX_VISITED = ((1024 * 1024, 0.3), (float("inf"), 0.6))  # (pairs below, visited share at most)
 
@@ -568,20 +361,20 @@ def profits(call: AttentionCall) -> bool:
     pairs = call.q_len * call.k_len
     if pairs < AUTO_MIN_PAIRS:
         return False
-    if _structure(call).is_causal and call.mask is None and call.q_len == call.k_len:
-        return False  # SDPA's own causal path skips the same blocks and was 3-12% faster
+    if structure_of(call).is_causal and call.mask is None and call.q_len == call.k_len:
+        return False  # SDPA's own causal path skips the same blocks and was 15-55% faster
     limit = next(share for below, share in AUTO_MAX_VISITED if pairs < below)
     return visited_fraction(call) <= limit
 
 
 # A plan is computed once per call even when "auto" asked profits() first: the last one is kept,
 # tied to its call by a weak reference (the call's tensors are not kept alive by it).
-_last_plan: tuple[weakref.ref, tuple[int, int, int], list[_Group]] | None = None
+_last_plan: tuple[weakref.ref, tuple[int, int, int], list[Group]] | None = None
 
 
-def _plan_of(call: AttentionCall) -> list[_Group]:
+def _plan_of(call: AttentionCall) -> list[Group]:
     global _last_plan
-    settings = (BLOCK_SIZE, MERGE_SPAN, LEVELS)
+    settings = (tiled_plan.BLOCK_SIZE, tiled_plan.MERGE_SPAN, tiled_plan.LEVELS)
     if _last_plan is not None and _last_plan[0]() is call and _last_plan[1] == settings:
         return _last_plan[2]
     groups = plan(call)
