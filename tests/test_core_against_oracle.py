@@ -11,7 +11,7 @@ import attnkit
 from oracle import oracle_attention
 from strategies import cases
 
-BACKENDS = ["reference", "torch", "auto"]
+BACKENDS = ["reference", "torch", "tiled", "auto"]
 
 # fp32 against float64: inputs are O(1) randn and sums run over <= 9 keys and <= 8 features,
 # so rounding stays within a few ulp (eps = 1.2e-7) of each O(1) output; 1e-5 leaves ~80 ulp.

@@ -7,7 +7,7 @@ import torch
 
 import attnkit
 
-BACKENDS = ["reference", "torch"]
+BACKENDS = ["reference", "torch", "tiled"]
 
 
 def _qkv(seed=0, lq=16, lk=24):

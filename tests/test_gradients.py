@@ -7,7 +7,7 @@ import torch
 
 import attnkit
 
-BACKENDS = ["reference", "torch"]
+BACKENDS = ["reference", "torch", "tiled"]
 
 
 def _inputs(*shape_q, lk, dv, heads_kv=None, seed=0):
@@ -60,7 +60,7 @@ def test_gradcheck_with_dropout_from_a_fixed_generator(backend):
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch", "auto"])
+@pytest.mark.parametrize("backend", ["reference", "torch", "tiled", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("length", [6, 300])  # 300 makes PyTorch pick its tiled CPU kernel
 @pytest.mark.parametrize("mask_kind", ["bool", "additive", "causal"])

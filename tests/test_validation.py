@@ -79,4 +79,4 @@ def test_weights_from_a_backend_that_cannot_return_them(monkeypatch):
 
 
 def test_backends_are_listed():
-    assert attnkit.backends() == ("auto", "reference", "torch")
+    assert attnkit.backends() == ("auto", "reference", "torch", "tiled")

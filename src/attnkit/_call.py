@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -24,7 +24,9 @@ class AttentionCall:
     Shapes: ``query [..., Lq, Dk]``, ``key [..., Lk, Dk]``, ``value [..., Lk, Dv]``. With 4-D
     inputs ``[B, H, L, D]`` the key/value head count may divide the query head count (GQA).
     ``mask`` is ``None``, a boolean tensor (True = may attend) or a floating additive bias
-    already in the query's dtype, broadcastable to ``[..., Lq, Lk]``.
+    already in the query's dtype, broadcastable to ``[..., Lq, Lk]``. A structured mask
+    (:class:`attnkit.masks.StructuredMask`) arrives as ``structure`` with ``mask=None``; backends
+    that do not declare ``structured`` receive the call :meth:`densified` instead.
     """
 
     query: Tensor
@@ -36,6 +38,8 @@ class AttentionCall:
     dropout: float
     generator: torch.Generator | None
     return_weights: bool
+    structure: _masks.StructuredMask | None = None
+    return_lse: bool = False
 
     @property
     def q_len(self) -> int:
@@ -70,6 +74,17 @@ class AttentionCall:
             return self.mask
         causal = _masks.causal_mask(self.q_len, self.k_len, device=self.query.device)
         return _masks.combine(self.mask, causal, dtype=self.query.dtype)
+
+    def densified(self) -> AttentionCall:
+        """The same call with a structured mask replaced by its dense boolean form: what backends
+        that do not understand structure receive (the one place where structure becomes L x L).
+        A plain ``causal()`` becomes ``causal=True``, which keeps fused kernels' causal fast path."""
+        if self.structure is None:
+            return self
+        if self.structure.is_causal:
+            return replace(self, structure=None, causal=True)
+        dense = self.structure.dense(self.q_len, self.k_len, ndim=self.query.dim(), device=self.query.device)
+        return replace(self, structure=None, mask=dense)
 
 
 def _shape(t: Tensor) -> tuple[int, ...]:
@@ -146,13 +161,25 @@ def _check_same_dtype_device(query: Tensor, key: Tensor, value: Tensor) -> None:
         )
 
 
+def _check_structure(structure: _masks.StructuredMask, query: Tensor) -> None:
+    """A per-sequence mask must describe one sequence or as many as the batch (dim 0 of 3-D/4-D)."""
+    sequences = structure.batch_size
+    batch = query.shape[0] if query.dim() >= 3 else 1
+    if sequences not in (None, 1, batch):
+        expected = f"[{batch}, ...]" if query.dim() >= 3 else "a single sequence (2-D inputs have no batch)"
+        raise ValueError(
+            f"mask {structure!r} describes {sequences} sequences but the query {_shape(query)} "
+            f"has batch {expected}"
+        )
+
+
 def _check_mask(mask: object, query: Tensor, scores_shape: torch.Size) -> Tensor | None:
     if mask is None:
         return None
     if not isinstance(mask, Tensor):
         raise TypeError(
             f"mask must be None or a torch.Tensor (bool: True = may attend, or a floating "
-            f"additive bias), got {type(mask).__name__}"
+            f"additive bias) or a structured mask from attnkit.masks, got {type(mask).__name__}"
         )
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(
@@ -213,6 +240,7 @@ def make_call(
     dropout: object,
     generator: object,
     return_weights: object,
+    return_lse: object = False,
 ) -> AttentionCall:
     """Validate the arguments of ``attention()`` and return the normalised call."""
     query = _check_tensor("query", query)
@@ -224,11 +252,19 @@ def make_call(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     scores_shape = query.shape[:-1] + (key.shape[-2],)
+    structure = None
+    if isinstance(mask, _masks.StructuredMask):
+        _check_structure(mask, query)
+        structure, mask = mask, None
     return AttentionCall(
         query=query,
         key=key,
         value=value,
+        structure=structure,
+        return_lse=return_lse,
         mask=_check_mask(mask, query, scores_shape),
         causal=causal,
         scale=_check_scale(scale, query.shape[-1]),

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from . import _backends, _steps
 from ._call import make_call
+from .masks import StructuredMask
 
 
 def attention(
@@ -14,14 +15,15 @@ def attention(
     key: Tensor,
     value: Tensor,
     *,
-    mask: Tensor | None = None,
+    mask: Tensor | StructuredMask | None = None,
     causal: bool = False,
     scale: float | None = None,
     dropout: float = 0.0,
     generator: torch.Generator | None = None,
     return_weights: bool = False,
     backend: str = "auto",
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, ...]:
     r"""Scaled dot-product attention: ``softmax(query @ key^T * scale + mask) @ value``.
 
     Args:
@@ -31,7 +33,10 @@ def attention(
             reads key/value head ``h // (H // Hkv)``). Otherwise the leading dims equal query's.
         value: ``[..., Lk, Dv]``; ``Dv`` may differ from ``Dk``.
         mask: ``None``, a **boolean mask (True = may attend)**, or a floating additive bias
-            (``-inf`` removes a key), broadcastable to ``[..., Lq, Lk]``.
+            (``-inf`` removes a key), broadcastable to ``[..., Lq, Lk]``; or a structured mask
+            from :mod:`attnkit.masks` (``causal()``, ``sliding_window(512)``, ``document(...)``,
+            ``prefix_lm(...)``, ``padding(...)`` and their ``&``), which the ``"tiled"`` backend
+            uses to skip masked blocks and every other backend receives in dense form.
         causal: query ``i`` sees only keys ``j <= i + Lk - Lq`` (**bottom-right** aligned, as
             KV-cache decoding needs); intersected with ``mask``. For ``Lq=2, Lk=5`` and
             ``Lq=5, Lk=2`` (``#`` may attend)::
@@ -48,13 +53,19 @@ def attention(
         generator: the random source of dropout (on the inputs' device type).
         return_weights: also return the weights ``[..., Lq, Lk]`` (per query head) that were
             applied to ``value``, after masking and dropout, so ``output == weights @ value``.
-        backend: ``"auto"`` (currently ``"torch"``), ``"reference"`` (the readable formula) or
-            ``"torch"`` (``F.scaled_dot_product_attention``; with ``return_weights`` a
-            materialised path of fused ops: baddbmm, in-place softmax, bmm); see
-            :func:`attnkit.backends`.
+        backend: ``"auto"`` (``"tiled"`` for a structured mask long enough to profit or for
+            ``return_lse``; else ``"torch"``), ``"reference"`` (the readable formula),
+            ``"torch"`` (``F.scaled_dot_product_attention``; with ``return_weights`` a materialised
+            path of fused ops: baddbmm, in-place softmax, bmm) or ``"tiled"`` (block-sparse,
+            O(L) memory); see :func:`attnkit.backends`.
+        return_lse: also return the log-sum-exp of each row, ``[..., Lq]``: the natural log of
+            ``sum_j exp(scale * q.k_j + bias_j)`` over the keys the row may attend, before dropout;
+            ``-inf`` for a row with no key; float32 for half-precision inputs. Differentiable.
+            It lets partial results over disjoint keys be merged exactly.
 
     Returns:
-        ``output [..., Lq, Dv]``, or ``(output, weights)`` when ``return_weights=True``.
+        ``output [..., Lq, Dv]``; with ``return_weights`` and/or ``return_lse``, a tuple
+        ``(output, weights, lse)`` holding the ones asked for, in that order.
         A query row with no key it may attend gives zeros (and zero weights) in every backend,
         with finite gradients; never NaN.
 
@@ -64,21 +75,22 @@ def attention(
     call = make_call(
         query, key, value,
         mask=mask, causal=causal, scale=scale, dropout=dropout,
-        generator=generator, return_weights=return_weights,
+        generator=generator, return_weights=return_weights, return_lse=return_lse,
     )
     chosen = _backends.resolve(backend, call)
-    if call.k_len == 0 or _steps.active():
+    tracing = _steps.active() and not return_lse
+    if (call.k_len == 0 and not return_lse) or tracing:
         # No keys at all (every row is empty), or a trace is listening: the readable formula
         # handles the first directly and is the one backend that reports its steps.
         chosen = _backends.get_backend("reference")
-    if _steps.active():
+    if not chosen.structured:
+        call = call.densified()
+    if tracing:
         with _steps.group(None):
             for name, tensor in (("queries", call.query), ("keys", call.key), ("values", call.value)):
                 _steps.record(name, tensor)
-            output, weights = chosen.run(call)
+            output, weights, *lse = chosen.run(call)
     else:
-        output, weights = chosen.run(call)
-    if return_weights:
-        assert weights is not None
-        return output, weights
-    return output
+        output, weights, *lse = chosen.run(call)
+    extras = ([weights] if return_weights else []) + (lse if return_lse else [])
+    return (output, *extras) if extras else output

@@ -18,7 +18,9 @@ from .._call import AttentionCall
 
 __all__ = ["Backend", "register_backend", "get_backend", "backends", "choose"]
 
-BackendFn = Callable[[AttentionCall], tuple[Tensor, Tensor | None]]
+# Returns (output, weights or None), or (output, weights or None, lse) from backends that
+# declare returns_lse (the lse is used when the call asks for it).
+BackendFn = Callable[[AttentionCall], tuple[Tensor, ...]]
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class Backend:
     run: BackendFn
     summary: str
     returns_weights: bool = False
+    returns_lse: bool = False
+    structured: bool = False  # understands structured masks; others receive call.densified()
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -57,7 +61,11 @@ def get_backend(name: str) -> Backend:
 
 
 def choose(call: AttentionCall) -> Backend:
-    """What ``backend="auto"`` runs: the fused kernel; with weights, its materialised fused-op path."""
+    """What ``backend="auto"`` runs: tiled for the log-sum-exp or a structured mask where skipping
+    blocks pays (see ``tiled.profits``), else the fused kernel (with weights, its materialised
+    fused-op path)."""
+    if call.return_lse or (call.structure is not None and _tiled.profits(call)):
+        return _REGISTRY["tiled"]
     return _REGISTRY["torch"]
 
 
@@ -70,11 +78,18 @@ def resolve(name: str, call: AttentionCall) -> Backend:
             f"backend {backend.name!r} cannot return attention weights; use return_weights=False, "
             f"or backend 'auto' or one of {capable}"
         )
+    if call.return_lse and not backend.returns_lse:
+        capable = [b.name for b in _REGISTRY.values() if b.returns_lse]
+        raise ValueError(
+            f"backend {backend.name!r} cannot return the log-sum-exp; use return_lse=False, "
+            f"or backend 'auto' or one of {capable}"
+        )
     return backend
 
 
 from . import reference as _reference  # noqa: E402  (registration needs the registry above)
 from . import fused as _fused  # noqa: E402
+from . import tiled as _tiled  # noqa: E402
 
 register_backend(
     Backend("reference", _reference.reference_attention,
@@ -84,4 +99,9 @@ register_backend(
     Backend("torch", _fused.torch_attention,
             "PyTorch's fused F.scaled_dot_product_attention; weights via baddbmm + in-place softmax",
             returns_weights=True)
+)
+register_backend(
+    Backend("tiled", _tiled.tiled_attention,
+            "block-sparse: per query block, only the keys the mask allows, through the fused kernel",
+            returns_weights=True, returns_lse=True, structured=True)
 )

@@ -1,0 +1,431 @@
+"""Structured masks: small rules instead of ``Lq x Lk`` tensors, so attention can skip work.
+
+Each mask here gives every query row **one interval of keys** it may attend,
+``lo <= key < hi`` (empty when ``lo >= hi``). That covers causal, sliding windows, packed
+documents, prefix-LM and key padding, and it is closed under intersection (``&``: the larger
+``lo``, the smaller ``hi``). Two numbers per row describe the whole mask in O(L) memory, and a
+block of queries can tell at once which keys are attended by **all** of its rows (no mask
+needed there), which by **some** (a small dense mask), and which by none (skipped)::
+
+    sliding_window(3) & document([4, 4]) on 8 x 8     as 4 x 4 blocks
+    # . . . . . . .                                    + .
+    # # . . . . . .                                    . +
+    # # # . . . . .
+    . # # # . . . .     (+: partly allowed, .: skipped)
+    . . . . # . . .
+    . . . . # # . .
+    . . . . # # # .
+    . . . . . # # #
+
+Positions: query ``i`` sits at key position ``p = i + Lk - Lq`` (**bottom-right** alignment, as
+``causal`` everywhere in attnkit), so the last query is level with the last key. ``causal()``
+lets ``p`` see keys ``j <= p``; rows with ``p < 0`` (when ``Lq > Lk``) see nothing and give zeros.
+
+Masks made from per-sequence data (``padding(lengths)``, ``document(ids=[B, T])``,
+``prefix_lm([B])``) have a ``batch_size``; their dense form is ``[B, 1, Lq, Lk]`` and broadcasts
+against ``[B, H, Lq, Lk]`` scores. The others are the same for every sequence: ``[Lq, Lk]``.
+Boolean forms mean **True = may attend**, as everywhere in attnkit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .dense import to_string as _draw_dense
+
+__all__ = [
+    "StructuredMask",
+    "KeyRange",
+    "causal",
+    "sliding_window",
+    "document",
+    "prefix_lm",
+    "padding",
+    "plan_blocks",
+]
+
+
+class KeyRange(NamedTuple):
+    """Keys ``start <= j < stop`` that a block of queries may attend.
+
+    ``full``: every query of the block may attend every key of the range (no mask needed);
+    otherwise some (query, key) pairs inside are masked and a dense mask must be applied.
+    """
+
+    start: int
+    stop: int
+    full: bool
+
+
+class StructuredMask:
+    """A mask given by one key interval ``[lo, hi)`` per query row. Combine with ``&``.
+
+    Subclasses implement :meth:`bounds`; everything else (dense form, key ranges of a block,
+    drawing) follows from it.
+    """
+
+    #: Number of sequences the mask describes, or None when it is the same for all of them.
+    batch_size: int | None = None
+    #: True only for ``causal()`` itself, which dense paths can pass as ``causal=True`` instead.
+    is_causal: bool = False
+
+    def bounds(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys ``lo <= j < hi`` for each query at ``positions`` (int64 ``[n]``, key coordinates,
+        may be negative). Returns ``lo, hi`` shaped ``[n]``, or ``[B, n]`` for per-sequence masks;
+        not clipped to the key range."""
+        raise NotImplementedError
+
+    # -- derived views -------------------------------------------------------------------------
+
+    def row_bounds(self, q_len: int, k_len: int | None = None, *,
+                   device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+        """``lo, hi`` (int64, ``[Lq]`` or ``[B, Lq]``) clipped to ``[0, Lk]``: query ``i`` may attend
+        keys ``lo[i] <= j < hi[i]``; the row is empty when ``lo[i] >= hi[i]``."""
+        k_len = q_len if k_len is None else k_len
+        _check_lengths(q_len, k_len)
+        positions = torch.arange(q_len, device=device, dtype=torch.int64) + (k_len - q_len)
+        lo, hi = self.bounds(positions)
+        return lo.clamp(0, k_len), hi.clamp(0, k_len)
+
+    def dense(self, q_len: int, k_len: int | None = None, *, ndim: int = 4,
+              device: torch.device | str | None = None) -> Tensor:
+        """The boolean mask (True = may attend): ``[Lq, Lk]``, or ``[B, 1, ..., Lq, Lk]`` with
+        ``ndim`` dims for per-sequence masks (``ndim=4`` broadcasts against ``[B, H, Lq, Lk]``)."""
+        k_len = q_len if k_len is None else k_len
+        lo, hi = self.row_bounds(q_len, k_len, device=device)
+        keys = torch.arange(k_len, device=lo.device)
+        allowed = (keys >= lo[..., None]) & (keys < hi[..., None])
+        if lo.dim() == 1:
+            return allowed
+        if ndim == 2 and lo.shape[0] == 1:
+            return allowed[0]
+        if ndim < 3:
+            raise ValueError(
+                f"{self!r} holds {lo.shape[0]} sequences; its dense form needs ndim >= 3 "
+                f"([B, ..., Lq, Lk]), got ndim={ndim}"
+            )
+        return allowed.reshape(allowed.shape[0], *([1] * (ndim - 3)), q_len, k_len)
+
+    def key_ranges(self, q_start: int, q_stop: int, q_len: int, k_len: int | None = None) -> list[KeyRange]:
+        """Which keys the queries ``q_start <= i < q_stop`` may attend, as sorted disjoint ranges;
+        keys outside them are masked for every query of the block (and every sequence)."""
+        if not 0 <= q_start <= q_stop <= q_len:
+            raise ValueError(f"need 0 <= q_start <= q_stop <= q_len, got {q_start}, {q_stop}, {q_len}")
+        lo, hi = self.row_bounds(q_len, k_len)
+        block = max(q_stop - q_start, 1)
+        return plan_blocks(lo[..., q_start:q_stop], hi[..., q_start:q_stop], block)[0] if q_stop > q_start else []
+
+    def to_string(self, q_len: int, k_len: int | None = None, *, block_size: int | None = None) -> str:
+        """Draw the mask as text, one line per query (``#`` may attend, ``.`` may not), or with
+        ``block_size`` one character per block: ``#`` all allowed, ``+`` partly, ``.`` skipped.
+        Per-sequence masks draw each sequence under a ``sequence b:`` heading."""
+        k_len = q_len if k_len is None else k_len
+        lo, hi = self.row_bounds(q_len, k_len)
+        if lo.dim() == 1:
+            return _draw(lo, hi, k_len, block_size)
+        return "\n".join(f"sequence {b}:\n{_draw(lo[b], hi[b], k_len, block_size)}" for b in range(lo.shape[0]))
+
+    def __and__(self, other: StructuredMask) -> StructuredMask:
+        if not isinstance(other, StructuredMask):
+            return NotImplemented
+        return _Intersection(self, other)
+
+
+def _check_lengths(q_len: int, k_len: int) -> None:
+    if q_len < 0 or k_len < 0:
+        raise ValueError(f"lengths must be non-negative, got q_len={q_len}, k_len={k_len}")
+
+
+def _draw(lo: Tensor, hi: Tensor, k_len: int, block_size: int | None) -> str:
+    if block_size is None:
+        keys = torch.arange(k_len)
+        return _draw_dense((keys >= lo[:, None]) & (keys < hi[:, None]))
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    lines = []
+    for q0 in range(0, lo.shape[0], block_size):
+        rows_lo, rows_hi = lo[q0:q0 + block_size, None], hi[q0:q0 + block_size, None]
+        k0 = torch.arange(0, k_len, block_size)
+        k1 = (k0 + block_size).clamp(max=k_len)
+        # allowed pairs of each (query block, key block), counted from the intervals
+        count = (torch.minimum(rows_hi, k1) - torch.maximum(rows_lo, k0)).clamp(min=0).sum(0)
+        area = (k1 - k0) * rows_lo.shape[0]
+        lines.append(" ".join("#" if c == a else "." if c == 0 else "+" for c, a in zip(count.tolist(), area.tolist())))
+    return "\n".join(lines)
+
+
+def plan_blocks(lo: Tensor, hi: Tensor, block_size: int) -> list[list[KeyRange]]:
+    """Cut the rows of ``lo, hi`` (``[..., Lq]``, clipped) into blocks of ``block_size`` queries
+    and give each block its key ranges: ``[union start, full start)`` partial, ``[full start,
+    full stop)`` full, ``[full stop, union stop)`` partial, leaving out empty ones. Leading dims
+    (sequences) count as more rows of the same block. Vectorised: a few tensor ops for any Lq."""
+    q_len = lo.shape[-1]
+    if q_len == 0:
+        return []
+    blocks = -(-q_len // block_size)
+    pad = blocks * block_size - q_len
+    lo2 = lo.reshape(-1, q_len)
+    hi2 = hi.reshape(-1, q_len)
+    nonempty = lo2 < hi2
+    big = 2**62
+
+    def per_block(t: Tensor, fill: int) -> Tensor:
+        # The last block's missing rows get a neutral fill: they neither widen the union nor
+        # shrink the range attended by all rows.
+        t = torch.cat([t, t.new_full((t.shape[0], pad), fill)], dim=1)
+        return t.reshape(t.shape[0], blocks, block_size).transpose(0, 1).reshape(blocks, -1)
+
+    any_lo = per_block(torch.where(nonempty, lo2, big), big).amin(1)
+    any_hi = per_block(torch.where(nonempty, hi2, -1), -1).amax(1)
+    # A key is attended by every row of the block iff it is inside every row's interval.
+    all_lo = per_block(lo2, -big).amax(1)
+    all_hi = per_block(hi2, big).amin(1)
+    plan = []
+    for u0, u1, f0, f1 in zip(any_lo.tolist(), any_hi.tolist(), all_lo.tolist(), all_hi.tolist()):
+        if u0 >= u1:
+            plan.append([])
+        elif f0 >= f1:
+            plan.append([KeyRange(u0, u1, False)])
+        else:
+            ranges = [KeyRange(u0, f0, False), KeyRange(f0, f1, True), KeyRange(f1, u1, False)]
+            plan.append([r for r in ranges if r.start < r.stop])
+    return plan
+
+
+# -- the masks -----------------------------------------------------------------------------------
+
+
+class _Causal(StructuredMask):
+    is_causal = True
+
+    def bounds(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.zeros_like(positions), positions + 1
+
+    def __repr__(self) -> str:
+        return "causal()"
+
+
+class _SlidingWindow(StructuredMask):
+    def __init__(self, size: int, causal: bool) -> None:
+        self.size, self.causal = size, causal
+
+    def bounds(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        lo = positions - self.size + 1
+        hi = positions + 1 if self.causal else positions + self.size
+        return lo, hi
+
+    def __repr__(self) -> str:
+        return f"sliding_window({self.size})" if self.causal else f"sliding_window({self.size}, causal=False)"
+
+
+def _per_sequence(values: Tensor, positions: Tensor) -> Tensor:
+    """``[B]`` values -> ``[B, n]`` (broadcast along the query positions)."""
+    return values.to(positions.device)[:, None].expand(-1, positions.shape[0])
+
+
+class _PrefixLM(StructuredMask):
+    def __init__(self, prefix: int | Tensor) -> None:
+        self.prefix = prefix
+        self.batch_size = None if isinstance(prefix, int) else prefix.shape[0]
+
+    def bounds(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        prefix = self.prefix if isinstance(self.prefix, int) else _per_sequence(self.prefix, positions)
+        hi = torch.maximum(positions + 1, torch.as_tensor(prefix, device=positions.device))
+        return torch.zeros_like(hi), hi
+
+    def __repr__(self) -> str:
+        shown = self.prefix if isinstance(self.prefix, int) else self.prefix.tolist()
+        return f"prefix_lm({shown})"
+
+
+class _Padding(StructuredMask):
+    def __init__(self, lengths: Tensor) -> None:
+        self.lengths = lengths
+        self.batch_size = lengths.shape[0]
+
+    def bounds(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        hi = _per_sequence(self.lengths, positions)
+        return torch.zeros_like(hi), hi
+
+    def __repr__(self) -> str:
+        return f"padding({self.lengths.tolist()})"
+
+
+class _Document(StructuredMask):
+    """Packed documents: a query attends the keys of its own document. ``starts``/``stops``
+    hold, for every position ``t < T``, the first and one-past-last position of its document."""
+
+    def __init__(self, ids: Tensor, description: str) -> None:
+        self.description = description
+        batched = ids.dim() == 2
+        ids2 = ids if batched else ids[None]
+        length = ids2.shape[1]
+        positions = torch.arange(length).expand_as(ids2)
+        first = torch.ones_like(ids2, dtype=torch.bool)  # position starts a run
+        first[:, 1:] = ids2[:, 1:] != ids2[:, :-1]
+        last = torch.ones_like(ids2, dtype=torch.bool)  # position ends a run
+        last[:, :-1] = first[:, 1:]
+        for b in range(ids2.shape[0]):
+            if int(first[b].sum()) != ids2[b].unique().numel():
+                raise ValueError(
+                    f"document ids must label contiguous runs (packed sequences); sequence {b} "
+                    f"reuses an id after another: {ids2[b].tolist()}"
+                )
+        starts = torch.where(first, positions, 0).cummax(1).values
+        stops = torch.where(last, positions + 1, length).flip(1).cummin(1).values.flip(1)
+        self.starts = starts if batched else starts[0]
+        self.stops = stops if batched else stops[0]
+        self.length = length
+        self.batch_size = ids2.shape[0] if batched else None
+
+    def bounds(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        # Positions outside the packed sequence belong to no document: empty rows.
+        inside = (positions >= 0) & (positions < self.length)
+        index = positions.clamp(0, max(self.length - 1, 0))
+        starts, stops = self.starts.to(positions.device), self.stops.to(positions.device)
+        if self.length == 0:
+            starts = stops = torch.zeros(*starts.shape[:-1], 1, dtype=torch.int64, device=positions.device)
+        return torch.where(inside, starts[..., index], 0), torch.where(inside, stops[..., index], 0)
+
+    def __repr__(self) -> str:
+        return f"document({self.description})"
+
+
+class _Intersection(StructuredMask):
+    def __init__(self, *parts: StructuredMask) -> None:
+        flat: list[StructuredMask] = []
+        for part in parts:
+            flat.extend(part.parts if isinstance(part, _Intersection) else [part])
+        sizes = {p.batch_size for p in flat if p.batch_size not in (None, 1)}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"cannot intersect masks describing different numbers of sequences {sorted(sizes)}: "
+                + " & ".join(map(repr, flat))
+            )
+        self.parts = tuple(flat)
+        batched = [p.batch_size for p in flat if p.batch_size is not None]
+        self.batch_size = max(batched) if batched else None
+
+    def bounds(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        lo, hi = self.parts[0].bounds(positions)
+        for part in self.parts[1:]:
+            other_lo, other_hi = part.bounds(positions)
+            lo, hi = torch.maximum(lo, other_lo), torch.minimum(hi, other_hi)
+        return lo, hi
+
+    def __repr__(self) -> str:
+        return " & ".join(map(repr, self.parts))
+
+
+# -- constructors (the public names) -------------------------------------------------------------
+
+
+def _int_or_lengths(name: str, value: object) -> int | Tensor:
+    """An int, or per-sequence ints ``[B]`` as an int64 tensor; negative values rejected."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a 1-D integer sequence [B], got bool")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+        return value
+    tensor = value if isinstance(value, Tensor) else torch.as_tensor(value)
+    if tensor.dim() != 1 or tensor.is_floating_point() or tensor.dtype == torch.bool or tensor.is_complex():
+        raise TypeError(
+            f"{name} must be an int or a 1-D integer sequence [B], got {tensor.dtype} of shape {tuple(tensor.shape)}"
+        )
+    if tensor.numel() and int(tensor.min()) < 0:
+        raise ValueError(f"{name} must be >= 0, got {tensor.tolist()}")
+    return tensor.to(torch.int64)
+
+
+def causal() -> StructuredMask:
+    """Query at position ``p`` sees keys ``j <= p`` (**bottom-right** aligned when ``Lq != Lk``)::
+
+        Lq = 3, Lk = 5       Lq = 4, Lk = 2
+        # # # . .            . .   <- no key: zeros
+        # # # # .            . .
+        # # # # #            # .
+                             # #
+    """
+    return _Causal()
+
+
+def sliding_window(size: int, *, causal: bool = True) -> StructuredMask:
+    """Local attention. ``causal=True``: position ``p`` sees the ``size`` most recent keys,
+    ``p - size < j <= p`` (itself included). ``causal=False``: keys with ``|j - p| < size``
+    (``size - 1`` on each side). ``sliding_window(3)`` and ``sliding_window(2, causal=False)``::
+
+        # . . . .        # # . . .
+        # # . . .        # # # . .
+        # # # . .        . # # # .
+        . # # # .        . . # # #
+        . . # # #        . . . # #
+    """
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(f"size must be an int, got {type(size).__name__}")
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    return _SlidingWindow(size, causal)
+
+
+def document(lengths: Sequence[int] | Tensor | None = None, *, ids: Tensor | None = None) -> StructuredMask:
+    """Packed documents: a query attends only the keys of its own document.
+
+    Give the documents' ``lengths`` (one packing shared by every sequence, e.g. ``[3, 5, 2]``),
+    or ``ids``: ``[T]`` or per sequence ``[B, T]`` integer labels, equal within a document
+    (documents are contiguous runs). Positions beyond ``T`` belong to no document. Combine
+    with ``causal()`` for packed causal language modelling. ``document([2, 3])``::
+
+        # # . . .
+        # # . . .
+        . . # # #
+        . . # # #
+        . . # # #
+    """
+    if (lengths is None) == (ids is None):
+        raise TypeError("document() takes either lengths (positional) or ids=..., exactly one of them")
+    if lengths is not None:
+        sizes = lengths if isinstance(lengths, Tensor) else torch.as_tensor(list(lengths), dtype=torch.int64)
+        if sizes.dim() != 1 or sizes.is_floating_point() or sizes.dtype == torch.bool:
+            raise TypeError(f"lengths must be a 1-D sequence of ints, got {sizes.dtype} of shape {tuple(sizes.shape)}")
+        if sizes.numel() and int(sizes.min()) < 0:
+            raise ValueError(f"lengths must be >= 0, got {sizes.tolist()}")
+        labels = torch.repeat_interleave(torch.arange(sizes.numel()), sizes.to(torch.int64).cpu())
+        return _Document(labels, f"{sizes.tolist()}")
+    if not isinstance(ids, Tensor):
+        ids = torch.as_tensor(ids)
+    if ids.dim() not in (1, 2) or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise TypeError(f"ids must be an integer tensor [T] or [B, T], got {ids.dtype} of shape {tuple(ids.shape)}")
+    return _Document(ids.cpu(), f"ids={ids.tolist()}" if ids.numel() <= 16 else f"ids of shape {tuple(ids.shape)}")
+
+
+def prefix_lm(prefix_length: int | Sequence[int] | Tensor) -> StructuredMask:
+    """Prefix-LM: every query sees the first ``prefix_length`` keys (bidirectional prefix) and,
+    beyond it, keys up to its own position (causal). An int, or one length per sequence ``[B]``.
+    ``prefix_lm(2)``::
+
+        # # . . .
+        # # . . .
+        # # # . .
+        # # # # .
+        # # # # #
+    """
+    return _PrefixLM(_int_or_lengths("prefix_length", prefix_length))
+
+
+def padding(lengths: int | Sequence[int] | Tensor) -> StructuredMask:
+    """Key padding: sequence ``b`` has ``lengths[b]`` real keys, the rest are padding and never
+    attended. ``lengths`` is ``[B]`` (or one int for all sequences). ``padding([3])`` on 3 x 5::
+
+        # # # . .
+        # # # . .
+        # # # . .
+    """
+    value = _int_or_lengths("lengths", lengths)
+    if isinstance(value, int):
+        value = torch.tensor([value])
+    return _Padding(value)

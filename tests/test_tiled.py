@@ -1,0 +1,350 @@
+"""The tiled backend against the float64 oracle: structured and dense masks, tiny blocks (so
+every call crosses many blocks, partial edges and batched runs), GQA, gradients, lse, weights,
+dropout, empty rows; and that it really skips what the mask removes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import masks
+from attnkit._backends import choose, tiled, tiled_plan
+from attnkit._call import make_call
+from oracle import oracle_attention
+from strategies import cases, mask_cases
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These problems are tiny and cut into many kernel calls: one thread runs them fastest, and
+    does not stall at every call's thread barrier when other jobs share the machine's cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# fp32 against float64 over <= 40 keys and <= 16 features of O(1) randn values: a few ulp
+# (1.2e-7) of each O(1) output, plus one rounding per merged partial result; 2e-5 leaves margin.
+FP32 = dict(atol=2e-5, rtol=2e-5)
+# Gradients sum up to 40 such products per entry (and the tiled ones add per-block parts).
+FP32_GRAD = dict(atol=1e-4, rtol=1e-4)
+
+
+@st.composite
+def tiled_cases(draw, max_len=40):
+    """Inputs [B, H, L, D] (GQA sometimes; Dv = Dk for the fused kernel or not for the plain-ops
+    one), a structured mask, maybe causal=True on top, and a block size that cuts many blocks."""
+    batch = draw(st.integers(1, 2))
+    heads = draw(st.sampled_from([1, 2, 4]))
+    kv_heads = draw(st.sampled_from([h for h in (1, 2, 4) if heads % h == 0]))
+    lq, lk = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
+    dk = draw(st.integers(1, 16))
+    dv = dk if draw(st.booleans()) else draw(st.integers(1, 16))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    query = torch.randn(batch, heads, lq, dk, generator=g)
+    key = torch.randn(batch, kv_heads, lk, dk, generator=g)
+    value = torch.randn(batch, kv_heads, lk, dv, generator=g)
+    case = draw(mask_cases(batch=batch, max_len=max_len))
+    causal = draw(st.booleans())
+    allowed = case.allowed(lq, lk)[:, None]  # [S, 1, Lq, Lk]
+    if causal:
+        allowed = allowed & masks.causal_mask(lq, lk)
+    # merge_span 0 keeps every block's fully attended range apart from its masked edges, so rows
+    # merge several partial results; 1024 runs each block's span as one masked range.
+    tuning = dict(block_size=draw(st.integers(1, 9)), merge_span=draw(st.sampled_from([0, 6, 1024])))
+    return dict(query=query, key=key, value=value, mask=case.mask, causal=causal, allowed=allowed,
+                tuning=tuning, scale=draw(st.one_of(st.none(), st.floats(0.1, 2.0))))
+
+
+def _oracle(c, dtype=torch.float64):
+    return oracle_attention(c["query"], c["key"], c["value"], mask=c["allowed"], scale=c["scale"], dtype=dtype)
+
+
+def _tiled(c, query=None, key=None, value=None, **kwargs):
+    with tiled.tuning(**c["tuning"]):
+        return attnkit.attention(query if query is not None else c["query"], key if key is not None else c["key"],
+                                 value if value is not None else c["value"], mask=c["mask"], causal=c["causal"],
+                                 scale=c["scale"], backend="tiled", **kwargs)
+
+
+@given(c=tiled_cases())
+def test_forward_and_gradients_match_the_oracle(c):
+    expected, _ = _oracle(c)
+    q, k, v = (c[n].clone().requires_grad_() for n in ("query", "key", "value"))
+    output = _tiled(c, q, k, v)
+    torch.testing.assert_close(output.double(), expected, **FP32)
+
+    q64, k64, v64 = (c[n].double().requires_grad_() for n in ("query", "key", "value"))
+    exact, _ = oracle_attention(q64, k64, v64, mask=c["allowed"], scale=c["scale"])
+    upstream = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    expected_grads = torch.autograd.grad((exact * upstream).sum(), (q64, k64, v64))
+    grads = torch.autograd.grad((output * upstream.float()).sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, **FP32_GRAD)
+
+
+@given(c=tiled_cases())
+def test_matches_the_reference_backend_with_the_dense_mask(c):
+    """The issue's statement of exactness: tiled == reference fed the dense form of the mask."""
+    dense = c["mask"].dense(c["query"].shape[-2], c["key"].shape[-2])
+    reference = attnkit.attention(c["query"], c["key"], c["value"], mask=dense, causal=c["causal"],
+                                  scale=c["scale"], backend="reference")
+    torch.testing.assert_close(_tiled(c), reference, **FP32)
+
+
+def _max_error(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+@given(c=tiled_cases(max_len=32))
+def test_bfloat16_within_twice_the_reference_error(c):
+    """FlashAttention's rule: our bf16 error against float64 is at most twice the error of the
+    plain bf16 computation (the oracle in bf16) against float64; floor: one bf16 ulp at 1."""
+    low = {n: c[n].to(torch.bfloat16) for n in ("query", "key", "value")}
+    c = {**c, **low}
+    exact, _ = _oracle(c)
+    plain, _ = _oracle(c, dtype=torch.bfloat16)
+    output = _tiled(c)
+    assert output.dtype == torch.bfloat16
+    assert _max_error(output, exact) <= 2 * _max_error(plain, exact) + 2**-8
+
+
+@given(c=tiled_cases())
+def test_log_sum_exp_matches_the_oracle(c):
+    q64, k64 = c["query"].double(), c["key"].double()
+    if k64.shape[1] != q64.shape[1]:
+        k64 = k64.repeat_interleave(q64.shape[1] // k64.shape[1], dim=1)
+    scale = c["scale"] if c["scale"] is not None else 1 / math.sqrt(q64.shape[-1])
+    scores = (q64 @ k64.transpose(-1, -2) * scale).masked_fill(~c["allowed"], float("-inf"))
+    expected = torch.logsumexp(scores, dim=-1)  # -inf exactly where a row has no key
+    output, lse = _tiled(c, return_lse=True)
+    assert lse.shape == expected.shape and lse.dtype == torch.float32
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(expected))
+    torch.testing.assert_close(lse.double().nan_to_num(neginf=0.0), expected.nan_to_num(neginf=0.0), **FP32)
+    torch.testing.assert_close(output, _tiled(c), atol=0, rtol=0)  # asking for lse changes nothing
+
+
+@given(c=tiled_cases(max_len=24))
+def test_weights_match_the_oracle_and_reproduce_the_output(c):
+    expected_out, expected_weights = _oracle(c)
+    output, weights, lse = _tiled(c, return_weights=True, return_lse=True)
+    torch.testing.assert_close(weights.double(), expected_weights, **FP32)
+    torch.testing.assert_close(output.double(), expected_out, **FP32)
+    value = c["value"].repeat_interleave(c["query"].shape[1] // c["value"].shape[1], dim=1)
+    torch.testing.assert_close(output, weights @ value, **FP32)
+    _, plain_lse = _tiled(c, return_lse=True)
+    torch.testing.assert_close(lse, plain_lse, **FP32)
+
+
+@given(case=cases(max_len=20, max_dim=8), block=st.integers(1, 7), merge_span=st.sampled_from([0, 1024]))
+def test_dense_tensor_masks_and_causal_match_the_oracle(case, block, merge_span):
+    """Tiled also runs any call without a structured mask: bool/additive masks (with -inf rows),
+    per-head masks, 2-D and 3-D inputs, causal with Lq != Lk."""
+    expected, _ = oracle_attention(case.query, case.key, case.value, **case.kwargs())
+    with tiled.tuning(block_size=block, merge_span=merge_span):
+        output = attnkit.attention(case.query, case.key, case.value, backend="tiled", **case.kwargs())
+    torch.testing.assert_close(output.double(), expected, **FP32)
+
+
+GRADCHECK_CASES = {
+    "window, fused kernel": dict(mask=masks.sliding_window(3), dv=4),
+    "document & causal, plain kernel": dict(mask=masks.document([3, 4, 4]) & masks.causal(), dv=3),
+    "padding per sequence, empty rows": dict(mask=masks.padding(torch.tensor([0, 5])) & masks.causal(), dv=4),
+    "prefix-LM, GQA": dict(mask=masks.prefix_lm(4), dv=4, kv_heads=1),
+    "dense additive mask": dict(mask=torch.randn(9, 11, dtype=torch.float64).masked_fill(
+        torch.eye(9, 11, dtype=torch.bool).logical_not() & (torch.rand(9, 11) < 0.5), float("-inf")), dv=4),
+}
+
+
+@pytest.mark.parametrize("name", list(GRADCHECK_CASES))
+def test_gradcheck_output_and_log_sum_exp(name):
+    config = GRADCHECK_CASES[name]
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads = 2, config.get("kv_heads", 2)
+    q = torch.randn(2, heads, 9, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, kv_heads, 11, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, kv_heads, 11, config["dv"], generator=g, dtype=torch.float64, requires_grad=True)
+
+    def fn(q, k, v):
+        with tiled.tuning(block_size=2, merge_span=0):
+            out, lse = attnkit.attention(q, k, v, mask=config["mask"], backend="tiled", return_lse=True)
+        return out, lse.masked_fill(torch.isneginf(lse), 0.0)  # empty rows: a constant -inf
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: fn(q, k, v)[0], (q, k, v))  # fused backward when Dv == Dk
+
+
+@pytest.mark.parametrize("dv", [4, 3], ids=["fused kernel", "plain kernel"])
+def test_calls_cut_to_the_size_limits_stay_exact(monkeypatch, dv):
+    """Big groups are cut into several kernel calls (fewer blocks, or fewer rows of one block)."""
+    monkeypatch.setattr(tiled, "CALL_ROWS", 5)
+    monkeypatch.setattr(tiled, "CALL_SCORES", 40)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 23, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 23, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 23, dv, generator=g, dtype=torch.float64, requires_grad=True)
+    for mask in (masks.sliding_window(5), masks.document([11, 12])):
+        def fn(q, k, v):
+            with tiled.tuning(block_size=2, merge_span=0):
+                return attnkit.attention(q, k, v, mask=mask, backend="tiled")
+        expected, _ = oracle_attention(q, k, v, mask=mask.dense(23, 23))
+        torch.testing.assert_close(fn(q, k, v), expected)
+        assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dv", [16, 8], ids=["fused kernel", "plain kernel"])
+def test_rows_with_no_key_give_zeros_finite_gradients_and_minus_inf_lse(dtype, dv):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, 40, 16, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(2, 2, 20, 16, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(2, 2, 20, dv, generator=g).to(dtype).requires_grad_()
+    # causal with Lq > Lk empties the first 20 rows; sequence 0 has no real key at all.
+    mask = masks.causal() & masks.padding(torch.tensor([0, 20]))
+    with tiled.tuning(block_size=8, merge_span=0):
+        out, lse = attnkit.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
+    empty = torch.zeros(2, 1, 40, dtype=torch.bool)
+    empty[0] = True
+    empty[1, :, :20] = True
+    assert (out[empty.expand(2, 2, 40)] == 0).all() and torch.isfinite(out).all()
+    assert torch.isneginf(lse[empty.expand(2, 2, 40)]).all() and torch.isfinite(lse[~empty.expand(2, 2, 40)]).all()
+    (out.float().square().sum() + lse.masked_fill(torch.isneginf(lse), 0).sum()).backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert (q.grad[empty.expand(2, 2, 40)] == 0).all()
+
+
+def _qkv(seed=0, lq=24, lk=24, dv=8):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 4, lq, 8, generator=g), torch.randn(2, 2, lk, 8, generator=g),
+            torch.randn(2, 2, lk, dv, generator=g))
+
+
+def test_dropout_is_reproducible_from_the_generator_and_leaves_the_global_rng_alone():
+    q, k, v = _qkv()
+    mask = masks.sliding_window(5)
+    torch.manual_seed(0)
+    expected_next = torch.rand(3)
+    torch.manual_seed(0)
+    with tiled.tuning(block_size=4):
+        run = lambda seed: attnkit.attention(q, k, v, mask=mask, dropout=0.4, backend="tiled",  # noqa: E731
+                                             generator=torch.Generator().manual_seed(seed))
+        a, b, c = run(1), run(1), run(2)
+    assert torch.equal(torch.rand(3), expected_next)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    torch.manual_seed(5)
+    with tiled.tuning(block_size=4):
+        first = attnkit.attention(q, k, v, mask=mask, dropout=0.4, backend="tiled")
+    torch.manual_seed(5)
+    with tiled.tuning(block_size=4):
+        assert torch.equal(first, attnkit.attention(q, k, v, mask=mask, dropout=0.4, backend="tiled"))
+
+
+def test_dropout_is_unbiased_and_applied_to_the_returned_weights():
+    q, k, v = _qkv(lq=6, lk=9)
+    mask = masks.sliding_window(4, causal=False)
+    g = torch.Generator().manual_seed(11)
+    with tiled.tuning(block_size=2):
+        draws = torch.stack([attnkit.attention(q, k, v, mask=mask, dropout=0.3, generator=g, backend="tiled")
+                             for _ in range(1000)])
+        out, weights = attnkit.attention(q, k, v, mask=mask, dropout=0.5, generator=g, return_weights=True,
+                                         backend="tiled")
+    clean = attnkit.attention(q, k, v, mask=mask, backend="reference")
+    # Each output sums <= 7 terms with per-term std <= |v| * sqrt(p/(1-p)); over 1000 draws the
+    # mean's standard error is below 0.05 here, so 0.25 is a 5-sigma band.
+    assert (draws.mean(0) - clean).abs().max() < 0.25
+    assert draws.std(0).mean() > 0.05
+    torch.testing.assert_close(out, weights @ v.repeat_interleave(2, dim=1), **FP32)
+    _, clean_weights = attnkit.attention(q, k, v, mask=mask, return_weights=True, backend="reference")
+    kept = weights != 0
+    torch.testing.assert_close(weights[kept], clean_weights[kept] / 0.5, **FP32)
+
+
+def test_gradcheck_with_dropout_from_a_fixed_generator():
+    q, k, v = (t.double().requires_grad_() for t in _qkv(lq=7, lk=9))
+
+    def fn(q, k, v):
+        with tiled.tuning(block_size=2):
+            return attnkit.attention(q, k, v, mask=masks.sliding_window(3), dropout=0.3, backend="tiled",
+                                     generator=torch.Generator().manual_seed(7))
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_keys_that_no_query_may_attend_are_never_read():
+    """Padding keys full of NaN do not reach the output: tiled never touches them (a dense
+    kernel would multiply them by zero weights and return NaN)."""
+    q, k, v = _qkv(lq=30, lk=30)
+    lengths = torch.tensor([17, 30])
+    k, v = k.clone(), v.clone()
+    k[0, :, 17:] = float("nan")
+    v[0, :, 17:] = float("nan")
+    mask = masks.padding(lengths) & masks.sliding_window(6)
+    with tiled.tuning(block_size=4):
+        out = attnkit.attention(q, k, v, mask=mask, backend="tiled")
+    assert torch.isfinite(out).all()
+    finite = attnkit.attention(q, k.nan_to_num(3.0), v.nan_to_num(3.0), mask=mask, backend="reference")
+    torch.testing.assert_close(out, finite, **FP32)
+    assert torch.isnan(attnkit.attention(q, k, v, mask=mask, backend="reference")).any()  # the trap is real
+
+
+def _call(length, mask, heads=8, **kwargs):
+    q = torch.empty(1, heads, length, 64)
+    return make_call(q, q, q, mask=mask, causal=False, scale=None, dropout=0.0, generator=None,
+                     return_weights=False, **kwargs)
+
+
+def test_the_plan_computes_little_more_than_the_attended_pairs_in_few_calls():
+    window = _call(4096, masks.sliding_window(512))
+    attended = 512 / 4096  # about: each row attends 512 keys
+    assert tiled.visited_fraction(window) < 1.15 * attended  # corners of the window blocks only
+    groups = tiled.plan(window)
+    # The first 512 rows (windows clipped at key 0) differ block by block; the rest is one
+    # batched call (or a few, cut to the size limit).
+    assert len(groups) <= 512 // tiled_plan.BLOCK_SIZE + 8
+    assert sum(g.count * g.rows for g in groups if g.count > 1) >= 4096 - 512
+    documents = _call(4096, masks.document([1000, 1500, 1596]))
+    assert len(tiled.plan(documents)) < 12
+    assert tiled.visited_fraction(documents) < 1.1 * (1000**2 + 1500**2 + 1596**2) / 4096**2
+
+
+def test_auto_runs_long_structured_masks_tiled_and_everything_else_fused():
+    assert choose(_call(4096, masks.sliding_window(256))).name == "tiled"
+    assert choose(_call(4096, masks.document([1024] * 4))).name == "tiled"
+    assert choose(_call(128, masks.sliding_window(16))).name == "torch"  # too short to profit
+    assert choose(_call(4096, masks.padding([4096]))).name == "torch"  # nothing to skip
+    assert choose(_call(4096, masks.causal() & masks.padding([3000]))).name == "tiled"
+    assert choose(_call(4096, masks.causal())).name == "torch"  # SDPA's own causal path is as fast
+    assert choose(_call(4096, None)).name == "torch"
+    assert choose(_call(16, None, return_lse=True)).name == "tiled"  # only tiled gives the lse
+
+
+def test_training_saves_only_linear_memory():
+    """The forward keeps query, key, value, output and lse for the backward: nothing L x L."""
+    length = 2048
+    q = torch.randn(1, 2, length, 16, requires_grad=True)
+    out = attnkit.attention(q, q, q, mask=masks.sliding_window(64), backend="tiled")
+    node = out.grad_fn
+    while "Tiled" not in type(node).__name__:  # past the reshape back to the caller's layout
+        node = node.next_functions[0][0]
+    saved = sum(t.numel() for t in node.saved_tensors)
+    assert saved <= 5 * q.numel()
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
+def test_other_backends_cannot_return_the_log_sum_exp():
+    q = torch.randn(2, 3, 4)
+    with pytest.raises(ValueError, match=r"backend 'torch' cannot return the log-sum-exp.*\['tiled'\]"):
+        attnkit.attention(q, q, q, backend="torch", return_lse=True)
+    with pytest.raises(TypeError, match=r"return_lse must be a bool, got int"):
+        attnkit.attention(q, q, q, return_lse=1)
+    out, lse = attnkit.attention(q, q[:, :0], q[:, :0], return_lse=True)  # no keys at all
+    assert (out == 0).all() and torch.isneginf(lse).all() and lse.shape == (2, 3)
