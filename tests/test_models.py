@@ -81,17 +81,21 @@ def test_tokens_are_the_real_wordpieces(encoder):
     assert out.tokens[1] == ["[CLS]", "the", "quick", "brown", "fox", ".", "[SEP]"]
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("backend", ["reference", "torch", "tiled"])
 def test_backends_agree_on_the_real_model(encoder, backend):
-    expected = encoder.encode(SENTENCES)
+    expected = encoder.encode(SENTENCES, need_weights=True)
     encoder.model.set_backend(backend)
     try:
         got = encoder.encode(SENTENCES)
+        got_with_weights = encoder.encode(SENTENCES, need_weights=True)
     finally:
         encoder.model.set_backend("auto")
     # Real tokens only: padded positions are filler whose values no real token ever reads.
     real = expected.attention_mask
     torch.testing.assert_close(got.hidden_states[real], expected.hidden_states[real], **FP32)
+    torch.testing.assert_close(got_with_weights.hidden_states[real], expected.hidden_states[real], **FP32)
+    for mine, theirs in zip(got_with_weights.attentions, expected.attentions):
+        torch.testing.assert_close(mine, theirs, **FP32)
 
 
 def test_sentence_embeddings_match_the_sentence_transformers_recipe(hf, encoder):
