@@ -45,7 +45,7 @@ test: $(VENV)/.installed-test browser
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.installed
-	$(BIN)/python benchmarks/sdpa.py
+	for b in sdpa layers masks models; do $(BIN)/python benchmarks/$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis

@@ -11,13 +11,16 @@ import torch
 
 def median_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
     """Median wall time (s) of each function, measured round-robin so that drift in machine
-    load hits every contender alike."""
+    load hits every contender alike. The order is reversed every other round: whoever runs
+    right after another contender inherits its memory state (freed pages, caches), and that
+    must not always favour the same one."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    items = list(fns.items())
+    for round_ in range(repeats):
+        for name, fn in (items if round_ % 2 == 0 else items[::-1]):
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)
