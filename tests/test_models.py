@@ -181,3 +181,16 @@ def test_unknown_parameter_is_named(tmp_path):
     safetensors_torch.save_file(weights, str(target / "model.safetensors"))
     with pytest.raises(ValueError, match=r"unexpected parameter 'encoder.layer.0.attention.self.rotary.weight'"):
         models.load(target)
+
+
+def test_every_attention_call_of_the_model_can_be_observed(encoder):
+    """The hook point: attnkit.trace sees each layer's call, with the weights the model returns."""
+    from attnkit import trace
+
+    with trace.record() as recorded:
+        out = encoder.encode(SENTENCES[:2], need_weights=True)
+    assert [call.layer for call in recorded.layers] == list(range(6))
+    for call, weights in zip(recorded.layers, out.attentions):
+        assert call.module is encoder.model.layers[call.layer].attention
+        torch.testing.assert_close(call["weights"], weights, **FP32)
+        assert call["queries"].shape == (2, 12, weights.shape[-1], 32)
