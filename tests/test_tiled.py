@@ -348,3 +348,22 @@ def test_other_backends_cannot_return_the_log_sum_exp():
         attnkit.attention(q, q, q, return_lse=1)
     out, lse = attnkit.attention(q, q[:, :0], q[:, :0], return_lse=True)  # no keys at all
     assert (out == 0).all() and torch.isneginf(lse).all() and lse.shape == (2, 3)
+
+
+def test_plans_are_reused_for_equal_masks_and_redone_when_a_lengths_tensor_changes():
+    """The plan cache compares the rows' bounds by value: a mask rebuilt alike reuses the plan,
+    a padding-lengths tensor edited in place (the same mask object) gets a fresh, right one."""
+    lengths = torch.tensor([40, 25])
+    q, k, v = (torch.randn(2, 2, 40, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    mask = masks.padding(lengths) & masks.sliding_window(9)
+    with tiled.tuning(block_size=4):
+        first = tiled_plan.cached_plan(make_call(q, k, v, mask=mask, causal=False, scale=None, dropout=0.0,
+                                                 generator=None, return_weights=False))
+        again = masks.padding(torch.tensor([40, 25])) & masks.sliding_window(9)
+        assert tiled_plan.cached_plan(make_call(q, k, v, mask=again, causal=False, scale=None, dropout=0.0,
+                                                generator=None, return_weights=False)) is first
+        attnkit.attention(q, k, v, mask=mask, backend="tiled")
+        lengths[1] = 7  # in place: the same mask object now means something else
+        output = attnkit.attention(q, k, v, mask=mask, backend="tiled")
+    expected, _ = oracle_attention(q, k, v, mask=mask.dense(40, 40))
+    torch.testing.assert_close(output.double(), expected, **FP32)

@@ -21,7 +21,6 @@ seeds taken from the generator once per call, so the same generator state gives 
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -367,16 +366,7 @@ def profits(call: AttentionCall) -> bool:
     return visited_fraction(call) <= limit
 
 
-# A plan is computed once per call even when "auto" asked profits() first: the last one is kept,
-# tied to its call by a weak reference (the call's tensors are not kept alive by it).
-_last_plan: tuple[weakref.ref, tuple[int, int, int], list[Group]] | None = None
-
-
 def _plan_of(call: AttentionCall) -> list[Group]:
-    global _last_plan
-    settings = (tiled_plan.BLOCK_SIZE, tiled_plan.MERGE_SPAN, tiled_plan.LEVELS)
-    if _last_plan is not None and _last_plan[0]() is call and _last_plan[1] == settings:
-        return _last_plan[2]
-    groups = plan(call)
-    _last_plan = (weakref.ref(call), settings, groups)
-    return groups
+    """The call's plan: computed once even when "auto" asked :func:`profits` first, and reused
+    across calls with the same mask and shapes (:func:`tiled_plan.cached_plan`)."""
+    return tiled_plan.cached_plan(call)
