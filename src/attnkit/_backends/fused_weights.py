@@ -24,6 +24,7 @@ from torch import Tensor
 
 from .._call import AttentionCall
 from .empty_rows import give_empty_rows_a_key
+from .reference import drop_weights
 
 
 def _needs_grad(call: AttentionCall) -> bool:
@@ -66,8 +67,7 @@ def fused_weights_attention(call: AttentionCall) -> tuple[Tensor, Tensor]:
         weights = weights.masked_fill_(no_key, 0.0) if in_place else weights.masked_fill(no_key, 0.0)
 
     if call.dropout > 0:
-        keep = torch.rand(weights.shape, generator=call.generator, device=weights.device) >= call.dropout
-        weights = weights * keep / (1.0 - call.dropout)
+        weights = drop_weights(weights, call.dropout, call.generator)
 
     output = torch.bmm(weights.view(groups, rows, call.k_len), value3)
     return output.view(*lead, call.q_len, value.shape[-1]), weights

@@ -38,6 +38,12 @@ def softmax_rows(scores: Tensor) -> Tensor:
     return weights.to(scores.dtype)
 
 
+def drop_weights(weights: Tensor, dropout: float, generator: torch.Generator | None) -> Tensor:
+    """Zero each weight with probability ``dropout`` and rescale the rest by ``1 / (1 - dropout)``."""
+    keep = torch.rand(weights.shape, generator=generator, device=weights.device) >= dropout
+    return weights * keep / (1.0 - dropout)
+
+
 def reference_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     query, key, value = call.query, call.key, call.value
     if call.is_gqa:
@@ -62,8 +68,7 @@ def reference_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     record("weights", weights)
 
     if call.dropout > 0:
-        keep = torch.rand(weights.shape, generator=call.generator, device=weights.device) >= call.dropout
-        weights = weights * keep / (1.0 - call.dropout)
+        weights = drop_weights(weights, call.dropout, call.generator)
         record("dropped_weights", weights)
 
     output = weights @ value
