@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .bert import BertConfig, BertEncoder
-from .checkpoint import model_directory, read_tokenizer, read_weights
+from .checkpoint import BUILTIN_MODELS, model_directory, read_tokenizer, read_weights
 
 
 @dataclass
@@ -107,6 +107,9 @@ def load(
     """
     directory = model_directory(name_or_path)
     config = BertConfig.from_file(directory / "config.json")
+    limit = config.max_position_embeddings
+    if max_length is not None and not 1 <= max_length <= limit:
+        raise ValueError(f"max_length must be in [1, {limit}] for this model, got {max_length}")
     model = BertEncoder(config, backend=backend)
     weights = read_weights(directory)
     expected = model.state_dict()
@@ -123,8 +126,5 @@ def load(
     model.eval()
     if device is not None:
         model.to(device)
-    limit = config.max_position_embeddings
-    if max_length is not None and not 1 <= max_length <= limit:
-        raise ValueError(f"max_length must be in [1, {limit}] for this model, got {max_length}")
-    name = name_or_path if isinstance(name_or_path, str) and not Path(name_or_path).exists() else directory.name
+    name = name_or_path if name_or_path in BUILTIN_MODELS else directory.name
     return TextEncoder(model, read_tokenizer(directory), name=str(name), max_length=max_length or limit)
