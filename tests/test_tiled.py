@@ -57,7 +57,9 @@ def tiled_cases(draw, max_len=40):
         allowed = allowed & masks.causal_mask(lq, lk)
     # merge_span 0 keeps every block's fully attended range apart from its masked edges, so rows
     # merge several partial results; 1024 runs each block's span as one masked range.
-    tuning = dict(block_size=draw(st.integers(1, 9)), merge_span=draw(st.sampled_from([0, 6, 1024])))
+    # key_align > 1 widens masked ranges into keys no row of the block attends.
+    tuning = dict(block_size=draw(st.integers(1, 9)), merge_span=draw(st.sampled_from([0, 6, 1024])),
+                  key_align=draw(st.sampled_from([1, 3, 16])))
     return dict(query=query, key=key, value=value, mask=case.mask, causal=causal, allowed=allowed,
                 tuning=tuning, scale=draw(st.one_of(st.none(), st.floats(0.1, 2.0))))
 
@@ -293,6 +295,37 @@ def test_keys_that_no_query_may_attend_are_never_read():
     finite = attnkit.attention(q, k.nan_to_num(3.0), v.nan_to_num(3.0), mask=mask, backend="reference")
     torch.testing.assert_close(out, finite, **FP32)
     assert torch.isnan(attnkit.attention(q, k, v, mask=mask, backend="reference")).any()  # the trap is real
+
+
+def test_aligned_ranges_never_read_keys_that_no_row_attends():
+    """One 30-row block of causal + padding: its masked span [0, 17) would widen to 32 keys, but
+    keys 17.. are padding (NaN here) and must stay unread; the result equals the reference."""
+    q, k, v = _qkv(lq=30, lk=30)
+    k, v = k[:1].clone(), v[:1].clone()
+    k[..., 17:, :] = float("nan")
+    v[..., 17:, :] = float("nan")
+    mask = masks.padding([17]) & masks.causal()
+    with tiled.tuning(block_size=32, key_align=16):
+        groups = tiled.plan(make_call(q[:1], k, v, mask=mask, causal=False, scale=None, dropout=0.0,
+                                      generator=None, return_weights=False))
+        out = attnkit.attention(q[:1], k, v, mask=mask, backend="tiled")
+    assert max(g.key_start + g.length for g in groups) == 17
+    assert torch.isfinite(out).all()
+    expected = attnkit.attention(q[:1], k.nan_to_num(3.0), v.nan_to_num(3.0), mask=mask, backend="reference")
+    torch.testing.assert_close(out, expected, **FP32)
+
+
+def test_a_sliding_window_runs_even_key_spans():
+    """A 512 window with 32-row blocks attends a 543-key span per block; the plan widens it to
+    544 into the key before the window (masked for every row), where the fused kernel runs
+    5-10% faster per pair, and the result still equals the oracle."""
+    call = _call(2048, masks.sliding_window(512))
+    interior = max(tiled.plan(call), key=lambda g: g.count)
+    assert (interior.length, interior.key_start - interior.q0) == (544, -512)
+    q, k, v = _qkv(lq=700, lk=700)
+    out = attnkit.attention(q, k, v, mask=masks.sliding_window(512), backend="tiled")
+    expected, _ = oracle_attention(q, k, v, mask=masks.sliding_window(512).dense(700, 700), dtype=torch.float64)
+    torch.testing.assert_close(out, expected.to(out.dtype), **FP32)
 
 
 def _call(length, mask, heads=8, **kwargs):

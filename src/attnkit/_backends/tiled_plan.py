@@ -34,21 +34,31 @@ BLOCK_SIZE = 32
 #: merges cost more than masking the whole span.
 MERGE_SPAN = 1024
 
+#: Masked key ranges are widened to a multiple of this many keys, into keys that no row of the
+#: block attends (so the widened keys are masked for every row and nothing is counted twice).
+#: The fused kernel is slower per pair on odd lengths: 543 keys per 32-row block (a 512 window)
+#: cost 5-10% more per pair than 544 (its vector loops run a scalar tail); benchmarks/masks.py.
+KEY_ALIGN = 16
+
 
 @contextmanager
-def tuning(*, block_size: int | None = None, merge_span: int | None = None) -> Iterator[None]:
-    """Run the tiled backend with other ``BLOCK_SIZE`` / ``MERGE_SPAN`` inside the ``with``
-    (tests use tiny blocks and no merging to exercise many blocks and partial merges cheaply)."""
-    global BLOCK_SIZE, MERGE_SPAN
-    if block_size is not None and block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    saved = BLOCK_SIZE, MERGE_SPAN
+def tuning(*, block_size: int | None = None, merge_span: int | None = None,
+           key_align: int | None = None) -> Iterator[None]:
+    """Run the tiled backend with other ``BLOCK_SIZE`` / ``MERGE_SPAN`` / ``KEY_ALIGN`` inside the
+    ``with`` (tests use tiny blocks and no merging to exercise many blocks and partial merges
+    cheaply, and several alignments)."""
+    global BLOCK_SIZE, MERGE_SPAN, KEY_ALIGN
+    for name, value in (("block_size", block_size), ("key_align", key_align)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    saved = BLOCK_SIZE, MERGE_SPAN, KEY_ALIGN
     BLOCK_SIZE = BLOCK_SIZE if block_size is None else block_size
     MERGE_SPAN = MERGE_SPAN if merge_span is None else merge_span
+    KEY_ALIGN = KEY_ALIGN if key_align is None else key_align
     try:
         yield
     finally:
-        BLOCK_SIZE, MERGE_SPAN = saved
+        BLOCK_SIZE, MERGE_SPAN, KEY_ALIGN = saved
 
 
 # -- planning ------------------------------------------------------------------------------------
@@ -174,7 +184,7 @@ def cached_plan(call: AttentionCall) -> list[Group]:
     L = 16384 (3% of a 512-window call). The rows' bounds are compared by value, so a mask
     rebuilt alike hits, and a lengths tensor changed in place misses, as it must."""
     lo, hi = row_bounds(call)
-    key = (BLOCK_SIZE, MERGE_SPAN, LEVELS, call.q_len, call.k_len, batch_size(call), call.mask is None)
+    key = (BLOCK_SIZE, MERGE_SPAN, LEVELS, KEY_ALIGN, call.q_len, call.k_len, batch_size(call), call.mask is None)
     for index, entry in enumerate(_recent_plans):
         if entry[0] == key and torch.equal(entry[1], lo) and torch.equal(entry[2], hi):
             _recent_plans.append(_recent_plans.pop(index))  # most recently used last
@@ -200,6 +210,7 @@ def plan(call: AttentionCall, size: int | None = None, bounds: tuple[Tensor, Ten
     for s in range(lo.shape[0]):
         batch = slice(s, s + 1) if per_sequence else slice(0, batch_size(call))
         for block, blocks in level_ranges(lo[s], hi[s], size, 0 if call.mask is not None else LEVELS):
+            blocks = _aligned(blocks, lo[s], hi[s], block)
             groups.extend(_runs(blocks, block, lo[s], hi[s], batch, call))
     return [_stacked(g) for g in groups]
 
@@ -234,6 +245,40 @@ def _runs(blocks: list[list[KeyRange]], size: int, lo: Tensor, hi: Tensor, batch
         open_runs = extended
     groups.extend(open_runs.values())
     return groups
+
+
+def _aligned(blocks: list[list[KeyRange]], lo: Tensor, hi: Tensor, size: int) -> list[list[KeyRange]]:
+    """Widen each block's masked ranges to a multiple of ``KEY_ALIGN`` keys, to the left where
+    the range starts at or before every row's first key, else (or for the rest) to the right
+    where it ends at or after every row's last key. Keys outside ``[min lo, max hi)`` of the
+    block's rows are masked for all of them (the bias is built from ``lo, hi``) and lie in no
+    other range of the block, so the result is unchanged. Ranges never grow past the keys that
+    some row of the sequence attends: keys nobody attends (padding) may hold anything, even NaN,
+    and are never read."""
+    nonempty_rows = lo < hi
+    if not nonempty_rows.any():
+        return blocks
+    floor, ceiling = int(lo[nonempty_rows].min()), int(hi[nonempty_rows].max())
+    pad = -lo.shape[0] % size
+    nonempty = torch.cat([lo < hi, torch.zeros(pad, dtype=torch.bool)]).view(-1, size)
+    big = 2**62
+    first = torch.where(nonempty, torch.cat([lo, lo.new_zeros(pad)]).view(-1, size), big).amin(1).tolist()
+    last = torch.where(nonempty, torch.cat([hi, hi.new_zeros(pad)]).view(-1, size), -big).amax(1).tolist()
+    result = []
+    for index, ranges in enumerate(blocks):
+        widened = []
+        for r in ranges:
+            short = -(r.stop - r.start) % KEY_ALIGN
+            start, stop = r.start, r.stop
+            if not r.full and short:
+                if start <= first[index]:
+                    take = min(short, max(0, start - floor))
+                    start, short = start - take, short - take
+                if stop >= last[index]:
+                    stop += min(short, max(0, ceiling - stop))
+            widened.append(KeyRange(start, stop, r.full) if (start, stop) != (r.start, r.stop) else r)
+        result.append(widened)
+    return result
 
 
 def _stacked(g: Group) -> Group:
