@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # The CPU build of this exact release is served locally; any other spec pulls a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test install bench clean browser
+.PHONY: demo test install bench clean browser native
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,10 +41,16 @@ browser:
 	  || echo "WARNING: chromium could not be installed: the browser tests will be skipped"; \
 	else echo "note: not root: chromium not installed, the browser tests will be skipped"; fi
 
-test: $(VENV)/.installed-test browser
+# attnkit's own CPU kernel for structured masks: compiled once into ~/.cache/attnkit/native
+# (a no-op when that build is there). Without a C++ compiler or an x86-64 AVX2 CPU it prints why
+# and the tiled backend uses PyTorch's kernel (the kernel's tests then skip).
+native: $(VENV)/.installed
+	$(BIN)/python -m attnkit._backends.native
+
+test: $(VENV)/.installed-test browser native
 	$(BIN)/python -m pytest -q
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed native
 	for b in sdpa layers masks models; do $(BIN)/python benchmarks/$$b.py || exit 1; done
 
 clean:

@@ -13,10 +13,23 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import masks
-from attnkit._backends import choose, tiled, tiled_plan
+from attnkit._backends import choose, native, tiled, tiled_plan
 from attnkit._call import make_call
 from oracle import oracle_attention
 from strategies import cases, mask_cases
+
+
+@pytest.fixture(autouse=True, scope="module", params=["native", "pytorch"])
+def forward_kernel(request):
+    """Every test runs with each forward kernel of the tiled backend: attnkit's own (float32, no
+    dropout, no dense mask; where it is built) and PyTorch's fused one block by block."""
+    if request.param == "native":
+        if not native.available():
+            pytest.skip(f"native kernel: {native.why_unavailable()}")
+        yield request.param
+    else:
+        with native.turned_off():
+            yield request.param
 
 
 @pytest.fixture(autouse=True, scope="module")

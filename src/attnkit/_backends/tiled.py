@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .._call import AttentionCall
-from . import kernels
+from . import kernels, native
 from . import tiled_plan
 from .tiled_plan import Group, batch_size, block_ranges, plan, row_bounds, structure_of, tuning
 
@@ -104,6 +104,7 @@ class _Problem:
         self.lo, self.hi = (t.to(query.device) for t in row_bounds(call))
         self.mask = None if call.mask is None else _mask_as_4d(call.mask, call)
         self.flash = kernels.flash_applies(query, value, call.dropout)
+        self.native = native.applies(query, key, value, call.dropout, call.mask is not None)
 
     def queries(self, g: Group, b: int, t: Tensor | None = None) -> Tensor:
         """Rows of ``g`` from ``t`` (default: the query) for sequence ``b``, grouped by kv head."""
@@ -186,6 +187,8 @@ def _calls(problem: _Problem, groups: list[Group], plain: bool,
 
 def _run_forward(problem: _Problem, groups: list[Group]) -> tuple[Tensor, Tensor]:
     query, key, value, group = problem.query, problem.key, problem.value, problem.group
+    if problem.native:  # attnkit's own kernel takes the rows' key intervals directly: no plan needed
+        return native.interval_forward(query, key, value, problem.lo, problem.hi, problem.scale)
     work = _accumulator_dtype(query.dtype)
     out = torch.empty(*query.shape[:-1], value.shape[-1], dtype=work, device=query.device)
     lse = torch.empty(query.shape[:-1], dtype=work, device=query.device)

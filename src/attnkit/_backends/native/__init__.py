@@ -1,0 +1,158 @@
+"""attnkit's own CPU kernel for interval masks (``interval_attention.cpp``): build and load.
+
+The tiled backend's forward runs this kernel when it is built and applies (float32 CPU tensors,
+a structured mask, no dense tensor mask, no dropout), and PyTorch's fused kernel block by block
+otherwise (:mod:`..kernels`); both give the same output and log-sum-exp up to float rounding, so
+the backward (which recomputes with PyTorch's kernels) does not care which ran. Building is an
+install step, never a first-call cost: ``make`` runs ``python -m attnkit._backends.native`` once,
+which compiles the source with the system C++ compiler against the installed torch into a cache
+directory named after a hash of everything the binary depends on (source, torch version and ABI,
+flags), so a changed source or torch is simply not found and the fallback runs until the next
+build. Nothing is ever compiled implicitly.
+
+Requirements: x86-64 with AVX2 and FMA (the flags it is compiled with), and a torch that exports
+the BLAS ``sgemm_`` it multiplies with (the official x86 builds link MKL). ``ATTNKIT_NATIVE=0``
+turns it off; ``ATTNKIT_NATIVE_DIR`` moves the cache (default ``~/.cache/attnkit/native``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("interval_attention.cpp")
+
+#: Query rows per block: 32 keeps a 512-key window's span at 543 keys (6% beyond the window),
+#: and was the fastest of 16..128 on it (benchmarks/masks.py, L = 16384).
+BLOCK = 32
+#: Keys per chunk of the running softmax: a 512 window's span fits one chunk; the scores of a
+#: chunk (BLOCK x CHUNK floats, 128 KiB) stay in a core's L2 cache.
+CHUNK = 1024
+
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+
+_loaded: bool | None = None
+_why_not = ""
+_enabled = True
+
+
+@contextmanager
+def turned_off() -> Iterator[None]:
+    """Inside the ``with``, the tiled backend runs PyTorch's kernel even where this one applies
+    (tests run the tiled suite both ways; benchmarks compare them)."""
+    global _enabled
+    saved, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = saved
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("ATTNKIT_NATIVE_DIR"):
+        return Path(os.environ["ATTNKIT_NATIVE_DIR"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "attnkit" / "native"
+
+
+def library_path() -> Path:
+    """Where the built kernel for this source, torch and Python lives."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
+                 sys.implementation.cache_tag.encode(), " ".join(FLAGS).encode()):
+        digest.update(part)
+    return _cache_dir() / f"interval_attention-{digest.hexdigest()[:16]}.so"
+
+
+def _cpu_supported() -> str:
+    """Empty when this machine can run the kernel, else why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"needs x86-64, this is {platform.machine()}"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"needs AVX2, the CPU offers {torch.backends.cpu.get_cpu_capability()}"
+    return ""
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernel into the cache (a no-op when it is there); raises ``RuntimeError`` with
+    the compiler's output when the build fails."""
+    target = library_path()
+    if target.exists():
+        return target
+    why = _cpu_supported()
+    if why:
+        raise RuntimeError(f"attnkit native kernel: {why}")
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("attnkit native kernel: no C++ compiler found (set CXX)")
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        partial = Path(scratch) / target.name
+        command = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                   *(f"-I{path}" for path in cpp_extension.include_paths()), str(SOURCE), "-o", str(partial),
+                   f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]
+        if verbose:
+            print(" ".join(command))
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"attnkit native kernel: compiling failed:\n{result.stderr[-4000:]}")
+        partial.replace(target)  # atomic: a concurrent loader sees the whole file or none
+    return target
+
+
+def available() -> bool:
+    """Whether the built kernel is loaded (loading it on the first ask)."""
+    global _loaded, _why_not
+    if _loaded is None:
+        _loaded = False
+        if os.environ.get("ATTNKIT_NATIVE", "1") == "0":
+            _why_not = "turned off by ATTNKIT_NATIVE=0"
+        elif why := _cpu_supported():
+            _why_not = why
+        elif not (path := library_path()).exists():
+            _why_not = f"not built (run: {sys.executable} -m attnkit._backends.native)"
+        else:
+            try:
+                torch.ops.load_library(str(path))
+                _loaded = True
+            except (OSError, RuntimeError) as error:  # e.g. a torch without sgemm_: use the fallback
+                _why_not = f"could not load {path}: {error}"
+    return _loaded
+
+
+def why_unavailable() -> str:
+    """Why :func:`available` is False (empty when it is True)."""
+    return "" if available() else _why_not
+
+
+def applies(query: Tensor, key: Tensor, value: Tensor, dropout: float, has_tensor_mask: bool) -> bool:
+    """The kernel serves this call: float32 CPU tensors, no dropout, no dense tensor mask."""
+    return (_enabled and not has_tensor_mask and dropout == 0.0 and query.device.type == "cpu"
+            and all(t.dtype == torch.float32 for t in (query, key, value)) and available())
+
+
+def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, scale: float,
+                     block: int = BLOCK, chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
+    """``(output [B, H, Lq, Dv], lse [B, H, Lq])`` of attention where row ``i`` of sequence ``b``
+    attends keys ``lo[s, i] <= j < hi[s, i]`` (``s = b``, or 0 when ``lo`` has one row).
+
+    ``query [B, H, Lq, D]``, ``key [B, Hkv, Lk, D]``, ``value [B, Hkv, Lk, Dv]`` with H a multiple
+    of Hkv (GQA); rows with no key give zeros and lse ``-inf``."""
+    if not available():
+        raise RuntimeError(f"attnkit native kernel unavailable: {why_unavailable()}")
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    return torch.ops.attnkit.interval_forward(query, key, value, lo, hi, scale, block, chunk)

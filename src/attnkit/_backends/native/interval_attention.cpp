@@ -1,0 +1,247 @@
+// attnkit's own CPU kernel: attention where each query row attends one interval of keys.
+//
+// Every structured mask in attnkit.masks gives each query row i one interval [lo[i], hi[i]) of
+// keys (causal, sliding window, documents, prefix-LM, padding and their intersections). This
+// kernel cuts the rows into blocks; a block computes scores only over the span of its rows'
+// intervals, masks each row to its own interval while taking the softmax (no mask tensor), and
+// multiplies by the values: two matrix products per block through the BLAS sgemm that PyTorch
+// itself links (MKL on x86), with a flash-style running softmax when the span is longer than
+// one chunk of keys. Compared with PyTorch's fused CPU kernel on the same blocks it avoids the
+// kernel's fixed 512-key chunks (a 512 window's 543-key span would run as 512 + 31), the
+// additive mask pass, and partial outputs merged in Python.
+//
+// Layout: query [B, H, Lq, D], key [B, Hkv, Lk, D], value [B, Hkv, Lk, Dv], float32, any strides
+// with a unit last-dim stride; lo, hi int64 [S, Lq] with S = 1 (shared) or B. H % Hkv == 0 (GQA:
+// query head h reads key/value head h / (H / Hkv)). Returns output [B, H, Lq, Dv] (contiguous)
+// and the natural-log sum-exp [B, H, Lq]; a row with no key gives zeros and -inf.
+//
+// Built by attnkit/_backends/native/__init__.py with -O3 -mavx2 -mfma; the row loops use AVX2
+// intrinsics (no -ffast-math, which would let the compiler assume there are no infinities).
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Column-major C = alpha * op(A) op(B) + beta * C, as BLAS defines it.
+void gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const int M = static_cast<int>(m), N = static_cast<int>(n), K = static_cast<int>(k);
+  const int LDA = static_cast<int>(lda), LDB = static_cast<int>(ldb), LDC = static_cast<int>(ldc);
+  sgemm_(&transa, &transb, &M, &N, &K, &alpha, a, &LDA, b, &LDB, &beta, c, &LDC);
+}
+
+// exp(x) for x <= 0, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by the classic
+// degree-6 single-precision polynomial, 2^n put in the exponent bits; below -87 the result
+// flushes to 0 as expf underflows. The same steps on 8 lanes and on one float (row tails).
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(std::fma(x, 1.44269504088896341f, 0.5f));
+  float r = std::fma(-n, 0.693359375f, x);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p * r, r, r + 1.0f);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(float));
+  return p * two_n;
+}
+
+inline float horizontal_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// Softmax numerators of one row over its keys [lo, hi) of a chunk (scores elsewhere become 0),
+// folded into the row's running max and sum; returns the factor that rescales its accumulator.
+inline float softmax_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi, float& row_max, float& row_sum) {
+  if (lo >= hi) {
+    std::fill(row, row + width, 0.0f);
+    return 1.0f;
+  }
+  __m256 max8 = _mm256_set1_ps(kNegInf);
+  int64_t t = lo;
+  for (; t + 8 <= hi; t += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(row + t));
+  float chunk_max = horizontal_max(max8);
+  for (; t < hi; ++t) chunk_max = std::max(chunk_max, row[t]);
+  const float new_max = std::max(row_max, chunk_max);
+  const float rescale = row_max == kNegInf ? 0.0f : exp_nonpositive(row_max - new_max);
+  std::fill(row, row + lo, 0.0f);
+  const __m256 shift = _mm256_set1_ps(new_max);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (t = lo; t + 8 <= hi; t += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + t), shift));
+    _mm256_storeu_ps(row + t, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float sum = horizontal_sum(sum8);
+  for (; t < hi; ++t) {
+    row[t] = exp_nonpositive(row[t] - new_max);
+    sum += row[t];
+  }
+  std::fill(row + hi, row + width, 0.0f);
+  row_sum = row_sum * rescale + sum;
+  row_max = new_max;
+  return rescale;
+}
+
+std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, const at::Tensor& key,
+                                                    const at::Tensor& value, const at::Tensor& lo_rows,
+                                                    const at::Tensor& hi_rows, double scale, int64_t block,
+                                                    int64_t chunk) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "interval_forward: 4-D inputs");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
+                  value.scalar_type() == at::kFloat, "interval_forward: float32 inputs");
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), "interval_forward: CPU");
+  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1,
+              "interval_forward: unit stride along the head dimension");
+  TORCH_CHECK(block > 0 && chunk > 0, "interval_forward: block and chunk must be positive");
+  const int64_t B = query.size(0), H = query.size(1), Lq = query.size(2), D = query.size(3);
+  const int64_t Hkv = key.size(1), Lk = key.size(2), Dv = value.size(3);
+  TORCH_CHECK(key.size(0) == B && value.size(0) == B && value.size(1) == Hkv && value.size(2) == Lk &&
+                  key.size(3) == D && Hkv > 0 && H % Hkv == 0, "interval_forward: mismatched shapes");
+  const at::Tensor lo = lo_rows.contiguous(), hi = hi_rows.contiguous();
+  TORCH_CHECK(lo.scalar_type() == at::kLong && hi.scalar_type() == at::kLong && lo.dim() == 2 &&
+                  lo.sizes() == hi.sizes() && lo.size(1) == Lq && (lo.size(0) == 1 || lo.size(0) == B),
+              "interval_forward: lo, hi must be int64 [1 or B, Lq]");
+
+  at::Tensor out = at::empty({B, H, Lq, Dv}, query.options());
+  at::Tensor lse = at::empty({B, H, Lq}, query.options());
+  if (out.numel() == 0) return {out, lse};
+  const int64_t group = H / Hkv, blocks = (Lq + block - 1) / block;
+  const float* q = query.data_ptr<float>();
+  const float* k = key.data_ptr<float>();
+  const float* v = value.data_ptr<float>();
+  const int64_t* lo_data = lo.data_ptr<int64_t>();
+  const int64_t* hi_data = hi.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  float* l = lse.data_ptr<float>();
+  const int64_t q0s = query.stride(0), q1s = query.stride(1), q2s = query.stride(2);
+  const int64_t k0s = key.stride(0), k1s = key.stride(1), k2s = key.stride(2);
+  const int64_t v0s = value.stride(0), v1s = value.stride(1), v2s = value.stride(2);
+  const int64_t shared_rows = lo.size(0) == 1;
+
+  // Tasks run (batch, head, block) in order: a thread's consecutive blocks share most keys.
+  at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(block * chunk), row_max(block), row_sum(block), rescale(block);
+    std::vector<int64_t> row_lo(block), row_hi(block);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (H * blocks), h = (task / blocks) % H, first = (task % blocks) * block;
+      const int64_t rows = std::min(block, Lq - first);
+      const int64_t* lo_seq = lo_data + (shared_rows ? 0 : b * Lq) + first;
+      const int64_t* hi_seq = hi_data + (shared_rows ? 0 : b * Lq) + first;
+      int64_t span_lo = Lk, span_hi = 0;
+      for (int64_t j = 0; j < rows; ++j) {
+        row_lo[j] = std::max<int64_t>(lo_seq[j], 0);
+        row_hi[j] = std::min<int64_t>(hi_seq[j], Lk);
+        if (row_lo[j] < row_hi[j]) {
+          span_lo = std::min(span_lo, row_lo[j]);
+          span_hi = std::max(span_hi, row_hi[j]);
+        }
+        row_max[j] = kNegInf;
+        row_sum[j] = 0.0f;
+      }
+      const float* q_block = q + b * q0s + h * q1s + first * q2s;
+      const float* k_head = k + b * k0s + (h / group) * k1s;
+      const float* v_head = v + b * v0s + (h / group) * v1s;
+      float* o_block = o + ((b * H + h) * Lq + first) * Dv;
+      float* l_block = l + (b * H + h) * Lq + first;
+      if (span_lo >= span_hi) {  // no row of the block attends any key
+        std::fill(o_block, o_block + rows * Dv, 0.0f);
+        std::fill(l_block, l_block + rows, kNegInf);
+        continue;
+      }
+      for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
+        const int64_t width = std::min(chunk, span_hi - c0);
+        float* s = scores.data();
+        // scores[j][t] = scale * q_j . k_(c0+t): column-major S^T (width x rows) = K_chunk Q^T.
+        gemm('T', 'N', width, rows, D, static_cast<float>(scale), k_head + c0 * k2s, k2s, q_block, q2s, 0.0f, s,
+             width);
+        for (int64_t j = 0; j < rows; ++j) {
+          const int64_t a = std::clamp<int64_t>(row_lo[j] - c0, 0, width);
+          const int64_t z = std::clamp<int64_t>(row_hi[j] - c0, 0, width);
+          rescale[j] = softmax_chunk_row(s + j * width, width, a, z, row_max[j], row_sum[j]);
+        }
+        const bool first_chunk = c0 == span_lo;
+        if (!first_chunk) {
+          for (int64_t j = 0; j < rows; ++j) {
+            if (rescale[j] != 1.0f) {
+              float* acc = o_block + j * Dv;
+              for (int64_t d = 0; d < Dv; ++d) acc[d] *= rescale[j];
+            }
+          }
+        }
+        // out[j] (+)= sum_t p[j][t] v_(c0+t): column-major O^T (Dv x rows) = V_chunk^T P^T.
+        gemm('N', 'N', Dv, rows, width, 1.0f, v_head + c0 * v2s, v2s, s, width, first_chunk ? 0.0f : 1.0f, o_block,
+             Dv);
+      }
+      for (int64_t j = 0; j < rows; ++j) {
+        float* acc = o_block + j * Dv;
+        if (row_sum[j] > 0.0f) {
+          const float inverse = 1.0f / row_sum[j];
+          for (int64_t d = 0; d < Dv; ++d) acc[d] *= inverse;
+          l_block[j] = row_max[j] + std::log(row_sum[j]);
+        } else {
+          std::fill(acc, acc + Dv, 0.0f);
+          l_block[j] = kNegInf;
+        }
+      }
+    }
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attnkit, m) {
+  m.def("interval_forward(Tensor query, Tensor key, Tensor value, Tensor lo, Tensor hi, float scale, int block, "
+        "int chunk) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(attnkit, CPU, m) { m.impl("interval_forward", &interval_forward); }

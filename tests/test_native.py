@@ -1,0 +1,161 @@
+"""attnkit's own CPU kernel (``attnkit._backends.native``) against the float64 oracle: random key
+intervals per row (empty rows, rows past the keys), tiny blocks and chunks (so rows cross many
+chunks of the running softmax), GQA, Dv != D, strided inputs, scores spanning the whole float
+exponent range; and that the tiled backend runs it exactly where it applies.
+
+``make test`` builds the kernel first; where it cannot be built (no compiler, not x86-64 with
+AVX2) these tests skip and the tiled backend uses PyTorch's kernel, which test_tiled covers."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import masks
+from attnkit._backends import native
+from oracle import oracle_attention
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.why_unavailable()}")
+
+# fp32 against float64: the kernel sums at most 40 O(1) products per row in float32, its exp is
+# within 2 ulp of the true value, and a row's result is rescaled once per chunk: a few 1e-7 of
+# each O(1) output; 2e-5 leaves margin (the tiled tests use the same bound).
+FP32 = dict(atol=2e-5, rtol=2e-5)
+
+
+@st.composite
+def interval_cases(draw, max_len=40):
+    batch = draw(st.integers(1, 2))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    heads = kv_heads * draw(st.sampled_from([1, 2, 3]))
+    lq, lk = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
+    dk, dv = draw(st.integers(1, 16)), draw(st.integers(1, 16))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    # query [B, Lq, H, D] transposed to [B, H, Lq, D]: the kernel reads any row strides
+    query = torch.randn(batch, lq, heads, dk, generator=g).transpose(1, 2) if draw(st.booleans()) else \
+        torch.randn(batch, heads, lq, dk, generator=g)
+    key = torch.randn(batch, kv_heads, lk, dk, generator=g)
+    value = torch.randn(batch, kv_heads, lk, dv, generator=g)
+    rows = draw(st.sampled_from([1, batch]))
+    lo = torch.randint(-3, lk + 2, (rows, lq), generator=g)
+    width = torch.randint(0, lk + 3, (rows, lq), generator=g)
+    hi = lo + width  # may be empty, start before key 0 or end past the last key
+    return dict(query=query, key=key, value=value, lo=lo, hi=hi,
+                scale=draw(st.floats(0.05, 3.0)), block=draw(st.integers(1, 9)), chunk=draw(st.integers(1, 17)))
+
+
+def _allowed(lo, hi, lk):
+    keys = torch.arange(lk)
+    return ((keys >= lo[..., None]) & (keys < hi[..., None]))[:, None]  # [S, 1, Lq, Lk]
+
+
+def _oracle_lse(query, key, allowed, scale):
+    q, k = query.double(), key.double()
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return torch.logsumexp((q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf")), dim=-1)
+
+
+@given(c=interval_cases())
+def test_output_and_lse_match_the_oracle(c):
+    out, lse = native.interval_forward(c["query"], c["key"], c["value"], c["lo"], c["hi"], c["scale"],
+                                       block=c["block"], chunk=c["chunk"])
+    allowed = _allowed(c["lo"], c["hi"], c["key"].shape[2])
+    expected, _ = oracle_attention(c["query"], c["key"], c["value"], mask=allowed, scale=c["scale"])
+    assert out.shape == expected.shape and out.dtype == torch.float32 and out.is_contiguous()
+    torch.testing.assert_close(out, expected.float(), **FP32)
+    expected_lse = _oracle_lse(c["query"], c["key"], allowed, c["scale"])
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(expected_lse))  # rows with no key: -inf
+    torch.testing.assert_close(lse.double().nan_to_num(neginf=0.0), expected_lse.nan_to_num(neginf=0.0), **FP32)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 40.0])
+def test_scores_over_the_whole_exponent_range(scale):
+    """With scale 40 the scores of a row differ by hundreds: most exp() underflow to 0 and the
+    running maximum jumps between chunks, so rescaling by exp(old - new max) is exercised hard."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(3))
+    lo = torch.clamp(torch.arange(300) - 200, min=0)[None]
+    hi = torch.arange(1, 301)[None]
+    out, lse = native.interval_forward(q, k, v, lo, hi, scale, block=32, chunk=64)
+    allowed = _allowed(lo, hi, 300)
+    expected, _ = oracle_attention(q, k, v, mask=allowed, scale=scale)
+    # Scores of ~200 carry float32 rounding of ~3e-5 before any softmax: any fp32 kernel errs by
+    # that much, so the bound is twice the plain float32 computation's own error (FlashAttention's rule).
+    reference_error = (oracle_attention(q, k, v, mask=allowed, scale=scale, dtype=torch.float32)[0]
+                       - expected).abs().max().item()
+    tolerance = max(2 * reference_error, FP32["atol"])
+    assert (out.double() - expected).abs().max().item() <= tolerance
+    expected_lse = _oracle_lse(q, k, allowed, scale)
+    assert ((lse.double() - expected_lse).abs() / expected_lse.abs().clamp(min=1)).max() <= 4e-6
+
+
+def test_the_exp_is_within_a_few_ulp():
+    """The kernel's own exp, seen through softmax weights: row i attends keys {0, i}, so its
+    output is a two-point blend whose weight is exp(-gap) / (1 + exp(-gap)) exactly."""
+    gaps = torch.linspace(0.0, 80.0, 4001)
+    query = torch.ones(1, 1, gaps.numel(), 1)
+    key = torch.zeros(1, 1, 2, 1)
+    key[..., 1, 0] = 1.0
+    value = torch.tensor([[0.0], [1.0]]).expand(1, 1, 2, 1).contiguous()
+    # score(key 0) = 0, score(key 1) = -gap (scale = -gap per row is not possible: put it in q)
+    query[0, 0, :, 0] = -gaps
+    lo = torch.zeros(1, gaps.numel(), dtype=torch.long)
+    hi = torch.full_like(lo, 2)
+    out, _ = native.interval_forward(query, key, value, lo, hi, 1.0)
+    expected = torch.exp(-gaps.double()) / (1 + torch.exp(-gaps.double()))
+    relative = ((out[0, 0, :, 0].double() - expected).abs() / expected).max()
+    assert relative < 8 * torch.finfo(torch.float32).eps
+
+
+def test_bad_inputs_raise():
+    q = torch.randn(1, 2, 4, 8)
+    lo, hi = torch.zeros(1, 4, dtype=torch.long), torch.full((1, 4), 4)
+    with pytest.raises(RuntimeError, match="float32"):
+        native.interval_forward(q.double(), q.double(), q.double(), lo, hi, 1.0)
+    with pytest.raises(RuntimeError, match="lo, hi"):
+        native.interval_forward(q, q, q, lo.int(), hi.int(), 1.0)
+    with pytest.raises(RuntimeError, match="shapes"):
+        native.interval_forward(q, torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8), lo, hi, 1.0)
+
+
+def test_the_tiled_backend_runs_it_exactly_where_it_applies(monkeypatch):
+    calls = []
+    real = native.interval_forward
+    monkeypatch.setattr(native, "interval_forward", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    q, k, v = (torch.randn(1, 2, 64, 8) for _ in range(3))
+    window = masks.sliding_window(8)
+    attnkit.attention(q, k, v, mask=window, backend="tiled")
+    assert calls == [torch.float32]
+    attnkit.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask=window, backend="tiled")
+    attnkit.attention(q, k, v, mask=window, dropout=0.1, backend="tiled")
+    attnkit.attention(q, k, v, mask=window.dense(64, 64), backend="tiled")
+    with native.turned_off():
+        attnkit.attention(q, k, v, mask=window, backend="tiled")
+    assert calls == [torch.float32]  # bf16, dropout, a dense tensor mask, turned off: PyTorch's kernel
+
+
+def test_tiled_gives_the_same_with_and_without_it():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 300, 16, generator=g) for _ in range(3))
+    mask = masks.document([100, 150, 50]) & masks.sliding_window(64)
+    ours = attnkit.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
+    with native.turned_off():
+        fused = attnkit.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
+    for a, b in zip(ours, fused):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)
+
+
+def test_the_build_command_is_a_no_op_once_built():
+    result = subprocess.run([sys.executable, "-m", "attnkit._backends.native", "--strict"],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert str(native.library_path()) in result.stdout
+    assert math.isfinite(native.library_path().stat().st_size)
