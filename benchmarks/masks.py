@@ -38,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 import attnkit  # noqa: E402
 from attnkit import masks  # noqa: E402
-from attnkit._backends import choose, tiled  # noqa: E402
+from attnkit._backends import choose, native, tiled  # noqa: E402
 from attnkit._call import make_call  # noqa: E402
 from common import describe_machine, median_times  # noqa: E402
 
@@ -191,7 +191,9 @@ def main_table(args: argparse.Namespace) -> None:
     query, key, value = inputs(length)
     flops, matmul = square_matmul()
     print(f"# Structured masks, B=1, H={HEADS}, D={HEAD_DIM}, fp32, L={length}  ({describe_machine()})")
-    print(f"# steady: median of {args.repeats} interleaved runs; first call and extra peak memory: fresh process each\n")
+    print(f"# steady: median of {args.repeats} interleaved runs; first call and extra peak memory: fresh process each")
+    kernel = "attnkit's native kernel" if native.available() else f"PyTorch's fused kernel ({native.why_unavailable()})"
+    print(f"# tiled forward runs {kernel}\n")
     rows = []
     for name, (structured, mask_mod) in mask_set(length, window).items():
         dense = structured.dense(length, length)
@@ -200,6 +202,8 @@ def main_table(args: argparse.Namespace) -> None:
             "sdpa": lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=dense),
             "matmul": matmul,
         }
+        if native.available():  # the same call with the tiled forward on PyTorch's fused kernel
+            contenders["ours-fused"] = lambda: _without_native(query, key, value, structured)
         flex, flex_error = (None, "skipped (--no-flex)") if args.no_flex else flex_contender(
             mask_mod, query, key, value)
         if flex is not None:
@@ -220,6 +224,11 @@ def main_table(args: argparse.Namespace) -> None:
     _print_tables(rows)
 
 
+def _without_native(query, key, value, structured):
+    with native.turned_off():
+        return attnkit.attention(query, key, value, mask=structured)
+
+
 def _fmt_ms(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds * 1e3:,.0f}"
 
@@ -229,9 +238,9 @@ def _fmt_mib(result: dict) -> str:
 
 
 def _print_tables(rows: list) -> None:
-    print("| mask | attended | ours (ms) | SDPA dense mask (ms) | SDPA / ours | Flex compiled (ms) | ours / Flex "
-          "| ours first call (ms) | first / steady | Flex first call (s) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| mask | attended | ours (ms) | ours, PyTorch kernel (ms) | SDPA dense mask (ms) | SDPA / ours "
+          "| Flex compiled (ms) | ours / Flex | ours first call (ms) | first / steady | Flex first call (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, share, t, first, useful, peak, errors, flex_error in rows:
         flex, ours = t.get("flex"), t["ours"]
         ours_first = first["ours"].get("seconds")
@@ -239,7 +248,8 @@ def _print_tables(rows: list) -> None:
         versus_flex = "n/a" if flex is None else f"{ours / flex:.2f}"
         first_ratio = "n/a" if ours_first is None else f"{ours_first / ours:.2f}"
         flex_first_s = "n/a" if flex_first is None else f"{flex_first:.1f}"
-        print(f"| {name} | {share:.1%} | {_fmt_ms(ours)} | {_fmt_ms(t['sdpa'])} | {t['sdpa'] / ours:.1f}x "
+        print(f"| {name} | {share:.1%} | {_fmt_ms(ours)} | {_fmt_ms(t.get('ours-fused'))} | {_fmt_ms(t['sdpa'])} "
+              f"| {t['sdpa'] / ours:.1f}x "
               f"| {_fmt_ms(flex)} | {versus_flex} | {_fmt_ms(ours_first)} | {first_ratio} | {flex_first_s} |")
     print("\n| mask | extra peak memory: ours (MiB) | SDPA dense mask (MiB) | Flex (MiB) | ours / SDPA "
           "| ours useful GFLOP/s | matmul GFLOP/s | ours / matmul | max abs diff vs SDPA, Flex |")

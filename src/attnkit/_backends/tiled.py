@@ -350,20 +350,35 @@ def tiled_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None, Tensor]
 
 
 #: When ``"auto"`` runs a structured mask tiled (benchmarks/masks.py --threshold, B=1, H=8,
-#: D=64, fp32, 2 CPU threads): below 512 x 512 pairs the fused dense kernel always won; at
-#: 512 x 512 tiled won where it computed <= 30% of the pairs (window, documents: 0.56-0.75x
-#: the time) and lost at 50% (1.2x); from 1024 x 1024 it won at 50% too (0.47-0.82x).
+#: D=64, fp32, 2 CPU threads). With PyTorch's kernel block by block: below 512 x 512 pairs the
+#: fused dense kernel always won; at 512 x 512 tiled won where it computed <= 30% of the pairs
+#: (window, documents: 0.56-0.75x the time) and lost at 50% (1.2x); from 1024 x 1024 it won at
+#: 50% too (0.47-0.82x).
 AUTO_MIN_PAIRS = 512 * 512
 AUTO_MAX_VISITED = ((1024 * 1024, 0.3), (float("inf"), 0.6))  # (pairs below, visited share at most)
+#: With attnkit's native kernel: from 128 x 128 pairs tiled took 0.39-0.74x the fused dense
+#: kernel's time on windows, documents and causal + padding (visiting <= 56% of the pairs); at
+#: 64 x 64 it lost (1.06-1.15x). A plain causal mask it ran in 0.66-0.97x SDPA's own causal path
+#: up to 4096 x 4096, 1.02x at 16384: SDPA keeps that one from 8192 x 8192.
+NATIVE_MIN_PAIRS = 128 * 128
+NATIVE_MAX_VISITED = 0.6
+NATIVE_CAUSAL_MAX_PAIRS = 8192 * 8192
 
 
 def profits(call: AttentionCall) -> bool:
     """Whether ``"auto"`` should run ``call`` (which has a structured mask) tiled rather than
     densified through the fused kernel."""
     pairs = call.q_len * call.k_len
+    plain_causal = structure_of(call).is_causal and call.mask is None and call.q_len == call.k_len
+    if native.applies(call.query, call.key, call.value, call.dropout, call.mask is not None):
+        if pairs < NATIVE_MIN_PAIRS:
+            return False
+        if plain_causal:
+            return pairs < NATIVE_CAUSAL_MAX_PAIRS
+        return visited_fraction(call) <= NATIVE_MAX_VISITED
     if pairs < AUTO_MIN_PAIRS:
         return False
-    if structure_of(call).is_causal and call.mask is None and call.q_len == call.k_len:
+    if plain_causal:
         return False  # SDPA's own causal path skips the same blocks and was 15-55% faster
     limit = next(share for below, share in AUTO_MAX_VISITED if pairs < below)
     return visited_fraction(call) <= limit

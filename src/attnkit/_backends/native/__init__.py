@@ -33,12 +33,12 @@ from torch import Tensor
 
 SOURCE = Path(__file__).with_name("interval_attention.cpp")
 
-#: Query rows per block: 32 keeps a 512-key window's span at 543 keys (6% beyond the window),
-#: and was the fastest of 16..128 on it (benchmarks/masks.py, L = 16384).
-BLOCK = 32
-#: Keys per chunk of the running softmax: a 512 window's span fits one chunk; the scores of a
-#: chunk (BLOCK x CHUNK floats, 128 KiB) stay in a core's L2 cache.
-CHUNK = 1024
+#: (query rows per block, keys per chunk of the running softmax) by the mean number of keys a
+#: row attends, smallest first (benchmarks/masks.py shapes, L = 16384, 2 threads): a 512 window
+#: (span 543 per 32 rows, one chunk; 64-row blocks were as fast, 128 8% slower); 8 documents,
+#: ~2300 keys per row (64 rows 4% faster than 32); causal + padding, ~7700 keys per row (128 x
+#: 512 7% faster than 32 x 1024). A chunk's scores (rows x keys floats, <= 256 KiB) stay in L2.
+TILES = ((1024, (32, 1024)), (4096, (64, 1024)), (float("inf"), (128, 512)))
 
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 
@@ -145,13 +145,23 @@ def applies(query: Tensor, key: Tensor, value: Tensor, dropout: float, has_tenso
             and all(t.dtype == torch.float32 for t in (query, key, value)) and available())
 
 
+def tiles(lo: Tensor, hi: Tensor) -> tuple[int, int]:
+    """``(block, chunk)`` for rows attending ``[lo, hi)`` (see ``TILES``)."""
+    mean_keys = float((hi - lo).clamp(min=0).float().mean()) if lo.numel() else 0.0
+    return next(sizes for below, sizes in TILES if mean_keys < below)
+
+
 def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, scale: float,
-                     block: int = BLOCK, chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
+                     block: int | None = None, chunk: int | None = None) -> tuple[Tensor, Tensor]:
     """``(output [B, H, Lq, Dv], lse [B, H, Lq])`` of attention where row ``i`` of sequence ``b``
     attends keys ``lo[s, i] <= j < hi[s, i]`` (``s = b``, or 0 when ``lo`` has one row).
 
     ``query [B, H, Lq, D]``, ``key [B, Hkv, Lk, D]``, ``value [B, Hkv, Lk, Dv]`` with H a multiple
-    of Hkv (GQA); rows with no key give zeros and lse ``-inf``."""
+    of Hkv (GQA); rows with no key give zeros and lse ``-inf``. ``block`` (query rows computed
+    together) and ``chunk`` (keys per step of the running softmax) default to :func:`tiles`."""
+    if block is None or chunk is None:
+        default_block, default_chunk = tiles(lo, hi)
+        block, chunk = block or default_block, chunk or default_chunk
     if not available():
         raise RuntimeError(f"attnkit native kernel unavailable: {why_unavailable()}")
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
