@@ -10,6 +10,10 @@ merged with their log-sum-exp::
 
     lse = log(sum_p exp(lse_p))          output = sum_p exp(lse_p - lse) * output_p
 
+Where attnkit's native CPU kernel is built and applies (float32 CPU, no dropout, no dense tensor
+mask: :mod:`.native`), the forward skips all of this: one call computes each block over its rows'
+key span with the mask applied inside the softmax, same results to rounding.
+
 Training keeps O(L) memory: the forward saves only query, key, value, output and lse; the
 backward recomputes each call (FlashAttention's split-key backward, :mod:`.kernels`).
 
