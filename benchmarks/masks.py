@@ -5,7 +5,10 @@ One run, B=1, H=8, D=64, fp32, L=16384 by default, three masks: a causal sliding
 quarter of the keys is padding). For each contender it prints:
 
 - steady-state time: median of interleaved repeats in this process (benchmarks/common.py);
-- first-call time, in a fresh subprocess: ours includes planning; FlexAttention includes
+  ours also with attnkit's native kernel turned off (the tiled forward on PyTorch's kernel),
+  where the native kernel is built (`make native`);
+- first-call time, in a fresh subprocess: ours includes loading the native kernel and planning;
+  FlexAttention includes
   create_block_mask and torch.compile, with an empty inductor cache (so nothing is reused);
 - extra peak memory of the next (steady) call in that subprocess: the process's peak resident
   set (Linux VmHWM, reset through /proc/self/clear_refs just before the call) minus its resident
