@@ -9,6 +9,7 @@ AVX2) these tests skip and the tiled backend uses PyTorch's kernel, which test_t
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 
@@ -22,7 +23,7 @@ from attnkit import masks
 from attnkit._backends import native
 from oracle import oracle_attention
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.why_unavailable()}")
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.why_unavailable()}")
 
 # fp32 against float64: the kernel sums at most 40 O(1) products per row in float32, its exp is
 # within 2 ulp of the true value, and a row's result is rescaled once per chunk: a few 1e-7 of
@@ -63,6 +64,7 @@ def _oracle_lse(query, key, allowed, scale):
     return torch.logsumexp((q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf")), dim=-1)
 
 
+@needs_native
 @given(c=interval_cases())
 def test_output_and_lse_match_the_oracle(c):
     out, lse = native.interval_forward(c["query"], c["key"], c["value"], c["lo"], c["hi"], c["scale"],
@@ -76,6 +78,7 @@ def test_output_and_lse_match_the_oracle(c):
     torch.testing.assert_close(lse.double().nan_to_num(neginf=0.0), expected_lse.nan_to_num(neginf=0.0), **FP32)
 
 
+@needs_native
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 40.0])
 def test_scores_over_the_whole_exponent_range(scale):
     """With scale 40 the scores of a row differ by hundreds: most exp() underflow to 0 and the
@@ -97,6 +100,7 @@ def test_scores_over_the_whole_exponent_range(scale):
     assert ((lse.double() - expected_lse).abs() / expected_lse.abs().clamp(min=1)).max() <= 4e-6
 
 
+@needs_native
 def test_the_exp_is_within_a_few_ulp():
     """The kernel's own exp, seen through softmax weights: row i attends keys {0, i}, so its
     output is a two-point blend whose weight is exp(-gap) / (1 + exp(-gap)) exactly."""
@@ -115,6 +119,7 @@ def test_the_exp_is_within_a_few_ulp():
     assert relative < 8 * torch.finfo(torch.float32).eps
 
 
+@needs_native
 def test_bad_inputs_raise():
     q = torch.randn(1, 2, 4, 8)
     lo, hi = torch.zeros(1, 4, dtype=torch.long), torch.full((1, 4), 4)
@@ -126,6 +131,7 @@ def test_bad_inputs_raise():
         native.interval_forward(q, torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8), lo, hi, 1.0)
 
 
+@needs_native
 def test_the_tiled_backend_runs_it_exactly_where_it_applies(monkeypatch):
     calls = []
     real = native.interval_forward
@@ -142,6 +148,7 @@ def test_the_tiled_backend_runs_it_exactly_where_it_applies(monkeypatch):
     assert calls == [torch.float32]  # bf16, dropout, a dense tensor mask, turned off: PyTorch's kernel
 
 
+@needs_native
 def test_tiled_gives_the_same_with_and_without_it():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 4, 300, 16, generator=g) for _ in range(3))
@@ -153,9 +160,26 @@ def test_tiled_gives_the_same_with_and_without_it():
         torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)
 
 
+@needs_native
 def test_the_build_command_is_a_no_op_once_built():
     result = subprocess.run([sys.executable, "-m", "attnkit._backends.native", "--strict"],
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert str(native.library_path()) in result.stdout
     assert math.isfinite(native.library_path().stat().st_size)
+
+
+def test_a_failed_build_is_reported_and_does_not_fail_the_install(tmp_path):
+    """No writable cache (or no compiler): the build command says why and exits 0, so `make`
+    goes on and the tiled backend uses PyTorch's kernel; with --strict it exits 1."""
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache directory would go")
+    env = {**os.environ, "ATTNKIT_NATIVE_DIR": str(blocked / "native")}
+    command = [sys.executable, "-m", "attnkit._backends.native"]
+    lenient = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    assert lenient.returncode == 0 and "PyTorch's fused kernel instead" in lenient.stderr
+    strict = subprocess.run([*command, "--strict"], capture_output=True, text=True, env=env, check=False)
+    assert strict.returncode == 1
+    probe = subprocess.run([sys.executable, "-c", "from attnkit._backends import native; print(native.why_unavailable())"],
+                           capture_output=True, text=True, env=env, check=False)
+    assert probe.returncode == 0 and ("not built" in probe.stdout or "needs" in probe.stdout)

@@ -13,7 +13,7 @@ def main() -> int:
     strict = "--strict" in sys.argv[1:]
     try:
         path = build(verbose="--verbose" in sys.argv[1:])
-    except RuntimeError as error:
+    except (RuntimeError, OSError) as error:  # no compiler, unsupported CPU, unwritable cache
         print(f"{error}\nattnkit: the tiled backend will use PyTorch's fused kernel instead.", file=sys.stderr)
         return 1 if strict else 0
     if not available():
