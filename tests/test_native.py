@@ -120,6 +120,21 @@ def test_the_exp_is_within_a_few_ulp():
 
 
 @needs_native
+@pytest.mark.parametrize("shape", [(1, 2, 0, 8, 8), (0, 2, 5, 8, 8), (1, 2, 5, 8, 0)])
+def test_empty_shapes(shape):
+    """No rows, no sequences, or values with no features: the lse is still every row's."""
+    batch, heads, length, dk, dv = shape
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(batch, heads, length, dk, generator=g), torch.randn(batch, heads, length, dk, generator=g)
+    v = torch.randn(batch, heads, length, dv, generator=g)
+    lo = torch.zeros(1, length, dtype=torch.long)
+    hi = torch.arange(1, length + 1)[None]
+    out, lse = native.interval_forward(q, k, v, lo, hi, 0.5, block=2, chunk=3)
+    assert out.shape == (batch, heads, length, dv) and lse.shape == (batch, heads, length)
+    torch.testing.assert_close(lse.double(), _oracle_lse(q, k, _allowed(lo, hi, length), 0.5), **FP32)
+
+
+@needs_native
 def test_bad_inputs_raise():
     q = torch.randn(1, 2, 4, 8)
     lo, hi = torch.zeros(1, 4, dtype=torch.long), torch.full((1, 4), 4)

@@ -153,7 +153,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
 
   at::Tensor out = at::empty({B, H, Lq, Dv}, query.options());
   at::Tensor lse = at::empty({B, H, Lq}, query.options());
-  if (out.numel() == 0) return {out, lse};
+  if (lse.numel() == 0) return {out, lse};
   const int64_t group = H / Hkv, blocks = (Lq + block - 1) / block;
   const float* q = query.data_ptr<float>();
   const float* k = key.data_ptr<float>();
@@ -218,8 +218,10 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           }
         }
         // out[j] (+)= sum_t p[j][t] v_(c0+t): column-major O^T (Dv x rows) = V_chunk^T P^T.
-        gemm('N', 'N', Dv, rows, width, 1.0f, v_head + c0 * v2s, v2s, s, width, first_chunk ? 0.0f : 1.0f, o_block,
-             Dv);
+        if (Dv > 0) {  // BLAS rejects a leading dimension of 0
+          gemm('N', 'N', Dv, rows, width, 1.0f, v_head + c0 * v2s, v2s, s, width, first_chunk ? 0.0f : 1.0f,
+               o_block, Dv);
+        }
       }
       for (int64_t j = 0; j < rows; ++j) {
         float* acc = o_block + j * Dv;
