@@ -135,6 +135,20 @@ def test_empty_shapes(shape):
 
 
 @needs_native
+def test_rows_of_one_with_any_stride():
+    """A single key or query row may come with a stride shorter than a row (size-1 dims carry any
+    stride); BLAS would reject it as a leading dimension."""
+    q = torch.randn(1, 2, 8, 1).expand(1, 2, 8, 1).permute(0, 1, 3, 2)  # [1, 2, 1, 8], row stride 1
+    k = torch.randn(1, 2, 8, 1).permute(0, 1, 3, 2)
+    v = torch.randn(1, 2, 8, 1).permute(0, 1, 3, 2)
+    assert q.stride(-2) < q.shape[-1] and k.stride(-2) < k.shape[-1]
+    lo, hi = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long)
+    out, lse = native.interval_forward(q, k, v, lo, hi, 1.0)
+    torch.testing.assert_close(out, v.expand(1, 2, 1, 8))  # one key: its value, weight 1
+    torch.testing.assert_close(lse, (q * k).sum(-1))
+
+
+@needs_native
 def test_bad_inputs_raise():
     q = torch.randn(1, 2, 4, 8)
     lo, hi = torch.zeros(1, 4, dtype=torch.long), torch.full((1, 4), 4)

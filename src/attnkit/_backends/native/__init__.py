@@ -164,5 +164,8 @@ def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: 
         block, chunk = block or default_block, chunk or default_chunk
     if not available():
         raise RuntimeError(f"attnkit native kernel unavailable: {why_unavailable()}")
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    # BLAS reads rows at a stride >= the row length. A size-1 dim may carry any stride (and
+    # .contiguous() keeps it), so such rare layouts are copied with fresh strides.
+    query, key, value = (t if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1]
+                         else t.clone(memory_format=torch.contiguous_format) for t in (query, key, value))
     return torch.ops.attnkit.interval_forward(query, key, value, lo, hi, scale, block, chunk)
