@@ -360,10 +360,11 @@ def tiled_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None, Tensor]
 #: 50% too (0.47-0.82x).
 AUTO_MIN_PAIRS = 512 * 512
 AUTO_MAX_VISITED = ((1024 * 1024, 0.3), (float("inf"), 0.6))  # (pairs below, visited share at most)
-#: With attnkit's native kernel: from 128 x 128 pairs tiled took 0.39-0.74x the fused dense
+#: With attnkit's native kernel: from 128 x 128 pairs tiled took 0.12-0.74x the fused dense
 #: kernel's time on windows, documents and causal + padding (visiting <= 56% of the pairs); at
-#: 64 x 64 it lost (1.06-1.15x). A plain causal mask it ran in 0.66-0.97x SDPA's own causal path
-#: up to 4096 x 4096, 1.02x at 16384: SDPA keeps that one from 8192 x 8192.
+#: 64 x 64 it tied or lost (0.92-1.15x over two runs). A plain causal mask it ran in 0.53-0.97x
+#: SDPA's own causal path up to 4096 x 4096, 0.96x at 8192 and 1.02x at 16384: SDPA keeps that
+#: one from 8192 x 8192.
 NATIVE_MIN_PAIRS = 128 * 128
 NATIVE_MAX_VISITED = 0.6
 NATIVE_CAUSAL_MAX_PAIRS = 8192 * 8192
