@@ -162,15 +162,30 @@ def level_ranges(lo: Tensor, hi: Tensor, size: int, levels: int) -> list[tuple[i
     return result
 
 
+def _rows_by_block(lo: Tensor, hi: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``nonempty, lo, hi`` of the rows as ``[blocks, size]``, the last block padded with empty rows."""
+    pad = -lo.shape[0] % size
+
+    def by_block(t: Tensor) -> Tensor:
+        return torch.cat([t, t.new_zeros(pad)]).view(-1, size)
+
+    return by_block(lo < hi), by_block(lo), by_block(hi)
+
+
+def _lowest(values: Tensor, nonempty: Tensor) -> Tensor:
+    """Per block (row of ``[blocks, size]``), the least value over its non-empty rows."""
+    return torch.where(nonempty, values, 2**62).amin(1)
+
+
+def _highest(values: Tensor, nonempty: Tensor) -> Tensor:
+    """Per block, the greatest value over its non-empty rows."""
+    return torch.where(nonempty, values, -2**62).amax(1)
+
+
 def _same_start(lo: Tensor, hi: Tensor, size: int) -> list[bool]:
     """For each block of ``size`` rows: do all its non-empty rows start at the same key?"""
-    pad = -lo.shape[0] % size
-    nonempty = torch.cat([lo < hi, torch.zeros(pad, dtype=torch.bool)]).view(-1, size)
-    starts = torch.cat([lo, lo.new_zeros(pad)]).view(-1, size)
-    big = 2**62
-    first = torch.where(nonempty, starts, big).amin(1)
-    last = torch.where(nonempty, starts, -big).amax(1)
-    return (~nonempty.any(1) | (first == last)).tolist()
+    nonempty, starts, _ = _rows_by_block(lo, hi, size)
+    return (~nonempty.any(1) | (_lowest(starts, nonempty) == _highest(starts, nonempty))).tolist()
 
 
 #: How many recent plans :func:`cached_plan` keeps (each with its ``[S, Lq]`` row bounds).
@@ -255,15 +270,12 @@ def _aligned(blocks: list[list[KeyRange]], lo: Tensor, hi: Tensor, size: int) ->
     other range of the block, so the result is unchanged. Ranges never grow past the keys that
     some row of the sequence attends: keys nobody attends (padding) may hold anything, even NaN,
     and are never read."""
-    nonempty_rows = lo < hi
-    if not nonempty_rows.any():
+    nonempty, lo_rows, hi_rows = _rows_by_block(lo, hi, size)
+    if not nonempty.any():
         return blocks
-    floor, ceiling = int(lo[nonempty_rows].min()), int(hi[nonempty_rows].max())
-    pad = -lo.shape[0] % size
-    nonempty = torch.cat([lo < hi, torch.zeros(pad, dtype=torch.bool)]).view(-1, size)
-    big = 2**62
-    first = torch.where(nonempty, torch.cat([lo, lo.new_zeros(pad)]).view(-1, size), big).amin(1).tolist()
-    last = torch.where(nonempty, torch.cat([hi, hi.new_zeros(pad)]).view(-1, size), -big).amax(1).tolist()
+    first, last = _lowest(lo_rows, nonempty), _highest(hi_rows, nonempty)
+    floor, ceiling = int(first.min()), int(last.max())  # the keys some row of the sequence attends
+    first, last = first.tolist(), last.tolist()
     result = []
     for index, ranges in enumerate(blocks):
         widened = []
