@@ -51,3 +51,14 @@ def oracle_attention(
     safe = scores.masked_fill(~has_key, 0.0)
     weights = torch.softmax(safe, dim=-1).masked_fill(~has_key, 0.0)
     return torch.matmul(weights, v), weights
+
+
+def oracle_lse(query: Tensor, key: Tensor, allowed: Tensor, scale: float) -> Tensor:
+    """float64 ``log(sum exp(scale * q.k))`` over the allowed keys of each row, ``[..., Lq]``;
+    ``-inf`` exactly where a row has no allowed key. ``query [B, H, Lq, D]``, ``key [B, Hkv,
+    Lk, D]`` (GQA: query head ``h`` reads key head ``h // (H / Hkv)``), ``allowed`` a boolean
+    mask broadcastable to ``[B, H, Lq, Lk]``."""
+    q, k = query.double(), key.double()
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return torch.logsumexp((q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf")), dim=-1)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import masks
 from attnkit._backends import native
-from oracle import oracle_attention
+from oracle import oracle_attention, oracle_lse
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.why_unavailable()}")
 
@@ -57,13 +57,6 @@ def _allowed(lo, hi, lk):
     return ((keys >= lo[..., None]) & (keys < hi[..., None]))[:, None]  # [S, 1, Lq, Lk]
 
 
-def _oracle_lse(query, key, allowed, scale):
-    q, k = query.double(), key.double()
-    if k.shape[1] != q.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    return torch.logsumexp((q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf")), dim=-1)
-
-
 @needs_native
 @given(c=interval_cases())
 def test_output_and_lse_match_the_oracle(c):
@@ -73,7 +66,7 @@ def test_output_and_lse_match_the_oracle(c):
     expected, _ = oracle_attention(c["query"], c["key"], c["value"], mask=allowed, scale=c["scale"])
     assert out.shape == expected.shape and out.dtype == torch.float32 and out.is_contiguous()
     torch.testing.assert_close(out, expected.float(), **FP32)
-    expected_lse = _oracle_lse(c["query"], c["key"], allowed, c["scale"])
+    expected_lse = oracle_lse(c["query"], c["key"], allowed, c["scale"])
     assert torch.equal(torch.isneginf(lse), torch.isneginf(expected_lse))  # rows with no key: -inf
     torch.testing.assert_close(lse.double().nan_to_num(neginf=0.0), expected_lse.nan_to_num(neginf=0.0), **FP32)
 
@@ -96,7 +89,7 @@ def test_scores_over_the_whole_exponent_range(scale):
                        - expected).abs().max().item()
     tolerance = max(2 * reference_error, FP32["atol"])
     assert (out.double() - expected).abs().max().item() <= tolerance
-    expected_lse = _oracle_lse(q, k, allowed, scale)
+    expected_lse = oracle_lse(q, k, allowed, scale)
     assert ((lse.double() - expected_lse).abs() / expected_lse.abs().clamp(min=1)).max() <= 4e-6
 
 
@@ -131,7 +124,7 @@ def test_empty_shapes(shape):
     hi = torch.arange(1, length + 1)[None]
     out, lse = native.interval_forward(q, k, v, lo, hi, 0.5, block=2, chunk=3)
     assert out.shape == (batch, heads, length, dv) and lse.shape == (batch, heads, length)
-    torch.testing.assert_close(lse.double(), _oracle_lse(q, k, _allowed(lo, hi, length), 0.5), **FP32)
+    torch.testing.assert_close(lse.double(), oracle_lse(q, k, _allowed(lo, hi, length), 0.5), **FP32)
 
 
 @needs_native
