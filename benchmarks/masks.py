@@ -22,7 +22,7 @@ quarter of the keys is padding). For each contender it prints:
     python benchmarks/masks.py                 # the README table (several minutes)
     python benchmarks/masks.py --long          # L = 131072, window 512: ours only, memory check
     python benchmarks/masks.py --threshold     # tiled vs the fused dense path at short lengths
-    python benchmarks/masks.py --train         # forward + backward with the window
+    python benchmarks/masks.py --train         # forward + backward, each mask
 """
 
 from __future__ import annotations
@@ -291,13 +291,48 @@ def long_run(args: argparse.Namespace) -> None:
 
 
 def training(args: argparse.Namespace) -> None:
-    """Forward + backward with the window: ours vs dense-mask SDPA, each in a fresh process."""
-    length, name = args.length, f"sliding window {args.window}"
-    print(f"# forward + backward, L={length}, {name}, B=1, H={HEADS}, D={HEAD_DIM}, fp32 ({describe_machine()})")
+    """Forward + backward (of the sum of squared outputs) for each mask: steady time of ours, ours
+    on PyTorch's kernel and dense-mask SDPA (interleaved, in this process), useful GFLOP/s against
+    a matmul; then first call and extra peak memory of ours and SDPA with the window, fresh
+    process each."""
+    length, window = args.length, args.window
+    print(f"# forward + backward, B=1, H={HEADS}, D={HEAD_DIM}, fp32, L={length} ({describe_machine()})")
+    print(f"# steady: median of {args.repeats} interleaved runs; FlexAttention has no CPU backward in this torch\n")
+    query, key, value = (t.requires_grad_() for t in inputs(length))
+    flops, matmul = square_matmul()
+
+    def step(forward):
+        def run():
+            forward().square().sum().backward()
+            query.grad = key.grad = value.grad = None
+        return run
+
+    print("| mask | ours (ms) | ours, PyTorch kernel (ms) | SDPA dense mask (ms) | SDPA / ours | ours useful GFLOP/s "
+          "| matmul GFLOP/s | ours / matmul |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, (structured, _) in mask_set(length, window).items():
+        dense = structured.dense(length, length)
+        contenders = {
+            "ours": step(lambda: attnkit.attention(query, key, value, mask=structured)),
+            "sdpa": step(lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=dense)),
+            "matmul": matmul,
+        }
+        if native.available():
+            contenders["ours-fused"] = step(lambda: _without_native(query, key, value, structured))
+        times = median_times(contenders, repeats=args.repeats)
+        dense = contenders = None
+        # FlashAttention's count: the backward does 2.5x the forward's two products (it recomputes the scores)
+        useful = 3.5 * 4 * HEAD_DIM * attended_pairs(structured, length) * HEADS / times["ours"] / 1e9
+        peak = flops / times["matmul"] / 1e9
+        print(f"| {name} | {_fmt_ms(times['ours'])} | {_fmt_ms(times.get('ours-fused'))} | {_fmt_ms(times['sdpa'])} "
+              f"| {times['sdpa'] / times['ours']:.1f}x | {useful:.0f} | {peak:.0f} | {useful / peak:.0%} |", flush=True)
+
+    name = f"sliding window {window}"
+    print(f"\n{name}, fresh process each:\n")
     print("| contender | first call (s) | extra peak memory of the next call (MiB) |")
     print("|---|---:|---:|")
     for contender, label in (("ours-train", "attention(backend='auto')"), ("sdpa-train", "SDPA, dense mask")):
-        result = measure_first_call(contender, name, length, args.window)
+        result = measure_first_call(contender, name, length, window)
         if "error" in result:
             print(f"| {label} | failed: {result['error']} | |")
         else:
@@ -336,7 +371,7 @@ def main() -> None:
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     parser.add_argument("--long", action="store_true", help="L = 131072 with the window: memory check")
     parser.add_argument("--threshold", action="store_true", help="tiled vs fused at short lengths")
-    parser.add_argument("--train", action="store_true", help="forward + backward with the window")
+    parser.add_argument("--train", action="store_true", help="forward + backward, each mask")
     parser.add_argument("--sweep", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument("--child", nargs=4, metavar=("CONTENDER", "MASK", "LENGTH", "WINDOW"), help=argparse.SUPPRESS)
     args = parser.parse_args()

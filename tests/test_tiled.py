@@ -21,8 +21,8 @@ from strategies import cases, mask_cases
 
 @pytest.fixture(autouse=True, scope="module", params=["native", "pytorch"])
 def forward_kernel(request):
-    """Every test runs with each forward kernel of the tiled backend: attnkit's own (float32, no
-    dropout, no dense mask; where it is built) and PyTorch's fused one block by block."""
+    """Every test runs with each kernel of the tiled backend, forward and backward: attnkit's own
+    (float32, no dropout, no dense mask; where it is built) and PyTorch's fused one block by block."""
     if request.param == "native":
         if not native.available():
             pytest.skip(f"native kernel: {native.why_unavailable()}")

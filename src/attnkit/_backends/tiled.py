@@ -15,7 +15,8 @@ mask: :mod:`.native`), the forward skips all of this: one call computes each blo
 key span with the mask applied inside the softmax, same results to rounding.
 
 Training keeps O(L) memory: the forward saves only query, key, value, output and lse; the
-backward recomputes each call (FlashAttention's split-key backward, :mod:`.kernels`).
+backward recomputes each call (FlashAttention's split-key backward, :mod:`.kernels`), or runs the
+native kernel's backward over the same row intervals where its forward ran.
 
 Conventions: ``lse[..., i]`` is the natural-log sum of ``exp(scale * q.k + bias)`` over the keys
 row ``i`` may attend, before dropout (float32 for half-precision inputs), and ``-inf`` for a row
@@ -235,6 +236,7 @@ def _seed(g: Group, b: int) -> int:
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, problem, groups):  # type: ignore[override]
+        """``groups`` is the plan, or None when the native kernel runs both ways (it needs none)."""
         out, lse = _run_forward(problem, groups)
         ctx.problem, ctx.groups = problem, groups
         ctx.save_for_backward(query, key, value, out, lse)
@@ -248,6 +250,10 @@ class _TiledAttention(torch.autograd.Function):
         problem.query, problem.key, problem.value = query, key, value  # the saved, checked versions
         if grad_out is None:
             grad_out = torch.zeros_like(out)
+        if problem.native:
+            dq, dk, dv = native.interval_backward(grad_out, query, key, value, out, lse, problem.lo, problem.hi,
+                                                  problem.scale, grad_lse)
+            return dq, dk, dv, None, None
         use_flash = problem.flash and grad_lse is None
         work = _accumulator_dtype(query.dtype)
         grads = [torch.zeros(t.shape, dtype=work, device=t.device) for t in (query, key, value)]
@@ -347,7 +353,8 @@ def tiled_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None, Tensor]
         out, weights, lse = _with_weights(call, problem)
         weights = weights.reshape(call.scores_shape)
     else:
-        out, lse = _TiledAttention.apply(query, key, value, problem, _with_seeds(_plan_of(call), call))
+        groups = None if problem.native else _with_seeds(_plan_of(call), call)
+        out, lse = _TiledAttention.apply(query, key, value, problem, groups)
         weights = None
     shape = call.query.shape[:-1]
     return out.reshape(*shape, call.value.shape[-1]), weights, lse.reshape(shape)

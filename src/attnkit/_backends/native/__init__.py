@@ -1,14 +1,13 @@
 """attnkit's own CPU kernel for interval masks (``interval_attention.cpp``): build and load.
 
-The tiled backend's forward runs this kernel when it is built and applies (float32 CPU tensors,
-a structured mask, no dense tensor mask, no dropout), and PyTorch's fused kernel block by block
-otherwise (:mod:`..kernels`); both give the same output and log-sum-exp up to float rounding, so
-the backward (which recomputes with PyTorch's kernels) does not care which ran. Building is an
-install step, never a first-call cost: ``make`` runs ``python -m attnkit._backends.native`` once,
-which compiles the source with the system C++ compiler against the installed torch into a cache
-directory named after a hash of everything the binary depends on (source, torch version and ABI,
-flags), so a changed source or torch is simply not found and the fallback runs until the next
-build. Nothing is ever compiled implicitly.
+The tiled backend runs this kernel, forward and backward, when it is built and applies (float32
+CPU tensors, a structured mask, no dense tensor mask, no dropout), and PyTorch's fused kernel
+block by block otherwise (:mod:`..kernels`); both give the same output, log-sum-exp and gradients
+up to float rounding. Building is an install step, never a first-call cost: ``make`` runs
+``python -m attnkit._backends.native`` once, which compiles the source with the system C++
+compiler against the installed torch into a cache directory named after a hash of everything the
+binary depends on (source, torch version and ABI, flags), so a changed source or torch is simply
+not found and the fallback runs until the next build. Nothing is ever compiled implicitly.
 
 Requirements: x86-64 with AVX2 and FMA (the flags it is compiled with), and a torch that exports
 the BLAS ``sgemm_`` it multiplies with (the official x86 builds link MKL). ``ATTNKIT_NATIVE=0``
@@ -39,6 +38,14 @@ SOURCE = Path(__file__).with_name("interval_attention.cpp")
 #: ~2300 keys per row (64 rows 4% faster than 32); causal + padding, ~7700 keys per row (128 x
 #: 512 7% faster than 32 x 1024). A chunk's scores (rows x keys floats, <= 256 KiB) stay in L2.
 TILES = ((1024, (32, 1024)), (4096, (64, 1024)), (float("inf"), (128, 512)))
+
+#: The backward's tiles, the same way (its chunk holds two score buffers: weights and their
+#: gradients). Median of 3 at L = 16384: the window and the documents within 4% from 16 x 1024 to
+#: 128 x 128 (32 x 1024 best on the window, 0.29 s); causal + padding 128 x 128 to 256 x 128
+#: (3.6-3.7 s) against 4.1-4.3 s for 32-64 row blocks, whose dK, dV products add rank-32 updates.
+BACKWARD_TILES = ((4096, (32, 1024)), (float("inf"), (128, 128)))
+#: With fewer (sequence, kv head) pairs than this many per thread, the backward also splits rows.
+PARTS_PER_THREAD = 4
 
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 
@@ -151,6 +158,12 @@ def tiles(lo: Tensor, hi: Tensor) -> tuple[int, int]:
     return next(sizes for below, sizes in TILES if mean_keys < below)
 
 
+def backward_tiles(lo: Tensor, hi: Tensor) -> tuple[int, int]:
+    """``(block, chunk)`` of the backward for rows attending ``[lo, hi)`` (see ``BACKWARD_TILES``)."""
+    mean_keys = float((hi - lo).clamp(min=0).float().mean()) if lo.numel() else 0.0
+    return next(sizes for below, sizes in BACKWARD_TILES if mean_keys < below)
+
+
 def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, scale: float,
                      block: int | None = None, chunk: int | None = None) -> tuple[Tensor, Tensor]:
     """``(output [B, H, Lq, Dv], lse [B, H, Lq])`` of attention where row ``i`` of sequence ``b``
@@ -164,8 +177,38 @@ def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: 
         block, chunk = block or default_block, chunk or default_chunk
     if not available():
         raise RuntimeError(f"attnkit native kernel unavailable: {why_unavailable()}")
-    # BLAS reads rows at a stride >= the row length. A size-1 dim may carry any stride (and
-    # .contiguous() keeps it), so such rare layouts are copied with fresh strides.
-    query, key, value = (t if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1]
-                         else t.clone(memory_format=torch.contiguous_format) for t in (query, key, value))
+    query, key, value = _blas_rows(query, key, value)
     return torch.ops.attnkit.interval_forward(query, key, value, lo, hi, scale, block, chunk)
+
+
+def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
+                      lo: Tensor, hi: Tensor, scale: float, grad_lse: Tensor | None = None,
+                      block: int | None = None, chunk: int | None = None,
+                      parts: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of :func:`interval_forward` (same shapes as its inputs) from
+    ``grad_out [B, H, Lq, Dv]`` and, when the lse was used too, ``grad_lse [B, H, Lq]``; ``out`` and
+    ``lse`` are the forward's. ``parts`` cuts each (sequence, kv head)'s rows into that many
+    pieces computed in parallel (default: enough for the threads when there are few heads)."""
+    if block is None or chunk is None:
+        default_block, default_chunk = backward_tiles(lo, hi)
+        block, chunk = block or default_block, chunk or default_chunk
+    if parts is None:
+        pairs = query.shape[0] * key.shape[1]
+        parts = max(1, min(-(-PARTS_PER_THREAD * torch.get_num_threads() // max(pairs, 1)),
+                           -(-query.shape[2] // block)))
+    if not available():
+        raise RuntimeError(f"attnkit native kernel unavailable: {why_unavailable()}")
+    # dL/dS = P * (dP - delta), delta_i = sum_d dO_id O_id - dL/dlse_i (FlashAttention's D term)
+    delta = (grad_out * out).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse
+    grad_out, query, key, value = _blas_rows(grad_out, query, key, value)
+    return torch.ops.attnkit.interval_backward(grad_out, query, key, value, lse, delta, lo, hi, scale, block, chunk,
+                                               parts)
+
+
+def _blas_rows(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """BLAS reads rows at a stride >= the row length. A size-1 dim may carry any stride (and
+    ``.contiguous()`` keeps it), so such rare layouts are copied with fresh strides."""
+    return tuple(t if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1]
+                 else t.clone(memory_format=torch.contiguous_format) for t in tensors)

@@ -13,7 +13,8 @@
 // Layout: query [B, H, Lq, D], key [B, Hkv, Lk, D], value [B, Hkv, Lk, Dv], float32, any strides
 // with a unit last-dim stride; lo, hi int64 [S, Lq] with S = 1 (shared) or B. H % Hkv == 0 (GQA:
 // query head h reads key/value head h / (H / Hkv)). Returns output [B, H, Lq, Dv] (contiguous)
-// and the natural-log sum-exp [B, H, Lq]; a row with no key gives zeros and -inf.
+// and the natural-log sum-exp [B, H, Lq]; a row with no key gives zeros and -inf. interval_backward
+// (further down) gives the gradients from the same intervals and the saved lse.
 //
 // Built by attnkit/_backends/native/__init__.py with -O3 -mavx2 -mfma; the row loops use AVX2
 // intrinsics (no -ffast-math, which would let the compiler assume there are no infinities).
@@ -239,11 +240,167 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   return {out, lse};
 }
 
+// P = exp(row - lse) on the row's keys [lo, hi) of a chunk, 0 elsewhere (the softmax weights,
+// recomputed from the forward's log-sum-exp: no running max is needed).
+inline void weights_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi, float lse) {
+  std::fill(row, row + std::max<int64_t>(lo, 0), 0.0f);
+  const __m256 shift = _mm256_set1_ps(lse);
+  int64_t t = lo;
+  for (; t + 8 <= hi; t += 8) {
+    // min(., 0): a recomputed score may exceed the forward's lse by a rounding error
+    const __m256 x = _mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(row + t), shift), _mm256_setzero_ps());
+    _mm256_storeu_ps(row + t, exp_nonpositive(x));
+  }
+  for (; t < hi; ++t) row[t] = exp_nonpositive(std::min(row[t] - lse, 0.0f));
+  std::fill(row + std::max(hi, lo), row + width, 0.0f);
+}
+
+// dS = scale * P * (dP - delta) in place of dP, for one row of a chunk (0 where P is 0).
+inline void score_grad_row(const float* p, float* dp, int64_t width, float delta, float scale) {
+  const __m256 d8 = _mm256_set1_ps(delta), s8 = _mm256_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 8 <= width; t += 8) {
+    const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_sub_ps(_mm256_loadu_ps(dp + t), d8));
+    _mm256_storeu_ps(dp + t, _mm256_mul_ps(g, s8));
+  }
+  for (; t < width; ++t) dp[t] = scale * (p[t] * (dp[t] - delta));
+}
+
+// Gradients of interval_forward: given grad_out [B, H, Lq, Dv], the forward's lse [B, H, Lq] and
+// delta [B, H, Lq] = rowsum(grad_out * out) - grad_lse, returns (dq, dk, dv) in float32, each
+// contiguous in the shape of its input. FlashAttention's backward, by query blocks: per block and
+// chunk of keys, P from the lse, dV += P^T dO, dP = dO V^T, dS = scale * P * (dP - delta),
+// dQ += dS K, dK += dS^T Q; five sgemm calls, nothing of size Lq x Lk is ever stored.
+// Blocks of different rows add into the same key rows, so a task owns whole (batch, kv head)
+// pairs; with fewer pairs than threads, each pair's rows are cut into `parts` that add into
+// their own copy of dK and dV, summed at the end (`parts` copies: still O(L) memory).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& lse_rows, const at::Tensor& delta_rows, const at::Tensor& lo_rows, const at::Tensor& hi_rows,
+    double scale, int64_t block, int64_t chunk, int64_t parts) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && grad_out.dim() == 4,
+              "interval_backward: 4-D inputs");
+  for (const at::Tensor* t : {&grad_out, &query, &key, &value}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->stride(3) == 1,
+                "interval_backward: float32 CPU inputs with a unit stride along the head dimension");
+  }
+  TORCH_CHECK(block > 0 && chunk > 0 && parts > 0, "interval_backward: block, chunk and parts must be positive");
+  const int64_t B = query.size(0), H = query.size(1), Lq = query.size(2), D = query.size(3);
+  const int64_t Hkv = key.size(1), Lk = key.size(2), Dv = value.size(3);
+  TORCH_CHECK(key.size(0) == B && value.size(0) == B && value.size(1) == Hkv && value.size(2) == Lk &&
+                  key.size(3) == D && Hkv > 0 && H % Hkv == 0, "interval_backward: mismatched shapes");
+  TORCH_CHECK(grad_out.size(0) == B && grad_out.size(1) == H && grad_out.size(2) == Lq && grad_out.size(3) == Dv,
+              "interval_backward: grad_out must be [B, H, Lq, Dv]");
+  const at::Tensor lse = lse_rows.contiguous(), delta = delta_rows.contiguous();
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && delta.scalar_type() == at::kFloat &&
+                  lse.sizes() == at::IntArrayRef({B, H, Lq}) && delta.sizes() == lse.sizes(),
+              "interval_backward: lse and delta must be float32 [B, H, Lq]");
+  const at::Tensor lo = lo_rows.contiguous(), hi = hi_rows.contiguous();
+  TORCH_CHECK(lo.scalar_type() == at::kLong && hi.scalar_type() == at::kLong && lo.dim() == 2 &&
+                  lo.sizes() == hi.sizes() && lo.size(1) == Lq && (lo.size(0) == 1 || lo.size(0) == B),
+              "interval_backward: lo, hi must be int64 [1 or B, Lq]");
+
+  at::Tensor dq = at::zeros({B, H, Lq, D}, query.options());
+  at::Tensor dk = at::zeros({B, Hkv, parts, Lk, D}, query.options());
+  at::Tensor dv = at::zeros({B, Hkv, parts, Lk, Dv}, query.options());
+  const int64_t group = H / Hkv, blocks = (Lq + block - 1) / block;
+  const int64_t blocks_per_part = (blocks + parts - 1) / parts;
+  if (dq.numel() > 0 && Lk > 0) {
+    const float* q = query.data_ptr<float>();
+    const float* k = key.data_ptr<float>();
+    const float* v = value.data_ptr<float>();
+    const float* go = grad_out.data_ptr<float>();
+    const float* l = lse.data_ptr<float>();
+    const float* dl = delta.data_ptr<float>();
+    const int64_t* lo_data = lo.data_ptr<int64_t>();
+    const int64_t* hi_data = hi.data_ptr<int64_t>();
+    float* dq_data = dq.data_ptr<float>();
+    float* dk_data = dk.data_ptr<float>();
+    float* dv_data = dv.data_ptr<float>();
+    const int64_t q0s = query.stride(0), q1s = query.stride(1), q2s = query.stride(2);
+    const int64_t k0s = key.stride(0), k1s = key.stride(1), k2s = key.stride(2);
+    const int64_t v0s = value.stride(0), v1s = value.stride(1), v2s = value.stride(2);
+    const int64_t g0s = grad_out.stride(0), g1s = grad_out.stride(1), g2s = grad_out.stride(2);
+    const bool shared_rows = lo.size(0) == 1;
+
+    at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> weights(block * chunk), grads(block * chunk);
+      std::vector<int64_t> row_lo(block), row_hi(block);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / (Hkv * parts), kv = (task / parts) % Hkv, part = task % parts;
+        const int64_t* lo_seq = lo_data + (shared_rows ? 0 : b * Lq);
+        const int64_t* hi_seq = hi_data + (shared_rows ? 0 : b * Lq);
+        const float* k_head = k + b * k0s + kv * k1s;
+        const float* v_head = v + b * v0s + kv * v1s;
+        float* dk_head = dk_data + ((b * Hkv + kv) * parts + part) * Lk * D;
+        float* dv_head = dv_data + ((b * Hkv + kv) * parts + part) * Lk * Dv;
+        const int64_t block_end = std::min(blocks, (part + 1) * blocks_per_part);
+        for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+          for (int64_t index = part * blocks_per_part; index < block_end; ++index) {
+            const int64_t first = index * block, rows = std::min(block, Lq - first);
+            const float* l_block = l + (b * H + h) * Lq + first;
+            int64_t span_lo = Lk, span_hi = 0;
+            for (int64_t j = 0; j < rows; ++j) {
+              row_lo[j] = std::max<int64_t>(lo_seq[first + j], 0);
+              row_hi[j] = std::min<int64_t>(hi_seq[first + j], Lk);
+              if (l_block[j] == kNegInf) row_hi[j] = row_lo[j];  // a row with no key: no weights
+              if (row_lo[j] < row_hi[j]) {
+                span_lo = std::min(span_lo, row_lo[j]);
+                span_hi = std::max(span_hi, row_hi[j]);
+              }
+            }
+            if (span_lo >= span_hi) continue;  // dq stays 0
+            const float* q_block = q + b * q0s + h * q1s + first * q2s;
+            const float* go_block = go + b * g0s + h * g1s + first * g2s;
+            const float* delta_block = dl + (b * H + h) * Lq + first;
+            float* dq_block = dq_data + ((b * H + h) * Lq + first) * D;
+            for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
+              const int64_t width = std::min(chunk, span_hi - c0);
+              float* p = weights.data();
+              float* ds = grads.data();
+              // Row-major [rows][width] buffers are column-major (width x rows) for BLAS.
+              gemm('T', 'N', width, rows, D, static_cast<float>(scale), k_head + c0 * k2s, k2s, q_block, q2s, 0.0f,
+                   p, width);
+              for (int64_t j = 0; j < rows; ++j) {
+                weights_chunk_row(p + j * width, width, std::clamp<int64_t>(row_lo[j] - c0, 0, width),
+                                  std::clamp<int64_t>(row_hi[j] - c0, 0, width), l_block[j]);
+              }
+              if (Dv > 0) {  // BLAS rejects a leading dimension of 0
+                // dV_chunk^T (Dv x width) += dO^T (Dv x rows) P (rows x width)
+                gemm('N', 'T', Dv, width, rows, 1.0f, go_block, g2s, p, width, 1.0f, dv_head + c0 * Dv, Dv);
+                // dP^T (width x rows) = V_chunk (width x Dv) dO^T (Dv x rows)
+                gemm('T', 'N', width, rows, Dv, 1.0f, v_head + c0 * v2s, v2s, go_block, g2s, 0.0f, ds, width);
+              } else {
+                std::fill(ds, ds + rows * width, 0.0f);
+              }
+              for (int64_t j = 0; j < rows; ++j) {
+                score_grad_row(p + j * width, ds + j * width, width, delta_block[j], static_cast<float>(scale));
+              }
+              if (D > 0) {
+                // dQ^T (D x rows) += K_chunk^T (D x width) dS^T (width x rows)
+                gemm('N', 'N', D, rows, width, 1.0f, k_head + c0 * k2s, k2s, ds, width, 1.0f, dq_block, D);
+                // dK_chunk^T (D x width) += Q^T (D x rows) dS (rows x width)
+                gemm('N', 'T', D, width, rows, 1.0f, q_block, q2s, ds, width, 1.0f, dk_head + c0 * D, D);
+              }
+            }
+          }
+        }
+      }
+    });
+  }
+  return {dq, parts == 1 ? dk.squeeze(2) : dk.sum(2), parts == 1 ? dv.squeeze(2) : dv.sum(2)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnkit, m) {
   m.def("interval_forward(Tensor query, Tensor key, Tensor value, Tensor lo, Tensor hi, float scale, int block, "
         "int chunk) -> (Tensor, Tensor)");
+  m.def("interval_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor lse, Tensor delta, "
+        "Tensor lo, Tensor hi, float scale, int block, int chunk, int parts) -> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(attnkit, CPU, m) { m.impl("interval_forward", &interval_forward); }
+TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
+  m.impl("interval_forward", &interval_forward);
+  m.impl("interval_backward", &interval_backward);
+}
