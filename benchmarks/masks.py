@@ -340,27 +340,39 @@ def training(args: argparse.Namespace) -> None:
 
 
 def threshold_sweep(args: argparse.Namespace) -> None:
-    """Tiled vs the fused dense path (what auto would run otherwise) for short lengths."""
+    """Tiled vs the fused dense path (what auto would run otherwise) for short lengths; ``visited``
+    is the share of pairs the block plan computes (PyTorch's kernel per block), ``computed`` the
+    share the native kernel multiplies (each block over its rows' key span)."""
     print(f"# tiled / torch-with-dense-mask time, B=1, H={HEADS}, D={HEAD_DIM}, fp32 ({describe_machine()})")
-    print("| L | mask | visited | tiled (ms) | torch (ms) | tiled / torch | auto runs |")
-    print("|---:|---|---:|---:|---:|---:|---|")
+    print("| L | mask | visited | computed | tiled (ms) | torch (ms) | tiled / torch | auto runs |")
+    print("|---:|---|---:|---:|---:|---:|---:|---|")
     for length in args.sweep:
         query, key, value = inputs(length)
-        sweep = {
-            f"window {length // 8}": masks.sliding_window(length // 8),
-            "8 documents": masks.document(document_lengths(length)),
-            "causal + padding": masks.causal() & masks.padding([length - length // 4]),
-            "causal": masks.causal(),
+        sweep = {  # name: (mask, query rows: the last ones, as a chunk of a prefill)
+            f"window {length // 8}": (masks.sliding_window(length // 8), length),
+            "8 documents": (masks.document(document_lengths(length)), length),
+            "causal + padding": (masks.causal() & masks.padding([length - length // 4]), length),
+            "causal": (masks.causal(), length),
         }
-        for name, mask in sweep.items():
-            fns = {b: (lambda b=b, mask=mask: attnkit.attention(query, key, value, mask=mask, backend=b))
+        if args.dense_side:  # masks that keep most pairs: where tiled stops paying
+            sweep |= {
+                "prefix-LM L/2": (masks.prefix_lm(length // 2), length),
+                f"symmetric window {length // 2}": (masks.sliding_window(length // 2, causal=False), length),
+                "padding 7/8": (masks.padding([length - length // 8]), length),
+                "causal, last L/4 rows": (masks.causal(), length // 4),
+            }
+        for name, (mask, rows) in sweep.items():
+            q = query[..., length - rows:, :]
+            fns = {b: (lambda b=b, mask=mask, q=q: attnkit.attention(q, key, value, mask=mask, backend=b))
                    for b in ("tiled", "torch")}
             times = median_times(fns, repeats=args.repeats, warmup=2)
-            call = make_call(query, key, value, mask=mask, causal=False, scale=None, dropout=0.0,
+            call = make_call(q, key, value, mask=mask, causal=False, scale=None, dropout=0.0,
                              generator=None, return_weights=False)
-            print(f"| {length} | {name} | {tiled.visited_fraction(call):.2f} | {times['tiled'] * 1e3:.2f} "
-                  f"| {times['torch'] * 1e3:.2f} | {times['tiled'] / times['torch']:.2f} | {choose(call).name} |",
-                  flush=True)
+            lo, hi = tiled.row_bounds(call)
+            computed = native.computed_fraction(lo, hi, length)
+            print(f"| {length} | {name} | {tiled.visited_fraction(call):.2f} | {computed:.2f} "
+                  f"| {times['tiled'] * 1e3:.2f} | {times['torch'] * 1e3:.2f} | {times['tiled'] / times['torch']:.2f} "
+                  f"| {choose(call).name} |", flush=True)
 
 
 def main() -> None:
@@ -373,6 +385,8 @@ def main() -> None:
     parser.add_argument("--threshold", action="store_true", help="tiled vs fused at short lengths")
     parser.add_argument("--train", action="store_true", help="forward + backward, each mask")
     parser.add_argument("--sweep", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    parser.add_argument("--dense-side", action="store_true",
+                        help="with --threshold: also masks that keep most pairs (prefix-LM, padding, ...)")
     parser.add_argument("--child", nargs=4, metavar=("CONTENDER", "MASK", "LENGTH", "WINDOW"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -221,17 +221,36 @@ def test_the_tiled_backend_runs_it_exactly_where_it_applies(monkeypatch):
 
 
 @needs_native
-def test_explicit_tiled_with_it_computes_no_plan(monkeypatch):
+@pytest.mark.parametrize("backend", ["tiled", "auto"])
+def test_a_call_it_runs_computes_no_plan(monkeypatch, backend):
     """The block plan only serves PyTorch's kernel: a call that the native kernel runs both ways
-    (forward and backward) never computes it."""
+    (forward and backward) never computes it, not even for "auto" to decide."""
     def no_plan(call):
         raise AssertionError("planned")
 
     monkeypatch.setattr(tiled_plan, "cached_plan", no_plan)
-    q, k, v = (torch.randn(1, 2, 64, 8, requires_grad=True) for _ in range(3))
-    attnkit.attention(q, k, v, mask=masks.sliding_window(8), backend="tiled").sum().backward()
+    q, k, v = (torch.randn(1, 2, 1024, 8, requires_grad=True) for _ in range(3))  # long enough for tiled
+    attnkit.attention(q, k, v, mask=masks.sliding_window(8), backend=backend).sum().backward()
     with pytest.raises(AssertionError, match="planned"), native.turned_off():
-        attnkit.attention(q, k, v, mask=masks.sliding_window(8), backend="tiled")
+        attnkit.attention(q, k, v, mask=masks.sliding_window(8), backend=backend)
+
+
+@given(lq=st.integers(1, 200), lk=st.integers(1, 200), seed=st.integers(0, 2**31 - 1), shared=st.booleans())
+def test_computed_fraction_counts_each_block_over_its_span(lq, lk, seed, shared):
+    """Counted row by row: a block (of the kernel's block size) multiplies all its rows by every
+    key from its non-empty rows' lowest start to their highest end."""
+    g = torch.Generator().manual_seed(seed)
+    lo = torch.randint(-3, lk + 2, (1 if shared else 2, lq), generator=g)
+    hi = lo + torch.randint(0, lk + 3, lo.shape, generator=g)
+    block, _ = native.tiles(lo, hi)
+    computed = 0
+    for s in range(lo.shape[0]):
+        for first in range(0, lq, block):
+            rows = [(max(int(a), 0), min(int(b), lk)) for a, b in zip(lo[s, first:first + block], hi[s, first:first + block])]
+            rows = [(a, b) for a, b in rows if a < b]
+            if rows:
+                computed += min(lq - first, block) * (max(b for _, b in rows) - min(a for a, _ in rows))
+    assert native.computed_fraction(lo, hi, lk) == pytest.approx(computed / (lo.shape[0] * lq * lk))
 
 
 @needs_native

@@ -367,13 +367,17 @@ def tiled_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None, Tensor]
 #: 50% too (0.47-0.82x).
 AUTO_MIN_PAIRS = 512 * 512
 AUTO_MAX_VISITED = ((1024 * 1024, 0.3), (float("inf"), 0.6))  # (pairs below, visited share at most)
-#: With attnkit's native kernel: from 128 x 128 pairs tiled took 0.12-0.74x the fused dense
-#: kernel's time on windows, documents and causal + padding (visiting <= 56% of the pairs); at
-#: 64 x 64 it tied or lost (0.92-1.15x over two runs). A plain causal mask it ran in 0.53-0.97x
-#: SDPA's own causal path up to 4096 x 4096, 0.96x at 8192 and 1.02x at 16384: SDPA keeps that
-#: one from 8192 x 8192.
+#: With attnkit's native kernel (``--threshold --dense-side``, 64 to 16384): from 128 x 128 pairs
+#: tiled took 0.10-0.93x the fused dense kernel's time on every mask where the kernel multiplies
+#: <= 91% of the pairs (windows, documents, causal + padding, prefix-LM, a symmetric half-length
+#: window, padding alone, a causal chunk of the last rows) and tied at 94% (1.00x); at 64 x 64
+#: the differences were microseconds either way (0.80-1.36x over two runs). The share is the
+#: kernel's own (each block over its rows' key span, :func:`native.computed_fraction`), which
+#: needs no plan.
+#: A plain causal mask it ran in 0.61-0.97x SDPA's own causal path up to 4096 x 4096, 0.96-1.00x
+#: at 8192 and 16384: SDPA keeps that one from 8192 x 8192.
 NATIVE_MIN_PAIRS = 128 * 128
-NATIVE_MAX_VISITED = 0.6
+NATIVE_MAX_COMPUTED = 0.9
 NATIVE_CAUSAL_MAX_PAIRS = 8192 * 8192
 
 
@@ -387,7 +391,8 @@ def profits(call: AttentionCall) -> bool:
             return False
         if plain_causal:
             return pairs < NATIVE_CAUSAL_MAX_PAIRS
-        return visited_fraction(call) <= NATIVE_MAX_VISITED
+        lo, hi = row_bounds(call)
+        return native.computed_fraction(lo, hi, call.k_len) <= NATIVE_MAX_COMPUTED
     if pairs < AUTO_MIN_PAIRS:
         return False
     if plain_causal:

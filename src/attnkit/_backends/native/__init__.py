@@ -44,8 +44,11 @@ TILES = ((1024, (32, 1024)), (4096, (64, 1024)), (float("inf"), (128, 512)))
 #: 128 x 128 (32 x 1024 best on the window, 0.29 s); causal + padding 128 x 128 to 256 x 128
 #: (3.6-3.7 s) against 4.1-4.3 s for 32-64 row blocks, whose dK, dV products add rank-32 updates.
 BACKWARD_TILES = ((4096, (32, 1024)), (float("inf"), (128, 128)))
-#: With fewer (sequence, kv head) pairs than this many per thread, the backward also splits rows.
-PARTS_PER_THREAD = 4
+#: With fewer (sequence, kv head) pairs than this many per thread, the backward also splits rows
+#: (each part adds into its own dK, dV copy). Window 512, L = 16384, 8 query heads, 2 threads:
+#: one kv head 0.35 s unsplit, 0.28 s in 2-4 parts, 0.29 in 8; eight kv heads 0.29 s unsplit,
+#: 0.33-0.45 s in 2-8 parts (zeroing and summing the copies).
+PARTS_PER_THREAD = 2
 
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 
@@ -156,6 +159,23 @@ def tiles(lo: Tensor, hi: Tensor) -> tuple[int, int]:
     """``(block, chunk)`` for rows attending ``[lo, hi)`` (see ``TILES``)."""
     mean_keys = float((hi - lo).clamp(min=0).float().mean()) if lo.numel() else 0.0
     return next(sizes for below, sizes in TILES if mean_keys < below)
+
+
+def computed_fraction(lo: Tensor, hi: Tensor, k_len: int) -> float:
+    """Share of the ``Lq x Lk`` (query, key) pairs that :func:`interval_forward` multiplies for
+    rows attending ``[lo, hi)`` (``[S, Lq]``, mean over the S sequences): every row of a block
+    over the span of the block's intervals. Cheap (a few vector ops), so ``"auto"`` can ask."""
+    if lo.numel() == 0 or k_len == 0:
+        return 0.0
+    block, _ = tiles(lo, hi)
+    lo, hi = lo.clamp(0, k_len), hi.clamp(0, k_len)
+    rows, pad = lo.shape[-1], -lo.shape[-1] % block
+    lo, hi = (torch.nn.functional.pad(t, (0, pad)).view(t.shape[0], -1, block) for t in (lo, hi))
+    nonempty = lo < hi
+    span = (torch.where(nonempty, hi, -k_len).amax(-1) - torch.where(nonempty, lo, k_len).amin(-1)).clamp(min=0)
+    rows_per_block = torch.full((span.shape[-1],), block)
+    rows_per_block[-1] = rows - block * (span.shape[-1] - 1)
+    return float((span * rows_per_block).sum()) / (lo.shape[0] * rows * k_len)
 
 
 def backward_tiles(lo: Tensor, hi: Tensor) -> tuple[int, int]:
