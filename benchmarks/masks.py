@@ -227,9 +227,9 @@ def main_table(args: argparse.Namespace) -> None:
     _print_tables(rows)
 
 
-def _without_native(query, key, value, structured):
+def _without_native(query, key, value, structured, dropout=0.0):
     with native.turned_off():
-        return attnkit.attention(query, key, value, mask=structured)
+        return attnkit.attention(query, key, value, mask=structured, dropout=dropout)
 
 
 def _fmt_ms(seconds: float | None) -> str:
@@ -326,6 +326,15 @@ def training(args: argparse.Namespace) -> None:
         peak = flops / times["matmul"] / 1e9
         print(f"| {name} | {_fmt_ms(times['ours'])} | {_fmt_ms(times.get('ours-fused'))} | {_fmt_ms(times['sdpa'])} "
               f"| {times['sdpa'] / times['ours']:.1f}x | {useful:.0f} | {peak:.0f} | {useful / peak:.0%} |", flush=True)
+
+    # Dropout on the weights (SDPA would run its math path: 8 x L^2 weights, 8 GiB at 16384)
+    structured, _ = mask_set(length, window)[f"sliding window {window}"]
+    contenders = {"ours": step(lambda: attnkit.attention(query, key, value, mask=structured, dropout=0.1))}
+    if native.available():
+        contenders["ours-fused"] = step(lambda: _without_native(query, key, value, structured, dropout=0.1))
+    times = median_times(contenders, repeats=args.repeats)
+    print(f"| sliding window {window}, dropout 0.1 | {_fmt_ms(times['ours'])} | {_fmt_ms(times.get('ours-fused'))} "
+          "| n/a | | | | |", flush=True)
 
     name = f"sliding window {window}"
     print(f"\n{name}, fresh process each:\n")

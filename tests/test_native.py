@@ -107,6 +107,73 @@ def test_gradients_match_the_oracle(c, parts, with_lse, seed):
         torch.testing.assert_close(grad.double(), want, atol=5e-5 * size, rtol=0, msg=f"d{name}")
 
 
+def _kept(c, p, seed):
+    """The kernel's dropout pattern, read through its output: with the identity as values a row's
+    output is its weights, dropped ones exactly 0 (kept ones are > 0 unless exp underflows, which
+    only happens to weights too small to matter). ``[B, H, Lq, Lk]``."""
+    batch, kv_heads, lk = c["key"].shape[0], c["key"].shape[1], c["key"].shape[2]
+    identity = torch.eye(lk).expand(batch, kv_heads, lk, lk)
+    weights, _ = native.interval_forward(c["query"], c["key"], identity, c["lo"], c["hi"], c["scale"],
+                                         dropout=p, seed=seed)
+    return weights != 0
+
+
+@needs_native
+@given(c=interval_cases(), p=st.sampled_from([0.1, 0.5, 0.9]), seed=st.integers(-2**62, 2**62),
+       with_lse=st.booleans())
+def test_dropout_forward_and_gradients_match_the_oracle_with_the_same_pattern(c, p, seed, with_lse):
+    """Same pattern for any values, blocks and chunks (it depends on the seed and the position
+    only); output and gradients are the oracle's with that pattern: kept weights / (1 - p) times the
+    values; the lse is the one before dropout."""
+    kept = _kept(c, p, seed)
+    out, lse = native.interval_forward(c["query"], c["key"], c["value"], c["lo"], c["hi"], c["scale"],
+                                       block=c["block"], chunk=c["chunk"], dropout=p, seed=seed)
+    g = torch.Generator().manual_seed(abs(seed) % 2**31)
+    grad_out = torch.randn(out.shape, generator=g)
+    grad_lse = torch.randn(lse.shape, generator=g) if with_lse else None
+    grads = native.interval_backward(grad_out, c["query"], c["key"], c["value"], out, lse, c["lo"], c["hi"],
+                                     c["scale"], grad_lse, block=c["block"], chunk=c["chunk"], dropout=p, seed=seed)
+
+    q, k, v = (c[name].double().requires_grad_() for name in ("query", "key", "value"))
+    allowed = _allowed(c["lo"], c["hi"], k.shape[2])
+    _, weights = oracle_attention(q, k, v, mask=allowed, scale=c["scale"])
+    expected = (weights * kept / (1 - p)) @ v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    torch.testing.assert_close(out.double(), expected.detach(), atol=2e-5 / (1 - p), rtol=2e-5)
+    expected_lse = oracle_lse(q, k, allowed, c["scale"])
+    torch.testing.assert_close(lse.double().nan_to_num(neginf=0.0), expected_lse.detach().nan_to_num(neginf=0.0),
+                               **FP32)
+    loss = (expected * grad_out.double()).sum()
+    if grad_lse is not None:
+        loss = loss + (expected_lse.masked_fill(torch.isneginf(expected_lse), 0.0) * grad_lse.double()).sum()
+    for name, grad, want in zip("qkv", grads, torch.autograd.grad(loss, (q, k, v))):
+        size = max(1.0, want.abs().max().item()) if want.numel() else 1.0
+        # as in the test without dropout, kept weights scaled by up to 10 (p = 0.9)
+        torch.testing.assert_close(grad.double(), want, atol=5e-5 * size / (1 - p), rtol=0, msg=f"d{name}")
+
+
+@needs_native
+def test_the_dropout_pattern_is_fair_and_differs_by_seed_head_and_row():
+    """Over 2 x 4 x 256 x 256 weights: the kept share is 1 - p within 5 standard deviations, for
+    every head and sequence; patterns of different heads, rows and seeds agree no more than
+    independent ones would; the same seed gives the same pattern."""
+    g = torch.Generator().manual_seed(0)
+    c = dict(query=torch.randn(2, 4, 256, 8, generator=g), key=torch.randn(2, 2, 256, 8, generator=g),
+             lo=torch.zeros(1, 256, dtype=torch.long), hi=torch.full((1, 256), 256), scale=0.1)
+    for p in (0.1, 0.5):
+        kept = _kept(c, p, seed=12345)
+        assert torch.equal(kept, _kept(c, p, seed=12345))
+        n = 256 * 256
+        sigma = (p * (1 - p) / n) ** 0.5
+        for share in kept.float().mean((-1, -2)).flatten():
+            assert abs(share - (1 - p)) < 5 * sigma
+        both = (1 - p) ** 2  # two independent patterns keep the same weight this often
+        pairs = {"heads sharing a kv head": (kept[0, 0], kept[0, 1]), "sequences": (kept[0, 0], kept[1, 0]),
+                 "rows": (kept[0, 0, :-1], kept[0, 0, 1:]), "seeds": (kept[0, 0], _kept(c, p, seed=12346)[0, 0])}
+        for what, (a, b) in pairs.items():
+            agree = (a & b).float().mean()
+            assert abs(agree - both) < 5 * (both * (1 - both) / a.numel()) ** 0.5, what
+
+
 @needs_native
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 40.0])
 def test_scores_over_the_whole_exponent_range(scale):
@@ -210,14 +277,15 @@ def test_the_tiled_backend_runs_it_exactly_where_it_applies(monkeypatch):
     q, k, v = (torch.randn(1, 2, 64, 8, requires_grad=True) for _ in range(3))
     window = masks.sliding_window(8)
     attnkit.attention(q, k, v, mask=window, backend="tiled").sum().backward()
-    assert calls == ["interval_forward", "interval_backward"]
+    attnkit.attention(q, k, v, mask=window, dropout=0.1, backend="tiled").sum().backward()
+    assert calls == ["interval_forward", "interval_backward"] * 2
     for dtype in (torch.bfloat16, torch.float64):
         attnkit.attention(q.to(dtype), k.to(dtype), v.to(dtype), mask=window, backend="tiled").sum().backward()
-    attnkit.attention(q, k, v, mask=window, dropout=0.1, backend="tiled").sum().backward()
     attnkit.attention(q, k, v, mask=window.dense(64, 64), backend="tiled").sum().backward()
+    attnkit.attention(q, k, v, mask=window, dropout=0.1, backend="tiled", return_weights=True)
     with native.turned_off():
         attnkit.attention(q, k, v, mask=window, backend="tiled").sum().backward()
-    assert len(calls) == 2  # bf16, fp64, dropout, a dense tensor mask, turned off: PyTorch's kernel
+    assert len(calls) == 4  # bf16, fp64, a dense tensor mask, weights, turned off: PyTorch's kernels
 
 
 @needs_native

@@ -10,9 +10,9 @@ merged with their log-sum-exp::
 
     lse = log(sum_p exp(lse_p))          output = sum_p exp(lse_p - lse) * output_p
 
-Where attnkit's native CPU kernel is built and applies (float32 CPU, no dropout, no dense tensor
-mask: :mod:`.native`), the forward skips all of this: one call computes each block over its rows'
-key span with the mask applied inside the softmax, same results to rounding.
+Where attnkit's native CPU kernel is built and applies (float32 CPU, no dense tensor mask:
+:mod:`.native`), forward and backward skip all of this: one call computes each block over its
+rows' key span with the mask (and dropout) applied inside the softmax, same results to rounding.
 
 Training keeps O(L) memory: the forward saves only query, key, value, output and lse; the
 backward recomputes each call (FlashAttention's split-key backward, :mod:`.kernels`), or runs the
@@ -109,7 +109,8 @@ class _Problem:
         self.lo, self.hi = (t.to(query.device) for t in row_bounds(call))
         self.mask = None if call.mask is None else _mask_as_4d(call.mask, call)
         self.flash = kernels.flash_applies(query, value, call.dropout)
-        self.native = native.applies(query, key, value, call.dropout, call.mask is not None)
+        self.native = native.applies(query, key, value, call.mask is not None)
+        self.seed = 0  # the native kernel's dropout seed, drawn by tiled_attention
 
     def queries(self, g: Group, b: int, t: Tensor | None = None) -> Tensor:
         """Rows of ``g`` from ``t`` (default: the query) for sequence ``b``, grouped by kv head."""
@@ -193,7 +194,8 @@ def _calls(problem: _Problem, groups: list[Group], plain: bool,
 def _run_forward(problem: _Problem, groups: list[Group]) -> tuple[Tensor, Tensor]:
     query, key, value, group = problem.query, problem.key, problem.value, problem.group
     if problem.native:  # attnkit's own kernel takes the rows' key intervals directly: no plan needed
-        return native.interval_forward(query, key, value, problem.lo, problem.hi, problem.scale)
+        return native.interval_forward(query, key, value, problem.lo, problem.hi, problem.scale,
+                                       dropout=problem.dropout, seed=problem.seed)
     work = _accumulator_dtype(query.dtype)
     out = torch.empty(*query.shape[:-1], value.shape[-1], dtype=work, device=query.device)
     lse = torch.empty(query.shape[:-1], dtype=work, device=query.device)
@@ -252,7 +254,7 @@ class _TiledAttention(torch.autograd.Function):
             grad_out = torch.zeros_like(out)
         if problem.native:
             dq, dk, dv = native.interval_backward(grad_out, query, key, value, out, lse, problem.lo, problem.hi,
-                                                  problem.scale, grad_lse)
+                                                  problem.scale, grad_lse, dropout=problem.dropout, seed=problem.seed)
             return dq, dk, dv, None, None
         use_flash = problem.flash and grad_lse is None
         work = _accumulator_dtype(query.dtype)
@@ -353,7 +355,11 @@ def tiled_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None, Tensor]
         out, weights, lse = _with_weights(call, problem)
         weights = weights.reshape(call.scores_shape)
     else:
-        groups = None if problem.native else _with_seeds(_plan_of(call), call)
+        groups = None  # the native kernel needs no plan; dropout needs one seed per call
+        if problem.native and call.dropout > 0:
+            problem.seed = _base_seed(call)
+        elif not problem.native:
+            groups = _with_seeds(_plan_of(call), call)
         out, lse = _TiledAttention.apply(query, key, value, problem, groups)
         weights = None
     shape = call.query.shape[:-1]
@@ -386,7 +392,7 @@ def profits(call: AttentionCall) -> bool:
     densified through the fused kernel."""
     pairs = call.q_len * call.k_len
     plain_causal = structure_of(call).is_causal and call.mask is None and call.q_len == call.k_len
-    if native.applies(call.query, call.key, call.value, call.dropout, call.mask is not None):
+    if native.applies(call.query, call.key, call.value, call.mask is not None):
         if pairs < NATIVE_MIN_PAIRS:
             return False
         if plain_causal:

@@ -1,9 +1,9 @@
 """attnkit's own CPU kernel for interval masks (``interval_attention.cpp``): build and load.
 
 The tiled backend runs this kernel, forward and backward, when it is built and applies (float32
-CPU tensors, a structured mask, no dense tensor mask, no dropout), and PyTorch's fused kernel
+CPU tensors, a structured mask, no dense tensor mask; dropout included), and PyTorch's kernels
 block by block otherwise (:mod:`..kernels`); both give the same output, log-sum-exp and gradients
-up to float rounding. Building is an install step, never a first-call cost: ``make`` runs
+up to float rounding (with dropout, each draws its own pattern). Building is an install step, never a first-call cost: ``make`` runs
 ``python -m attnkit._backends.native`` once, which compiles the source with the system C++
 compiler against the installed torch into a cache directory named after a hash of everything the
 binary depends on (source, torch version and ABI, flags), so a changed source or torch is simply
@@ -149,9 +149,9 @@ def why_unavailable() -> str:
     return "" if available() else _why_not
 
 
-def applies(query: Tensor, key: Tensor, value: Tensor, dropout: float, has_tensor_mask: bool) -> bool:
-    """The kernel serves this call: float32 CPU tensors, no dropout, no dense tensor mask."""
-    return (_enabled and not has_tensor_mask and dropout == 0.0 and query.device.type == "cpu"
+def applies(query: Tensor, key: Tensor, value: Tensor, has_tensor_mask: bool) -> bool:
+    """The kernel serves this call: float32 CPU tensors, no dense tensor mask."""
+    return (_enabled and not has_tensor_mask and query.device.type == "cpu"
             and all(t.dtype == torch.float32 for t in (query, key, value)) and available())
 
 
@@ -185,30 +185,36 @@ def backward_tiles(lo: Tensor, hi: Tensor) -> tuple[int, int]:
 
 
 def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, scale: float,
-                     block: int | None = None, chunk: int | None = None) -> tuple[Tensor, Tensor]:
+                     block: int | None = None, chunk: int | None = None, dropout: float = 0.0,
+                     seed: int = 0) -> tuple[Tensor, Tensor]:
     """``(output [B, H, Lq, Dv], lse [B, H, Lq])`` of attention where row ``i`` of sequence ``b``
     attends keys ``lo[s, i] <= j < hi[s, i]`` (``s = b``, or 0 when ``lo`` has one row).
 
     ``query [B, H, Lq, D]``, ``key [B, Hkv, Lk, D]``, ``value [B, Hkv, Lk, Dv]`` with H a multiple
     of Hkv (GQA); rows with no key give zeros and lse ``-inf``. ``block`` (query rows computed
-    together) and ``chunk`` (keys per step of the running softmax) default to :func:`tiles`."""
+    together) and ``chunk`` (keys per step of the running softmax) default to :func:`tiles`.
+    ``dropout`` drops each weight with that probability (and scales the kept ones by
+    ``1 / (1 - dropout)``); which ones is a function of ``seed`` and the (sequence, head, row,
+    key) position alone, so :func:`interval_backward` with the same seed sees the same pattern.
+    The lse is the one before dropout."""
     if block is None or chunk is None:
         default_block, default_chunk = tiles(lo, hi)
         block, chunk = block or default_block, chunk or default_chunk
     if not available():
         raise RuntimeError(f"attnkit native kernel unavailable: {why_unavailable()}")
     query, key, value = _blas_rows(query, key, value)
-    return torch.ops.attnkit.interval_forward(query, key, value, lo, hi, scale, block, chunk)
+    return torch.ops.attnkit.interval_forward(query, key, value, lo, hi, scale, block, chunk, dropout, seed)
 
 
 def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
                       lo: Tensor, hi: Tensor, scale: float, grad_lse: Tensor | None = None,
-                      block: int | None = None, chunk: int | None = None,
-                      parts: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                      block: int | None = None, chunk: int | None = None, parts: int | None = None,
+                      dropout: float = 0.0, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`interval_forward` (same shapes as its inputs) from
     ``grad_out [B, H, Lq, Dv]`` and, when the lse was used too, ``grad_lse [B, H, Lq]``; ``out`` and
-    ``lse`` are the forward's. ``parts`` cuts each (sequence, kv head)'s rows into that many
-    pieces computed in parallel (default: enough for the threads when there are few heads)."""
+    ``lse`` are the forward's, ``dropout`` and ``seed`` too. ``parts`` cuts each (sequence, kv
+    head)'s rows into that many pieces computed in parallel (default: enough for the threads when
+    there are few heads)."""
     if block is None or chunk is None:
         default_block, default_chunk = backward_tiles(lo, hi)
         block, chunk = block or default_block, chunk or default_chunk
@@ -218,13 +224,14 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
                            -(-query.shape[2] // block)))
     if not available():
         raise RuntimeError(f"attnkit native kernel unavailable: {why_unavailable()}")
-    # dL/dS = P * (dP - delta), delta_i = sum_d dO_id O_id - dL/dlse_i (FlashAttention's D term)
+    # dL/dS = P * (f dP - delta), delta_i = sum_d dO_id O_id - dL/dlse_i (FlashAttention's D term;
+    # f the dropout factors, whose sum over a row's f * P * dP is dO_i . O_i all the same)
     delta = (grad_out * out).sum(-1)
     if grad_lse is not None:
         delta = delta - grad_lse
     grad_out, query, key, value = _blas_rows(grad_out, query, key, value)
     return torch.ops.attnkit.interval_backward(grad_out, query, key, value, lse, delta, lo, hi, scale, block, chunk,
-                                               parts)
+                                               parts, dropout, seed)
 
 
 def _blas_rows(*tensors: Tensor) -> tuple[Tensor, ...]:

@@ -13,8 +13,9 @@
 // Layout: query [B, H, Lq, D], key [B, Hkv, Lk, D], value [B, Hkv, Lk, Dv], float32, any strides
 // with a unit last-dim stride; lo, hi int64 [S, Lq] with S = 1 (shared) or B. H % Hkv == 0 (GQA:
 // query head h reads key/value head h / (H / Hkv)). Returns output [B, H, Lq, Dv] (contiguous)
-// and the natural-log sum-exp [B, H, Lq]; a row with no key gives zeros and -inf. interval_backward
-// (further down) gives the gradients from the same intervals and the saved lse.
+// and the natural-log sum-exp [B, H, Lq] (before dropout); a row with no key gives zeros and -inf.
+// Optional dropout on the weights, from a seed (see Dropout). interval_backward (further down)
+// gives the gradients from the same intervals, seed and the saved lse.
 //
 // Built by attnkit/_backends/native/__init__.py with -O3 -mavx2 -mfma; the row loops use AVX2
 // intrinsics (no -ffast-math, which would let the compiler assume there are no infinities).
@@ -99,9 +100,86 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Dropout on the attention weights. Whether weight (query row, key) is kept is a hash of the pair
+// and the call's seed (counter-based, like Philox in PyTorch's CUDA kernels), so the backward
+// regenerates the forward's pattern without storing it: per query row, splitmix64 turns (seed, row)
+// into two 32-bit keys; per key, two rounds of MurmurHash3's fmix32 keyed by them give 32 bits,
+// kept when >= p * 2^32. Kept weights are scaled by 1 / (1 - p).
+struct Dropout {
+  bool active = false;
+  uint32_t threshold = 0;  // keep when bits >= threshold
+  float keep_scale = 1.0f;
+  uint64_t seed = 0;
+};
+
+struct DropoutRow {
+  uint32_t a = 0, c = 0;
+};
+
+inline Dropout make_dropout(double p, int64_t seed) {
+  Dropout d;
+  if (p > 0.0) {
+    d.active = true;
+    d.threshold = static_cast<uint32_t>(std::min(p * 4294967296.0, 4294967295.0));
+    d.keep_scale = static_cast<float>(1.0 / (1.0 - p));
+    d.seed = static_cast<uint64_t>(seed);
+  }
+  return d;
+}
+
+inline uint64_t splitmix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// `row` numbers the query row over the whole call: (batch * heads + head) * Lq + i.
+inline DropoutRow dropout_row(const Dropout& d, int64_t row) {
+  const uint64_t z = splitmix64(d.seed ^ splitmix64(static_cast<uint64_t>(row)));
+  return {static_cast<uint32_t>(z), static_cast<uint32_t>(z >> 32)};
+}
+
+inline uint32_t fmix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  return x ^ (x >> 16);
+}
+
+inline __m256i fmix32(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x85EBCA6Bu)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0xC2B2AE35u)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+// The factor of weight (row, key): 1 / (1 - p) when kept, 0 when dropped.
+inline float dropout_factor(const Dropout& d, DropoutRow r, int64_t key) {
+  const uint32_t bits = fmix32(fmix32(static_cast<uint32_t>(key) ^ r.a) ^ r.c);
+  return bits >= d.threshold ? d.keep_scale : 0.0f;
+}
+
+// The factors of keys key .. key + 7.
+inline __m256 dropout_factor8(const Dropout& d, DropoutRow r, int64_t key) {
+  const __m256i keys = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(key)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i bits = fmix32(_mm256_xor_si256(keys, _mm256_set1_epi32(static_cast<int>(r.a))));
+  bits = fmix32(_mm256_xor_si256(bits, _mm256_set1_epi32(static_cast<int>(r.c))));
+  // unsigned bits >= threshold, as a signed comparison of both with the sign bit flipped
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256i below = _mm256_cmpgt_epi32(_mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(d.threshold)), sign),
+                                           _mm256_xor_si256(bits, sign));
+  return _mm256_andnot_ps(_mm256_castsi256_ps(below), _mm256_set1_ps(d.keep_scale));
+}
+
 // Softmax numerators of one row over its keys [lo, hi) of a chunk (scores elsewhere become 0),
-// folded into the row's running max and sum; returns the factor that rescales its accumulator.
-inline float softmax_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi, float& row_max, float& row_sum) {
+// folded into the row's running max and sum, then dropped out (the sum is taken before: dropout
+// acts on the normalised weights); returns the factor that rescales its accumulator. `key0` is the
+// chunk's first key.
+inline float softmax_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi, float& row_max, float& row_sum,
+                               const Dropout& dropout, DropoutRow dropout_keys, int64_t key0) {
   if (lo >= hi) {
     std::fill(row, row + width, 0.0f);
     return 1.0f;
@@ -118,13 +196,14 @@ inline float softmax_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi
   __m256 sum8 = _mm256_setzero_ps();
   for (t = lo; t + 8 <= hi; t += 8) {
     const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + t), shift));
-    _mm256_storeu_ps(row + t, e);
     sum8 = _mm256_add_ps(sum8, e);
+    _mm256_storeu_ps(row + t, dropout.active ? _mm256_mul_ps(e, dropout_factor8(dropout, dropout_keys, key0 + t)) : e);
   }
   float sum = horizontal_sum(sum8);
   for (; t < hi; ++t) {
-    row[t] = exp_nonpositive(row[t] - new_max);
-    sum += row[t];
+    const float e = exp_nonpositive(row[t] - new_max);
+    sum += e;
+    row[t] = dropout.active ? e * dropout_factor(dropout, dropout_keys, key0 + t) : e;
   }
   std::fill(row + hi, row + width, 0.0f);
   row_sum = row_sum * rescale + sum;
@@ -135,7 +214,7 @@ inline float softmax_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi
 std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, const at::Tensor& key,
                                                     const at::Tensor& value, const at::Tensor& lo_rows,
                                                     const at::Tensor& hi_rows, double scale, int64_t block,
-                                                    int64_t chunk) {
+                                                    int64_t chunk, double dropout_p, int64_t seed) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "interval_forward: 4-D inputs");
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
                   value.scalar_type() == at::kFloat, "interval_forward: float32 inputs");
@@ -143,6 +222,8 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1,
               "interval_forward: unit stride along the head dimension");
   TORCH_CHECK(block > 0 && chunk > 0, "interval_forward: block and chunk must be positive");
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "interval_forward: dropout must be in [0, 1)");
+  const Dropout dropout = make_dropout(dropout_p, seed);
   const int64_t B = query.size(0), H = query.size(1), Lq = query.size(2), D = query.size(3);
   const int64_t Hkv = key.size(1), Lk = key.size(2), Dv = value.size(3);
   TORCH_CHECK(key.size(0) == B && value.size(0) == B && value.size(1) == Hkv && value.size(2) == Lk &&
@@ -172,6 +253,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(block * chunk), row_max(block), row_sum(block), rescale(block);
     std::vector<int64_t> row_lo(block), row_hi(block);
+    std::vector<DropoutRow> row_keys(block);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (H * blocks), h = (task / blocks) % H, first = (task % blocks) * block;
       const int64_t rows = std::min(block, Lq - first);
@@ -187,6 +269,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
         }
         row_max[j] = kNegInf;
         row_sum[j] = 0.0f;
+        if (dropout.active) row_keys[j] = dropout_row(dropout, (b * H + h) * Lq + first + j);
       }
       const float* q_block = q + b * q0s + h * q1s + first * q2s;
       const float* k_head = k + b * k0s + (h / group) * k1s;
@@ -207,7 +290,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
         for (int64_t j = 0; j < rows; ++j) {
           const int64_t a = std::clamp<int64_t>(row_lo[j] - c0, 0, width);
           const int64_t z = std::clamp<int64_t>(row_hi[j] - c0, 0, width);
-          rescale[j] = softmax_chunk_row(s + j * width, width, a, z, row_max[j], row_sum[j]);
+          rescale[j] = softmax_chunk_row(s + j * width, width, a, z, row_max[j], row_sum[j], dropout, row_keys[j], c0);
         }
         const bool first_chunk = c0 == span_lo;
         if (!first_chunk) {
@@ -266,6 +349,27 @@ inline void score_grad_row(const float* p, float* dp, int64_t width, float delta
   for (; t < width; ++t) dp[t] = scale * (p[t] * (dp[t] - delta));
 }
 
+// The same with dropout (factor f: 0 or 1 / (1 - p)) on the row's keys [lo, hi): the output used
+// f * P, so dS = scale * P * (f * dP - delta), and P becomes f * P for dV. Elsewhere P is 0.
+inline void score_grad_row_dropout(float* p, float* dp, int64_t width, int64_t lo, int64_t hi, float delta,
+                                   float scale, const Dropout& dropout, DropoutRow keys, int64_t key0) {
+  std::fill(dp, dp + lo, 0.0f);
+  const __m256 d8 = _mm256_set1_ps(delta), s8 = _mm256_set1_ps(scale);
+  int64_t t = lo;
+  for (; t + 8 <= hi; t += 8) {
+    const __m256 f = dropout_factor8(dropout, keys, key0 + t), weight = _mm256_loadu_ps(p + t);
+    const __m256 g = _mm256_mul_ps(weight, _mm256_sub_ps(_mm256_mul_ps(f, _mm256_loadu_ps(dp + t)), d8));
+    _mm256_storeu_ps(dp + t, _mm256_mul_ps(g, s8));
+    _mm256_storeu_ps(p + t, _mm256_mul_ps(weight, f));
+  }
+  for (; t < hi; ++t) {
+    const float f = dropout_factor(dropout, keys, key0 + t);
+    dp[t] = scale * (p[t] * (f * dp[t] - delta));
+    p[t] *= f;
+  }
+  std::fill(dp + std::max(hi, lo), dp + width, 0.0f);
+}
+
 // Gradients of interval_forward: given grad_out [B, H, Lq, Dv], the forward's lse [B, H, Lq] and
 // delta [B, H, Lq] = rowsum(grad_out * out) - grad_lse, returns (dq, dk, dv) in float32, each
 // contiguous in the shape of its input. FlashAttention's backward, by query blocks: per block and
@@ -277,7 +381,7 @@ inline void score_grad_row(const float* p, float* dp, int64_t width, float delta
 std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& lse_rows, const at::Tensor& delta_rows, const at::Tensor& lo_rows, const at::Tensor& hi_rows,
-    double scale, int64_t block, int64_t chunk, int64_t parts) {
+    double scale, int64_t block, int64_t chunk, int64_t parts, double dropout_p, int64_t seed) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && grad_out.dim() == 4,
               "interval_backward: 4-D inputs");
   for (const at::Tensor* t : {&grad_out, &query, &key, &value}) {
@@ -285,6 +389,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 "interval_backward: float32 CPU inputs with a unit stride along the head dimension");
   }
   TORCH_CHECK(block > 0 && chunk > 0 && parts > 0, "interval_backward: block, chunk and parts must be positive");
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "interval_backward: dropout must be in [0, 1)");
+  const Dropout dropout = make_dropout(dropout_p, seed);
   const int64_t B = query.size(0), H = query.size(1), Lq = query.size(2), D = query.size(3);
   const int64_t Hkv = key.size(1), Lk = key.size(2), Dv = value.size(3);
   TORCH_CHECK(key.size(0) == B && value.size(0) == B && value.size(1) == Hkv && value.size(2) == Lk &&
@@ -326,6 +432,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> weights(block * chunk), grads(block * chunk);
       std::vector<int64_t> row_lo(block), row_hi(block);
+      std::vector<DropoutRow> row_keys(block);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / (Hkv * parts), kv = (task / parts) % Hkv, part = task % parts;
         const int64_t* lo_seq = lo_data + (shared_rows ? 0 : b * Lq);
@@ -348,6 +455,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 span_lo = std::min(span_lo, row_lo[j]);
                 span_hi = std::max(span_hi, row_hi[j]);
               }
+              if (dropout.active) row_keys[j] = dropout_row(dropout, (b * H + h) * Lq + first + j);
             }
             if (span_lo >= span_hi) continue;  // dq stays 0
             const float* q_block = q + b * q0s + h * q1s + first * q2s;
@@ -366,15 +474,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                                   std::clamp<int64_t>(row_hi[j] - c0, 0, width), l_block[j]);
               }
               if (Dv > 0) {  // BLAS rejects a leading dimension of 0
-                // dV_chunk^T (Dv x width) += dO^T (Dv x rows) P (rows x width)
-                gemm('N', 'T', Dv, width, rows, 1.0f, go_block, g2s, p, width, 1.0f, dv_head + c0 * Dv, Dv);
                 // dP^T (width x rows) = V_chunk (width x Dv) dO^T (Dv x rows)
                 gemm('T', 'N', width, rows, Dv, 1.0f, v_head + c0 * v2s, v2s, go_block, g2s, 0.0f, ds, width);
               } else {
                 std::fill(ds, ds + rows * width, 0.0f);
               }
               for (int64_t j = 0; j < rows; ++j) {
-                score_grad_row(p + j * width, ds + j * width, width, delta_block[j], static_cast<float>(scale));
+                if (dropout.active) {  // also turns P into the dropped-out weights the output used
+                  score_grad_row_dropout(p + j * width, ds + j * width, width,
+                                         std::clamp<int64_t>(row_lo[j] - c0, 0, width),
+                                         std::clamp<int64_t>(row_hi[j] - c0, 0, width), delta_block[j],
+                                         static_cast<float>(scale), dropout, row_keys[j], c0);
+                } else {
+                  score_grad_row(p + j * width, ds + j * width, width, delta_block[j], static_cast<float>(scale));
+                }
+              }
+              if (Dv > 0) {
+                // dV_chunk^T (Dv x width) += dO^T (Dv x rows) P (rows x width)
+                gemm('N', 'T', Dv, width, rows, 1.0f, go_block, g2s, p, width, 1.0f, dv_head + c0 * Dv, Dv);
               }
               if (D > 0) {
                 // dQ^T (D x rows) += K_chunk^T (D x width) dS^T (width x rows)
@@ -395,9 +512,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
 
 TORCH_LIBRARY(attnkit, m) {
   m.def("interval_forward(Tensor query, Tensor key, Tensor value, Tensor lo, Tensor hi, float scale, int block, "
-        "int chunk) -> (Tensor, Tensor)");
+        "int chunk, float dropout, int seed) -> (Tensor, Tensor)");
   m.def("interval_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor lse, Tensor delta, "
-        "Tensor lo, Tensor hi, float scale, int block, int chunk, int parts) -> (Tensor, Tensor, Tensor)");
+        "Tensor lo, Tensor hi, float scale, int block, int chunk, int parts, float dropout, int seed) "
+        "-> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
