@@ -373,8 +373,9 @@ inline void score_grad_row_dropout(float* p, float* dp, int64_t width, int64_t l
 // Gradients of interval_forward: given grad_out [B, H, Lq, Dv], the forward's lse [B, H, Lq] and
 // delta [B, H, Lq] = rowsum(grad_out * out) - grad_lse, returns (dq, dk, dv) in float32, each
 // contiguous in the shape of its input. FlashAttention's backward, by query blocks: per block and
-// chunk of keys, P from the lse, dV += P^T dO, dP = dO V^T, dS = scale * P * (dP - delta),
-// dQ += dS K, dK += dS^T Q; five sgemm calls, nothing of size Lq x Lk is ever stored.
+// chunk of keys, P from the lse, dP = dO V^T, dS = scale * P * (f dP - delta) with f the dropout
+// factors (1 without dropout), dV += (f P)^T dO, dQ += dS K, dK += dS^T Q; five sgemm calls,
+// nothing of size Lq x Lk is ever stored.
 // Blocks of different rows add into the same key rows, so a task owns whole (batch, kv head)
 // pairs; with fewer pairs than threads, each pair's rows are cut into `parts` that add into
 // their own copy of dK and dV, summed at the end (`parts` copies: still O(L) memory).
