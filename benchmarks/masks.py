@@ -352,7 +352,8 @@ def threshold_sweep(args: argparse.Namespace) -> None:
     """Tiled vs the fused dense path (what auto would run otherwise) for short lengths; ``visited``
     is the share of pairs the block plan computes (PyTorch's kernel per block), ``computed`` the
     share the native kernel multiplies (each block over its rows' key span)."""
-    print(f"# tiled / torch-with-dense-mask time, B=1, H={HEADS}, D={HEAD_DIM}, fp32 ({describe_machine()})")
+    print(f"# tiled / torch-with-dense-mask time, B=1, H={HEADS}, D={HEAD_DIM}, fp32, dropout {args.dropout} "
+          f"({describe_machine()})")
     print("| L | mask | visited | computed | tiled (ms) | torch (ms) | tiled / torch | auto runs |")
     print("|---:|---|---:|---:|---:|---:|---:|---|")
     for length in args.sweep:
@@ -363,6 +364,8 @@ def threshold_sweep(args: argparse.Namespace) -> None:
             "causal + padding": (masks.causal() & masks.padding([length - length // 4]), length),
             "causal": (masks.causal(), length),
         }
+        if args.dropout > 0:  # SDPA has no fused CPU kernel with dropout: even no mask is a contest
+            sweep["no mask"] = (None, length)
         if args.dense_side:  # masks that keep most pairs: where tiled stops paying
             sweep |= {
                 "prefix-LM L/2": (masks.prefix_lm(length // 2), length),
@@ -372,10 +375,11 @@ def threshold_sweep(args: argparse.Namespace) -> None:
             }
         for name, (mask, rows) in sweep.items():
             q = query[..., length - rows:, :]
-            fns = {b: (lambda b=b, mask=mask, q=q: attnkit.attention(q, key, value, mask=mask, backend=b))
+            fns = {b: (lambda b=b, mask=mask, q=q: attnkit.attention(q, key, value, mask=mask, backend=b,
+                                                                      dropout=args.dropout))
                    for b in ("tiled", "torch")}
             times = median_times(fns, repeats=args.repeats, warmup=2)
-            call = make_call(q, key, value, mask=mask, causal=False, scale=None, dropout=0.0,
+            call = make_call(q, key, value, mask=mask, causal=False, scale=None, dropout=args.dropout,
                              generator=None, return_weights=False)
             lo, hi = tiled.row_bounds(call)
             computed = native.computed_fraction(lo, hi, length)
@@ -394,6 +398,7 @@ def main() -> None:
     parser.add_argument("--threshold", action="store_true", help="tiled vs fused at short lengths")
     parser.add_argument("--train", action="store_true", help="forward + backward, each mask")
     parser.add_argument("--sweep", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    parser.add_argument("--dropout", type=float, default=0.0, help="with --threshold: dropout on the weights")
     parser.add_argument("--dense-side", action="store_true",
                         help="with --threshold: also masks that keep most pairs (prefix-LM, padding, ...)")
     parser.add_argument("--child", nargs=4, metavar=("CONTENDER", "MASK", "LENGTH", "WINDOW"), help=argparse.SUPPRESS)

@@ -378,6 +378,23 @@ def test_auto_runs_long_structured_masks_tiled_and_everything_else_fused(forward
     assert choose(_call(16, None, return_lse=True)).name == "tiled"  # only tiled gives the lse
 
 
+def test_auto_runs_dropout_on_the_native_kernel_whatever_the_mask(forward_kernel):
+    """SDPA has no fused CPU kernel with dropout: where the native kernel runs, auto sends every
+    dropout call to it (no mask, causal, any length), except calls returning the weights."""
+    def call(length, mask, **kwargs):
+        q = torch.empty(1, 8, length, 64)
+        options = dict(causal=False, scale=None, dropout=0.1, generator=None, return_weights=False) | kwargs
+        return make_call(q, q, q, mask=mask, **options)
+
+    expected = "tiled" if forward_kernel == "native" else "torch"
+    assert choose(call(32, None)).name == expected
+    assert choose(call(8192, masks.causal())).name == expected
+    assert choose(call(256, None, causal=True)).name == expected
+    assert choose(call(256, None, return_weights=True)).name == "torch"
+    assert choose(call(256, masks.causal().dense(256, 256))).name == "torch"  # a dense tensor mask
+    assert choose(call(256, None, dropout=0.0)).name == "torch"
+
+
 def test_training_saves_only_linear_memory():
     """The forward keeps query, key, value, output and lse for the backward: nothing L x L."""
     length = 2048

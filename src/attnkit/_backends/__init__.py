@@ -61,10 +61,10 @@ def get_backend(name: str) -> Backend:
 
 
 def choose(call: AttentionCall) -> Backend:
-    """What ``backend="auto"`` runs: tiled for the log-sum-exp or a structured mask where skipping
-    blocks pays (see ``tiled.profits``), else the fused kernel (with weights, its materialised
-    fused-op path)."""
-    if call.return_lse or (call.structure is not None and _tiled.profits(call)):
+    """What ``backend="auto"`` runs: tiled for the log-sum-exp, a structured mask where skipping
+    blocks pays, or dropout where attnkit's native kernel runs (see ``tiled.profits``), else the
+    fused kernel (with weights, its materialised fused-op path)."""
+    if call.return_lse or _tiled.profits(call):
         return _REGISTRY["tiled"]
     return _REGISTRY["torch"]
 

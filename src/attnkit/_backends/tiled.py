@@ -387,12 +387,23 @@ NATIVE_MAX_COMPUTED = 0.9
 NATIVE_CAUSAL_MAX_PAIRS = 8192 * 8192
 
 
+#: With dropout, SDPA has no fused CPU kernel (its math path materialises every weight): the
+#: native kernel took 0.64-0.77x its time at 32 x 32 pairs, 0.35-0.44x at 64 x 64 and 0.02-0.13x
+#: at 4096 x 4096, on the sweep's masks and with no mask at all (``--threshold --dropout 0.1``),
+#: so it runs every such call (but those returning weights, which are L x L anyway).
+
+
 def profits(call: AttentionCall) -> bool:
-    """Whether ``"auto"`` should run ``call`` (which has a structured mask) tiled rather than
-    densified through the fused kernel."""
+    """Whether ``"auto"`` should run ``call`` tiled rather than through the fused kernel (with a
+    structured mask densified)."""
+    native_runs = native.applies(call.query, call.key, call.value, call.mask is not None)
+    if native_runs and call.dropout > 0 and not call.return_weights:
+        return True
+    if call.structure is None:
+        return False
     pairs = call.q_len * call.k_len
     plain_causal = structure_of(call).is_causal and call.mask is None and call.q_len == call.k_len
-    if native.applies(call.query, call.key, call.value, call.mask is not None):
+    if native_runs:
         if pairs < NATIVE_MIN_PAIRS:
             return False
         if plain_causal:
