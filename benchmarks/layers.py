@@ -4,14 +4,17 @@ Both layers hold the same weights (ours is made with ``from_torch``) and run bat
 self-attention on the same input: embed 512, 8 heads, batch 1, fp32. Modes:
 
 - eval: ``.eval()`` under ``torch.no_grad()``, where PyTorch takes its native fast path;
-- train: ``.train()`` with autograd recording (dropout 0, so both compute the same numbers).
+- train: ``.train()`` with autograd recording (dropout 0, so both compute the same numbers;
+  ``--dropout P`` gives both layers dropout P: then the train rows time different random draws
+  of the same work, and PyTorch's CPU SDPA falls back to its math path, attnkit's ``"auto"`` to
+  its native kernel).
 
 ``need_weights=True`` asks both for per-head weights (PyTorch: ``average_attn_weights=False``,
 the same output as ours). Ratio = PyTorch's time / ours: above 1 means attnkit is faster.
 Goal: >= 1.5 in eval at L = 2048 without weights (PyTorch's eval fast path materialises the
 L x L scores there, ours runs the fused kernel), >= 1.0 everywhere else (with weights both
 materialise them: the same work).
-    python benchmarks/layers.py [--lengths 512 2048] [--repeats N] [--batch B] [--threads T]
+    python benchmarks/layers.py [--lengths 512 2048] [--repeats N] [--batch B] [--threads T] [--dropout P]
 """
 
 from __future__ import annotations
@@ -37,15 +40,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout of both layers (train rows)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
-    theirs = nn.MultiheadAttention(EMBED, HEADS, batch_first=True)
+    theirs = nn.MultiheadAttention(EMBED, HEADS, dropout=args.dropout, batch_first=True)
     ours = MultiHeadAttention.from_torch(theirs)
     print(f"# attnkit.nn.MultiHeadAttention vs torch.nn.MultiheadAttention, forward  ({describe_machine()})")
-    print(f"# embed {EMBED}, {HEADS} heads, batch {args.batch}, fp32, self-attention; median of "
+    print(f"# embed {EMBED}, {HEADS} heads, batch {args.batch}, fp32, self-attention, dropout {args.dropout}; median of "
           f"{args.repeats} interleaved runs (shared machine: medians, not minima)\n")
     print("| L | mode | need_weights | attnkit (ms) | PyTorch (ms) | speed-up (PyTorch / attnkit) |")
     print("|---:|---|---|---:|---:|---:|")
