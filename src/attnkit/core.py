@@ -49,12 +49,14 @@ def attention(
 
         scale: multiplies the scores; default ``1 / sqrt(Dk)``.
         dropout: probability of zeroing each weight (the rest are scaled by ``1/(1-p)``);
-            pass it only in training. Reproducible with ``generator``.
+            pass it only in training. Reproducible with ``generator`` (the same generator state
+            gives the same result on the same backend and kernel; backends draw differently).
         generator: the random source of dropout (on the inputs' device type).
         return_weights: also return the weights ``[..., Lq, Lk]`` (per query head) that were
             applied to ``value``, after masking and dropout, so ``output == weights @ value``.
-        backend: ``"auto"`` (``"tiled"`` for a structured mask long enough to profit or for
-            ``return_lse``; else ``"torch"``), ``"reference"`` (the readable formula),
+        backend: ``"auto"`` (``"tiled"`` for a structured mask long enough to profit, for
+            ``return_lse``, or for dropout where attnkit's native CPU kernel runs; else
+            ``"torch"``), ``"reference"`` (the readable formula),
             ``"torch"`` (``F.scaled_dot_product_attention``; with ``return_weights`` a materialised
             path of fused ops: baddbmm, in-place softmax, bmm) or ``"tiled"`` (block-sparse,
             O(L) memory); see :func:`attnkit.backends`.
