@@ -387,17 +387,15 @@ NATIVE_MAX_COMPUTED = 0.9
 NATIVE_CAUSAL_MAX_PAIRS = 8192 * 8192
 
 
-#: With dropout, SDPA has no fused CPU kernel (its math path materialises every weight): the
-#: native kernel took 0.64-0.77x its time at 32 x 32 pairs, 0.35-0.44x at 64 x 64 and 0.02-0.13x
-#: at 4096 x 4096, on the sweep's masks and with no mask at all (``--threshold --dropout 0.1``),
-#: so it runs every such call (but those returning weights, which are L x L anyway).
-
-
 def profits(call: AttentionCall) -> bool:
     """Whether ``"auto"`` should run ``call`` tiled rather than through the fused kernel (with a
     structured mask densified)."""
     native_runs = native.applies(call.query, call.key, call.value, call.mask is not None)
     if native_runs and call.dropout > 0 and not call.return_weights:
+        # SDPA has no fused CPU kernel with dropout (its math path materialises every weight): the
+        # native kernel took 0.64-0.77x its time at 32 x 32 pairs, 0.35-0.44x at 64 x 64 and
+        # 0.02-0.13x at 4096 x 4096, on the sweep's masks and with no mask at all
+        # (``--threshold --dropout 0.1``). Weights are L x L anyway: those calls stay fused.
         return True
     if call.structure is None:
         return False
