@@ -228,11 +228,10 @@ def test_empty_shapes(shape):
     out, lse = native.interval_forward(q, k, v, lo, hi, 0.5, block=2, chunk=3)
     assert out.shape == (batch, heads, length, dv) and lse.shape == (batch, heads, length)
     torch.testing.assert_close(lse.double(), oracle_lse(q, k, _allowed(lo, hi, length), 0.5), **FP32)
-    grad_lse = torch.randn(lse.shape, generator=g)
-    grads = native.interval_backward(torch.randn(out.shape, generator=g), q, k, v, out, lse, lo, hi, 0.5, grad_lse,
-                                     block=2, chunk=3)
+    grad_out, grad_lse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    grads = native.interval_backward(grad_out, q, k, v, out, lse, lo, hi, 0.5, grad_lse, block=2, chunk=3)
     case = dict(query=q, key=k, value=v, lo=lo, hi=hi, scale=0.5)
-    for grad, want in zip(grads, _oracle_gradients(case, torch.zeros(out.shape), grad_lse)):
+    for grad, want in zip(grads, _oracle_gradients(case, grad_out, grad_lse)):
         assert grad.shape == want.shape  # with Dv = 0 only the lse carries a gradient
         torch.testing.assert_close(grad.double(), want, **FP32)
 
