@@ -226,7 +226,7 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
         raise RuntimeError(f"attnkit native kernel unavailable: {why_unavailable()}")
     # dL/dS = P * (f dP - delta), delta_i = sum_d dO_id O_id - dL/dlse_i (FlashAttention's D term;
     # f the dropout factors, whose sum over a row's f * P * dP is dO_i . O_i all the same)
-    delta = (grad_out * out).sum(-1)
+    delta = torch.einsum("...d,...d->...", grad_out, out)  # a batched matmul: no [.., Dv] temporary
     if grad_lse is not None:
         delta = delta - grad_lse
     grad_out, query, key, value = _blas_rows(grad_out, query, key, value)

@@ -407,7 +407,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                   lo.sizes() == hi.sizes() && lo.size(1) == Lq && (lo.size(0) == 1 || lo.size(0) == B),
               "interval_backward: lo, hi must be int64 [1 or B, Lq]");
 
-  at::Tensor dq = at::zeros({B, H, Lq, D}, query.options());
+  at::Tensor dq = at::empty({B, H, Lq, D}, query.options());  // each block writes its rows
   at::Tensor dk = at::zeros({B, Hkv, parts, Lk, D}, query.options());
   at::Tensor dv = at::zeros({B, Hkv, parts, Lk, Dv}, query.options());
   const int64_t group = H / Hkv, blocks = (Lq + block - 1) / block;
@@ -458,11 +458,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               }
               if (dropout.active) row_keys[j] = dropout_row(dropout, (b * H + h) * Lq + first + j);
             }
-            if (span_lo >= span_hi) continue;  // dq stays 0
+            float* dq_block = dq_data + ((b * H + h) * Lq + first) * D;
+            if (span_lo >= span_hi) {  // no row of the block attends any key
+              std::fill(dq_block, dq_block + rows * D, 0.0f);
+              continue;
+            }
             const float* q_block = q + b * q0s + h * q1s + first * q2s;
             const float* go_block = go + b * g0s + h * g1s + first * g2s;
             const float* delta_block = dl + (b * H + h) * Lq + first;
-            float* dq_block = dq_data + ((b * H + h) * Lq + first) * D;
             for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
               const int64_t width = std::min(chunk, span_hi - c0);
               float* p = weights.data();
@@ -495,8 +498,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 gemm('N', 'T', Dv, width, rows, 1.0f, go_block, g2s, p, width, 1.0f, dv_head + c0 * Dv, Dv);
               }
               if (D > 0) {
-                // dQ^T (D x rows) += K_chunk^T (D x width) dS^T (width x rows)
-                gemm('N', 'N', D, rows, width, 1.0f, k_head + c0 * k2s, k2s, ds, width, 1.0f, dq_block, D);
+                // dQ^T (D x rows) (+)= K_chunk^T (D x width) dS^T (width x rows)
+                gemm('N', 'N', D, rows, width, 1.0f, k_head + c0 * k2s, k2s, ds, width, c0 == span_lo ? 0.0f : 1.0f,
+                     dq_block, D);
                 // dK_chunk^T (D x width) += Q^T (D x rows) dS (rows x width)
                 gemm('N', 'T', D, width, rows, 1.0f, q_block, q2s, ds, width, 1.0f, dk_head + c0 * D, D);
               }
