@@ -1,4 +1,5 @@
-"""The core traces into a single graph under torch.compile (fullgraph raises on any break)."""
+"""The core traces into a single graph under torch.compile (fullgraph raises on any break): under
+compile, "auto" keeps to the fused path, structured masks in their dense form."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 import attnkit
+from attnkit import masks
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -14,7 +16,10 @@ import attnkit
     dict(mask=torch.ones(6, 6, dtype=torch.bool).tril()),
     dict(return_weights=True),
     dict(return_weights=True, causal=True, dropout=0.1),
-], ids=["plain", "causal", "mask", "weights", "weights-causal-dropout"])
+    dict(dropout=0.1),  # eager "auto" sends this to attnkit's native kernel where it is built
+    dict(mask=masks.sliding_window(3)),
+    dict(mask=masks.causal() & masks.padding([4, 6])),
+], ids=["plain", "causal", "mask", "weights", "weights-causal-dropout", "dropout", "window", "causal-padding"])
 def test_attention_compiles_without_graph_breaks(kwargs):
     q = torch.randn(2, 4, 6, 8)
     kv = torch.randn(2, 2, 6, 8)

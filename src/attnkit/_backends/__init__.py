@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from .._call import AttentionCall
@@ -63,8 +64,10 @@ def get_backend(name: str) -> Backend:
 def choose(call: AttentionCall) -> Backend:
     """What ``backend="auto"`` runs: tiled for the log-sum-exp, a structured mask where skipping
     blocks pays, or dropout where attnkit's native kernel runs (see ``tiled.profits``), else the
-    fused kernel (with weights, its materialised fused-op path)."""
-    if call.return_lse or _tiled.profits(call):
+    fused kernel (with weights, its materialised fused-op path). Under ``torch.compile`` only the
+    log-sum-exp goes tiled: that backend plans and calls its kernels eagerly, which would break
+    the graph, while the fused path traces (a structured mask in its dense form)."""
+    if call.return_lse or (not torch.compiler.is_compiling() and _tiled.profits(call)):
         return _REGISTRY["tiled"]
     return _REGISTRY["torch"]
 
