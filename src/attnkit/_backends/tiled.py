@@ -390,6 +390,8 @@ NATIVE_CAUSAL_MAX_PAIRS = 8192 * 8192
 def profits(call: AttentionCall) -> bool:
     """Whether ``"auto"`` should run ``call`` tiled rather than through the fused kernel (with a
     structured mask densified)."""
+    if call.structure is None and call.dropout == 0:
+        return False  # nothing to skip, and SDPA has a fused kernel
     native_runs = native.applies(call.query, call.key, call.value, call.mask is not None)
     if native_runs and call.dropout > 0 and not call.return_weights:
         # SDPA has no fused CPU kernel with dropout (its math path materialises every weight): the
