@@ -31,6 +31,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
@@ -211,27 +212,59 @@ inline float softmax_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi
   return rescale;
 }
 
+// The sizes of a call, from inputs checked alike for both directions: query [B, H, Lq, D], key
+// [B, Hkv, Lk, D], value [B, Hkv, Lk, Dv], float32 CPU with a unit last-dim stride; lo, hi int64
+// [1 or B, Lq] (returned contiguous).
+struct Sizes {
+  int64_t B, H, Lq, D, Hkv, Lk, Dv;
+};
+
+Sizes check_inputs(const char* op, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                   const at::Tensor& lo_rows, const at::Tensor& hi_rows, at::Tensor& lo, at::Tensor& hi) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, op, ": 4-D inputs");
+  for (const at::Tensor* t : {&query, &key, &value}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->stride(3) == 1, op,
+                ": float32 CPU inputs with a unit stride along the head dimension");
+  }
+  const Sizes n{query.size(0), query.size(1), query.size(2), query.size(3), key.size(1), key.size(2), value.size(3)};
+  TORCH_CHECK(key.size(0) == n.B && value.size(0) == n.B && value.size(1) == n.Hkv && value.size(2) == n.Lk &&
+                  key.size(3) == n.D && n.Hkv > 0 && n.H % n.Hkv == 0, op, ": mismatched shapes");
+  lo = lo_rows.contiguous();
+  hi = hi_rows.contiguous();
+  TORCH_CHECK(lo.scalar_type() == at::kLong && hi.scalar_type() == at::kLong && lo.dim() == 2 &&
+                  lo.sizes() == hi.sizes() && lo.size(1) == n.Lq && (lo.size(0) == 1 || lo.size(0) == n.B),
+              op, ": lo, hi must be int64 [1 or B, Lq]");
+  return n;
+}
+
+// The intervals of a block's `rows` rows clipped to the keys [0, Lk) into row_lo, row_hi (a row
+// whose lse is -inf, when `lse` is given, gets none); returns the span [first, last) of the
+// non-empty ones, empty (first >= last) when there are none.
+std::pair<int64_t, int64_t> block_span(const int64_t* lo, const int64_t* hi, int64_t rows, int64_t Lk,
+                                       const float* lse, int64_t* row_lo, int64_t* row_hi) {
+  int64_t first = Lk, last = 0;
+  for (int64_t j = 0; j < rows; ++j) {
+    row_lo[j] = std::max<int64_t>(lo[j], 0);
+    row_hi[j] = std::min<int64_t>(hi[j], Lk);
+    if (lse != nullptr && lse[j] == kNegInf) row_hi[j] = row_lo[j];
+    if (row_lo[j] < row_hi[j]) {
+      first = std::min(first, row_lo[j]);
+      last = std::max(last, row_hi[j]);
+    }
+  }
+  return {first, last};
+}
+
 std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, const at::Tensor& key,
                                                     const at::Tensor& value, const at::Tensor& lo_rows,
                                                     const at::Tensor& hi_rows, double scale, int64_t block,
                                                     int64_t chunk, double dropout_p, int64_t seed) {
-  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "interval_forward: 4-D inputs");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
-                  value.scalar_type() == at::kFloat, "interval_forward: float32 inputs");
-  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), "interval_forward: CPU");
-  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1,
-              "interval_forward: unit stride along the head dimension");
+  at::Tensor lo, hi;
+  const Sizes n = check_inputs("interval_forward", query, key, value, lo_rows, hi_rows, lo, hi);
+  const int64_t B = n.B, H = n.H, Lq = n.Lq, D = n.D, Hkv = n.Hkv, Lk = n.Lk, Dv = n.Dv;  // the lambdas capture these
   TORCH_CHECK(block > 0 && chunk > 0, "interval_forward: block and chunk must be positive");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "interval_forward: dropout must be in [0, 1)");
   const Dropout dropout = make_dropout(dropout_p, seed);
-  const int64_t B = query.size(0), H = query.size(1), Lq = query.size(2), D = query.size(3);
-  const int64_t Hkv = key.size(1), Lk = key.size(2), Dv = value.size(3);
-  TORCH_CHECK(key.size(0) == B && value.size(0) == B && value.size(1) == Hkv && value.size(2) == Lk &&
-                  key.size(3) == D && Hkv > 0 && H % Hkv == 0, "interval_forward: mismatched shapes");
-  const at::Tensor lo = lo_rows.contiguous(), hi = hi_rows.contiguous();
-  TORCH_CHECK(lo.scalar_type() == at::kLong && hi.scalar_type() == at::kLong && lo.dim() == 2 &&
-                  lo.sizes() == hi.sizes() && lo.size(1) == Lq && (lo.size(0) == 1 || lo.size(0) == B),
-              "interval_forward: lo, hi must be int64 [1 or B, Lq]");
 
   at::Tensor out = at::empty({B, H, Lq, Dv}, query.options());
   at::Tensor lse = at::empty({B, H, Lq}, query.options());
@@ -259,14 +292,8 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
       const int64_t rows = std::min(block, Lq - first);
       const int64_t* lo_seq = lo_data + (shared_rows ? 0 : b * Lq) + first;
       const int64_t* hi_seq = hi_data + (shared_rows ? 0 : b * Lq) + first;
-      int64_t span_lo = Lk, span_hi = 0;
+      const auto [span_lo, span_hi] = block_span(lo_seq, hi_seq, rows, Lk, nullptr, row_lo.data(), row_hi.data());
       for (int64_t j = 0; j < rows; ++j) {
-        row_lo[j] = std::max<int64_t>(lo_seq[j], 0);
-        row_hi[j] = std::min<int64_t>(hi_seq[j], Lk);
-        if (row_lo[j] < row_hi[j]) {
-          span_lo = std::min(span_lo, row_lo[j]);
-          span_hi = std::max(span_hi, row_hi[j]);
-        }
         row_max[j] = kNegInf;
         row_sum[j] = 0.0f;
         if (dropout.active) row_keys[j] = dropout_row(dropout, (b * H + h) * Lq + first + j);
@@ -338,32 +365,23 @@ inline void weights_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi,
   std::fill(row + std::max(hi, lo), row + width, 0.0f);
 }
 
-// dS = scale * P * (dP - delta) in place of dP, for one row of a chunk (0 where P is 0).
-inline void score_grad_row(const float* p, float* dp, int64_t width, float delta, float scale) {
-  const __m256 d8 = _mm256_set1_ps(delta), s8 = _mm256_set1_ps(scale);
-  int64_t t = 0;
-  for (; t + 8 <= width; t += 8) {
-    const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_sub_ps(_mm256_loadu_ps(dp + t), d8));
-    _mm256_storeu_ps(dp + t, _mm256_mul_ps(g, s8));
-  }
-  for (; t < width; ++t) dp[t] = scale * (p[t] * (dp[t] - delta));
-}
-
-// The same with dropout (factor f: 0 or 1 / (1 - p)) on the row's keys [lo, hi): the output used
-// f * P, so dS = scale * P * (f * dP - delta), and P becomes f * P for dV. Elsewhere P is 0.
-inline void score_grad_row_dropout(float* p, float* dp, int64_t width, int64_t lo, int64_t hi, float delta,
-                                   float scale, const Dropout& dropout, DropoutRow keys, int64_t key0) {
+// dS = scale * P * (f * dP - delta) in place of dP, for one row of a chunk, f the dropout factor
+// of each key (0 or 1 / (1 - p); 1 without dropout): the output used f * P. With dropout P also
+// becomes f * P, for dV. Outside the row's keys [lo, hi), P is 0 and so is dS.
+inline void score_grad_row(float* p, float* dp, int64_t width, int64_t lo, int64_t hi, float delta, float scale,
+                           const Dropout& dropout, DropoutRow keys, int64_t key0) {
   std::fill(dp, dp + lo, 0.0f);
-  const __m256 d8 = _mm256_set1_ps(delta), s8 = _mm256_set1_ps(scale);
+  const __m256 d8 = _mm256_set1_ps(delta), s8 = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f);
   int64_t t = lo;
   for (; t + 8 <= hi; t += 8) {
-    const __m256 f = dropout_factor8(dropout, keys, key0 + t), weight = _mm256_loadu_ps(p + t);
+    const __m256 f = dropout.active ? dropout_factor8(dropout, keys, key0 + t) : one;
+    const __m256 weight = _mm256_loadu_ps(p + t);
     const __m256 g = _mm256_mul_ps(weight, _mm256_sub_ps(_mm256_mul_ps(f, _mm256_loadu_ps(dp + t)), d8));
     _mm256_storeu_ps(dp + t, _mm256_mul_ps(g, s8));
-    _mm256_storeu_ps(p + t, _mm256_mul_ps(weight, f));
+    if (dropout.active) _mm256_storeu_ps(p + t, _mm256_mul_ps(weight, f));
   }
   for (; t < hi; ++t) {
-    const float f = dropout_factor(dropout, keys, key0 + t);
+    const float f = dropout.active ? dropout_factor(dropout, keys, key0 + t) : 1.0f;
     dp[t] = scale * (p[t] * (f * dp[t] - delta));
     p[t] *= f;
   }
@@ -383,29 +401,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& lse_rows, const at::Tensor& delta_rows, const at::Tensor& lo_rows, const at::Tensor& hi_rows,
     double scale, int64_t block, int64_t chunk, int64_t parts, double dropout_p, int64_t seed) {
-  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && grad_out.dim() == 4,
-              "interval_backward: 4-D inputs");
-  for (const at::Tensor* t : {&grad_out, &query, &key, &value}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->stride(3) == 1,
-                "interval_backward: float32 CPU inputs with a unit stride along the head dimension");
-  }
+  at::Tensor lo, hi;
+  const Sizes n = check_inputs("interval_backward", query, key, value, lo_rows, hi_rows, lo, hi);
+  const int64_t B = n.B, H = n.H, Lq = n.Lq, D = n.D, Hkv = n.Hkv, Lk = n.Lk, Dv = n.Dv;  // the lambdas capture these
+  TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == B && grad_out.size(1) == H && grad_out.size(2) == Lq &&
+                  grad_out.size(3) == Dv, "interval_backward: grad_out must be [B, H, Lq, Dv]");
+  TORCH_CHECK(grad_out.scalar_type() == at::kFloat && grad_out.device().is_cpu() && grad_out.stride(3) == 1,
+              "interval_backward: grad_out must be float32 CPU with a unit stride along the head dimension");
   TORCH_CHECK(block > 0 && chunk > 0 && parts > 0, "interval_backward: block, chunk and parts must be positive");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "interval_backward: dropout must be in [0, 1)");
   const Dropout dropout = make_dropout(dropout_p, seed);
-  const int64_t B = query.size(0), H = query.size(1), Lq = query.size(2), D = query.size(3);
-  const int64_t Hkv = key.size(1), Lk = key.size(2), Dv = value.size(3);
-  TORCH_CHECK(key.size(0) == B && value.size(0) == B && value.size(1) == Hkv && value.size(2) == Lk &&
-                  key.size(3) == D && Hkv > 0 && H % Hkv == 0, "interval_backward: mismatched shapes");
-  TORCH_CHECK(grad_out.size(0) == B && grad_out.size(1) == H && grad_out.size(2) == Lq && grad_out.size(3) == Dv,
-              "interval_backward: grad_out must be [B, H, Lq, Dv]");
   const at::Tensor lse = lse_rows.contiguous(), delta = delta_rows.contiguous();
   TORCH_CHECK(lse.scalar_type() == at::kFloat && delta.scalar_type() == at::kFloat &&
                   lse.sizes() == at::IntArrayRef({B, H, Lq}) && delta.sizes() == lse.sizes(),
               "interval_backward: lse and delta must be float32 [B, H, Lq]");
-  const at::Tensor lo = lo_rows.contiguous(), hi = hi_rows.contiguous();
-  TORCH_CHECK(lo.scalar_type() == at::kLong && hi.scalar_type() == at::kLong && lo.dim() == 2 &&
-                  lo.sizes() == hi.sizes() && lo.size(1) == Lq && (lo.size(0) == 1 || lo.size(0) == B),
-              "interval_backward: lo, hi must be int64 [1 or B, Lq]");
 
   at::Tensor dq = at::empty({B, H, Lq, D}, query.options());  // each block writes its rows
   at::Tensor dk = at::zeros({B, Hkv, parts, Lk, D}, query.options());
@@ -447,16 +456,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
           for (int64_t index = part * blocks_per_part; index < block_end; ++index) {
             const int64_t first = index * block, rows = std::min(block, Lq - first);
             const float* l_block = l + (b * H + h) * Lq + first;
-            int64_t span_lo = Lk, span_hi = 0;
-            for (int64_t j = 0; j < rows; ++j) {
-              row_lo[j] = std::max<int64_t>(lo_seq[first + j], 0);
-              row_hi[j] = std::min<int64_t>(hi_seq[first + j], Lk);
-              if (l_block[j] == kNegInf) row_hi[j] = row_lo[j];  // a row with no key: no weights
-              if (row_lo[j] < row_hi[j]) {
-                span_lo = std::min(span_lo, row_lo[j]);
-                span_hi = std::max(span_hi, row_hi[j]);
-              }
-              if (dropout.active) row_keys[j] = dropout_row(dropout, (b * H + h) * Lq + first + j);
+            // a row with no key (lse -inf) has no weights
+            const auto [span_lo, span_hi] = block_span(lo_seq + first, hi_seq + first, rows, Lk, l_block,
+                                                       row_lo.data(), row_hi.data());
+            for (int64_t j = 0; j < rows && dropout.active; ++j) {
+              row_keys[j] = dropout_row(dropout, (b * H + h) * Lq + first + j);
             }
             float* dq_block = dq_data + ((b * H + h) * Lq + first) * D;
             if (span_lo >= span_hi) {  // no row of the block attends any key
@@ -483,15 +487,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               } else {
                 std::fill(ds, ds + rows * width, 0.0f);
               }
-              for (int64_t j = 0; j < rows; ++j) {
-                if (dropout.active) {  // also turns P into the dropped-out weights the output used
-                  score_grad_row_dropout(p + j * width, ds + j * width, width,
-                                         std::clamp<int64_t>(row_lo[j] - c0, 0, width),
-                                         std::clamp<int64_t>(row_hi[j] - c0, 0, width), delta_block[j],
-                                         static_cast<float>(scale), dropout, row_keys[j], c0);
-                } else {
-                  score_grad_row(p + j * width, ds + j * width, width, delta_block[j], static_cast<float>(scale));
-                }
+              for (int64_t j = 0; j < rows; ++j) {  // with dropout, also turns P into the weights the output used
+                score_grad_row(p + j * width, ds + j * width, width, std::clamp<int64_t>(row_lo[j] - c0, 0, width),
+                               std::clamp<int64_t>(row_hi[j] - c0, 0, width), delta_block[j],
+                               static_cast<float>(scale), dropout, row_keys[j], c0);
               }
               if (Dv > 0) {
                 // dV_chunk^T (Dv x width) += dO^T (Dv x rows) P (rows x width)
