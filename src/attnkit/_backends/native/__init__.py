@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .. import tiled_plan
+
 SOURCE = Path(__file__).with_name("interval_attention.cpp")
 
 #: (query rows per block, keys per chunk of the running softmax) by the mean number of keys a
@@ -155,10 +157,15 @@ def applies(query: Tensor, key: Tensor, value: Tensor, has_tensor_mask: bool) ->
             and all(t.dtype == torch.float32 for t in (query, key, value)) and available())
 
 
-def tiles(lo: Tensor, hi: Tensor) -> tuple[int, int]:
-    """``(block, chunk)`` for rows attending ``[lo, hi)`` (see ``TILES``)."""
+def _by_mean_keys(table: tuple, lo: Tensor, hi: Tensor) -> tuple[int, int]:
+    """The ``(block, chunk)`` of ``table`` for the mean number of keys the rows attend."""
     mean_keys = float((hi - lo).clamp(min=0).float().mean()) if lo.numel() else 0.0
-    return next(sizes for below, sizes in TILES if mean_keys < below)
+    return next(sizes for below, sizes in table if mean_keys < below)
+
+
+def tiles(lo: Tensor, hi: Tensor) -> tuple[int, int]:
+    """``(block, chunk)`` of the forward for rows attending ``[lo, hi)`` (see ``TILES``)."""
+    return _by_mean_keys(TILES, lo, hi)
 
 
 def computed_fraction(lo: Tensor, hi: Tensor, k_len: int) -> float:
@@ -169,19 +176,13 @@ def computed_fraction(lo: Tensor, hi: Tensor, k_len: int) -> float:
         return 0.0
     block, _ = tiles(lo, hi)
     lo, hi = lo.clamp(0, k_len), hi.clamp(0, k_len)
-    rows, pad = lo.shape[-1], -lo.shape[-1] % block
-    lo, hi = (torch.nn.functional.pad(t, (0, pad)).view(t.shape[0], -1, block) for t in (lo, hi))
-    nonempty = lo < hi
-    span = (torch.where(nonempty, hi, -k_len).amax(-1) - torch.where(nonempty, lo, k_len).amin(-1)).clamp(min=0)
-    rows_per_block = torch.full((span.shape[-1],), block)
-    rows_per_block[-1] = rows - block * (span.shape[-1] - 1)
-    return float((span * rows_per_block).sum()) / (lo.shape[0] * rows * k_len)
+    pairs = sum(tiled_plan.spanned_pairs(row_lo, row_hi, block) for row_lo, row_hi in zip(lo, hi))
+    return pairs / (lo.numel() * k_len)
 
 
 def backward_tiles(lo: Tensor, hi: Tensor) -> tuple[int, int]:
     """``(block, chunk)`` of the backward for rows attending ``[lo, hi)`` (see ``BACKWARD_TILES``)."""
-    mean_keys = float((hi - lo).clamp(min=0).float().mean()) if lo.numel() else 0.0
-    return next(sizes for below, sizes in BACKWARD_TILES if mean_keys < below)
+    return _by_mean_keys(BACKWARD_TILES, lo, hi)
 
 
 def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, scale: float,
