@@ -182,17 +182,6 @@ def _highest(values: Tensor, nonempty: Tensor) -> Tensor:
     return torch.where(nonempty, values, -2**62).amax(1)
 
 
-def spanned_pairs(lo: Tensor, hi: Tensor, size: int) -> int:
-    """The (query, key) pairs computed by a kernel that runs each block of ``size`` rows over the
-    span of its rows' non-empty intervals ``[lo, hi)`` (1-D, clipped to the keys): attnkit's
-    native kernel. A block with no such row spans nothing (the clamp)."""
-    nonempty, starts, ends = _rows_by_block(lo, hi, size)
-    span = (_highest(ends, nonempty) - _lowest(starts, nonempty)).clamp(min=0)
-    rows = torch.full_like(span, size)
-    rows[-1] = lo.shape[0] - size * (span.shape[0] - 1)
-    return int((span * rows).sum())
-
-
 def _same_start(lo: Tensor, hi: Tensor, size: int) -> list[bool]:
     """For each block of ``size`` rows: do all its non-empty rows start at the same key?"""
     nonempty, starts, _ = _rows_by_block(lo, hi, size)

@@ -3,11 +3,12 @@
 The tiled backend runs this kernel, forward and backward, when it is built and applies (float32
 CPU tensors, a structured mask, no dense tensor mask; dropout included), and PyTorch's kernels
 block by block otherwise (:mod:`..kernels`); both give the same output, log-sum-exp and gradients
-up to float rounding (with dropout, each draws its own pattern). Building is an install step, never a first-call cost: ``make`` runs
-``python -m attnkit._backends.native`` once, which compiles the source with the system C++
-compiler against the installed torch into a cache directory named after a hash of everything the
-binary depends on (source, torch version and ABI, flags), so a changed source or torch is simply
-not found and the fallback runs until the next build. Nothing is ever compiled implicitly.
+up to float rounding (with dropout, each draws its own pattern). Building is an install step,
+never a first-call cost: ``make`` runs ``python -m attnkit._backends.native`` once, which
+compiles the source with the system C++ compiler against the installed torch into a cache
+directory named after a hash of everything the binary depends on (source, torch version and ABI,
+flags), so a changed source or torch is simply not found and the fallback runs until the next
+build. Nothing is ever compiled implicitly.
 
 Requirements: x86-64 with AVX2 and FMA (the flags it is compiled with), and a torch that exports
 the BLAS ``sgemm_`` it multiplies with (the official x86 builds link MKL). ``ATTNKIT_NATIVE=0``
@@ -29,8 +30,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-
-from .. import tiled_plan
 
 SOURCE = Path(__file__).with_name("interval_attention.cpp")
 
@@ -174,9 +173,17 @@ def computed_fraction(lo: Tensor, hi: Tensor, k_len: int) -> float:
     over the span of the block's intervals. Cheap (a few vector ops), so ``"auto"`` can ask."""
     if lo.numel() == 0 or k_len == 0:
         return 0.0
+    # "auto" asks this on every call: a dozen vector ops over [S, Lq], about 30 us at Lq = 128
     block, _ = tiles(lo, hi)
     lo, hi = lo.clamp(0, k_len), hi.clamp(0, k_len)
-    pairs = sum(tiled_plan.spanned_pairs(row_lo, row_hi, block) for row_lo, row_hi in zip(lo, hi))
+    empty = lo >= hi
+    first, last = lo.masked_fill(empty, k_len), hi.masked_fill(empty, 0)  # empty rows span nothing
+    sequences, rows = lo.shape
+    blocks = -(-rows // block)
+    first = torch.nn.functional.pad(first, (0, blocks * block - rows), value=k_len)
+    last = torch.nn.functional.pad(last, (0, blocks * block - rows), value=0)
+    span = (last.view(sequences, blocks, block).amax(-1) - first.view(sequences, blocks, block).amin(-1)).clamp(min=0)
+    pairs = int(span[:, :-1].sum()) * block + int(span[:, -1].sum()) * (rows - block * (blocks - 1))
     return pairs / (lo.numel() * k_len)
 
 
