@@ -45,7 +45,7 @@ browser:
 # (a no-op when that build is there). Without a C++ compiler or an x86-64 AVX2 CPU it prints why
 # and the tiled backend uses PyTorch's kernel (the kernel's tests then skip).
 native: $(VENV)/.installed
-	$(BIN)/python -m attnkit._backends.native
+	$(BIN)/python -m attnkit.kernel
 
 test: $(VENV)/.installed-test browser native
 	$(BIN)/python -m pytest -q

@@ -334,7 +334,7 @@ def test_tiled_gives_the_same_with_and_without_it():
 
 @needs_native
 def test_the_build_command_is_a_no_op_once_built():
-    result = subprocess.run([sys.executable, "-m", "attnkit._backends.native", "--strict"],
+    result = subprocess.run([sys.executable, "-m", "attnkit.kernel", "--strict"],
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert str(native.library_path()) in result.stdout
@@ -347,9 +347,9 @@ def test_a_failed_build_is_reported_and_does_not_fail_the_install(tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("a file where the cache directory would go")
     env = {**os.environ, "ATTNKIT_NATIVE_DIR": str(blocked / "native")}
-    command = [sys.executable, "-m", "attnkit._backends.native"]
+    command = [sys.executable, "-m", "attnkit.kernel"]
     lenient = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    assert lenient.returncode == 0 and "PyTorch's fused kernel instead" in lenient.stderr
+    assert lenient.returncode == 0 and "PyTorch's kernels instead" in lenient.stderr
     strict = subprocess.run([*command, "--strict"], capture_output=True, text=True, env=env, check=False)
     assert strict.returncode == 1
     probe = subprocess.run([sys.executable, "-c", "from attnkit._backends import native; print(native.why_unavailable())"],

@@ -101,16 +101,18 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Dropout on the attention weights. Whether weight (query row, key) is kept is a hash of the pair
+// Dropout on the attention weights. Whether weight (b, h, i, j) is kept is a hash of the position
 // and the call's seed (counter-based, like Philox in PyTorch's CUDA kernels), so the backward
-// regenerates the forward's pattern without storing it: per query row, splitmix64 turns (seed, row)
-// into two 32-bit keys; per key, two rounds of MurmurHash3's fmix32 keyed by them give 32 bits,
-// kept when >= p * 2^32. Kept weights are scaled by 1 / (1 - p).
+// regenerates the forward's pattern without storing it, and attnkit's other paths compute the same
+// pattern in tensor ops (attnkit/_backends/dropout.py holds the definition; the tests compare the
+// two bit for bit). Per query row, three keyed rounds of fmix32 turn (seed, b, h, i) into two
+// 32-bit keys; per key, two more rounds give 32 bits, kept when >= p * 2^32. Kept weights are scaled
+// by 1 / (1 - p).
 struct Dropout {
   bool active = false;
   uint32_t threshold = 0;  // keep when bits >= threshold
   float keep_scale = 1.0f;
-  uint64_t seed = 0;
+  uint32_t seed_low = 0, seed_high = 0;
 };
 
 struct DropoutRow {
@@ -121,24 +123,12 @@ inline Dropout make_dropout(double p, int64_t seed) {
   Dropout d;
   if (p > 0.0) {
     d.active = true;
-    d.threshold = static_cast<uint32_t>(std::min(p * 4294967296.0, 4294967295.0));
+    d.threshold = static_cast<uint32_t>(std::min(std::floor(p * 4294967296.0), 4294967295.0));
     d.keep_scale = static_cast<float>(1.0 / (1.0 - p));
-    d.seed = static_cast<uint64_t>(seed);
+    d.seed_low = static_cast<uint32_t>(static_cast<uint64_t>(seed));
+    d.seed_high = static_cast<uint32_t>(static_cast<uint64_t>(seed) >> 32);
   }
   return d;
-}
-
-inline uint64_t splitmix64(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// `row` numbers the query row over the whole call: (batch * heads + head) * Lq + i.
-inline DropoutRow dropout_row(const Dropout& d, int64_t row) {
-  const uint64_t z = splitmix64(d.seed ^ splitmix64(static_cast<uint64_t>(row)));
-  return {static_cast<uint32_t>(z), static_cast<uint32_t>(z >> 32)};
 }
 
 inline uint32_t fmix32(uint32_t x) {
@@ -147,6 +137,16 @@ inline uint32_t fmix32(uint32_t x) {
   x ^= x >> 13;
   x *= 0xC2B2AE35u;
   return x ^ (x >> 16);
+}
+
+inline uint32_t mix(uint32_t x, uint32_t v) { return fmix32(x ^ fmix32(v + 0x9E3779B9u)); }
+
+// The two keys of query row i of head h of sequence b.
+inline DropoutRow dropout_row(const Dropout& d, int64_t b, int64_t h, int64_t i) {
+  const auto chain = [&](uint32_t x) {
+    return mix(mix(mix(x, static_cast<uint32_t>(b)), static_cast<uint32_t>(h)), static_cast<uint32_t>(i));
+  };
+  return {chain(d.seed_low), chain(d.seed_high)};
 }
 
 inline __m256i fmix32(__m256i x) {
@@ -296,7 +296,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
       for (int64_t j = 0; j < rows; ++j) {
         row_max[j] = kNegInf;
         row_sum[j] = 0.0f;
-        if (dropout.active) row_keys[j] = dropout_row(dropout, (b * H + h) * Lq + first + j);
+        if (dropout.active) row_keys[j] = dropout_row(dropout, b, h, first + j);
       }
       const float* q_block = q + b * q0s + h * q1s + first * q2s;
       const float* k_head = k + b * k0s + (h / group) * k1s;
@@ -460,7 +460,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
             const auto [span_lo, span_hi] = block_span(lo_seq + first, hi_seq + first, rows, Lk, l_block,
                                                        row_lo.data(), row_hi.data());
             for (int64_t j = 0; j < rows && dropout.active; ++j) {
-              row_keys[j] = dropout_row(dropout, (b * H + h) * Lq + first + j);
+              row_keys[j] = dropout_row(dropout, b, h, first + j);
             }
             float* dq_block = dq_data + ((b * H + h) * Lq + first) * D;
             if (span_lo >= span_hi) {  // no row of the block attends any key
@@ -514,7 +514,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
 
 }  // namespace
 
-TORCH_LIBRARY(attnkit, m) {
+TORCH_LIBRARY(attnkit_native, m) {
   m.def("interval_forward(Tensor query, Tensor key, Tensor value, Tensor lo, Tensor hi, float scale, int block, "
         "int chunk, float dropout, int seed) -> (Tensor, Tensor)");
   m.def("interval_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor lse, Tensor delta, "
@@ -522,7 +522,7 @@ TORCH_LIBRARY(attnkit, m) {
         "-> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
+TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {
   m.impl("interval_forward", &interval_forward);
   m.impl("interval_backward", &interval_backward);
 }

@@ -1,0 +1,109 @@
+"""Dropout on the attention weights: one pattern, whichever path computes it.
+
+Whether weight ``(batch b, head h, query row i, key j)`` is kept is a pure function of a 63-bit
+``seed`` and that position: a counter-based hash, like the Philox streams of PyTorch's CUDA
+kernels, so that no path stores the pattern and every path (attnkit's native kernel, the
+plain-ops kernels, the reference formula, compiled graphs) draws the same one. Each call takes
+one seed from its ``generator`` (or from the global RNG when there is none): the same generator
+state gives the same result on every backend, kernel and device.
+
+The hash, in unsigned 32-bit arithmetic (``*`` and ``+`` modulo 2**32)::
+
+    fmix32(x)   = MurmurHash3's finaliser: x ^= x >> 16; x *= 0x85EBCA6B; x ^= x >> 13;
+                  x *= 0xC2B2AE35; x ^= x >> 16
+    mix(x, v)   = fmix32(x ^ fmix32(v + 0x9E3779B9))
+    a           = mix(mix(mix(seed & 0xFFFFFFFF, b), h), i)          once per query row
+    c           = mix(mix(mix(seed >> 32, b), h), i)
+    bits        = fmix32(fmix32(j ^ a) ^ c)                           per key
+    kept        = bits >= floor(p * 2**32)  (capped at 2**32 - 1); kept weights are scaled by 1 / (1 - p)
+
+``b`` and ``h`` index the call's ``[B, H, Lq, Lk]`` weights after its leading dims are folded into
+two (``[..., L, D]`` inputs: ``b`` is dim 0, ``h`` numbers the dims between; 2-D inputs have
+``b = h = 0``); ``h`` is the query head under grouped-query attention. ``i`` and ``j`` are positions
+within the call. ``interval_attention.cpp`` implements the same function (``Dropout``); the tests
+compare the two bit for bit.
+
+Here the hash runs in int64 tensor ops, every product split so that it never exceeds 2**63
+(exact on any device and under ``torch.compile``): the path for calls the native kernel does not
+run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["draw_seed", "keep_mask", "apply", "SEED_BITS"]
+
+#: Seeds are drawn uniformly from [0, 2**SEED_BITS).
+SEED_BITS = 63
+_LOW32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+
+
+def _draw(generator: torch.Generator | None, device: torch.device) -> Tensor:
+    return torch.randint(0, 2**SEED_BITS, (), generator=generator, device=device, dtype=torch.int64)
+
+
+# Dynamo cannot trace a torch.Generator: with one, the draw runs eagerly (a graph break, or an
+# error under fullgraph=True that says why).
+_draw_from_generator = torch.compiler.disable(
+    _draw, reason="attnkit draws the dropout seed from a torch.Generator, which torch.compile cannot "
+                  "trace; under fullgraph=True pass generator=None (the seed then comes from the global RNG)")
+
+
+def draw_seed(generator: torch.Generator | None, device: torch.device | str = "cpu") -> Tensor:
+    """One seed for a call's dropout, an int64 scalar tensor on the generator's device (CPU when
+    there is none). With ``generator=None`` it comes from the global RNG of ``device``; with one,
+    the global RNG is neither read nor reseeded."""
+    if generator is None:
+        return _draw(None, torch.device(device))
+    return _draw_from_generator(generator, generator.device)
+
+
+def _mul32(x: Tensor, constant: int) -> Tensor:
+    """``x * constant mod 2**32`` for ``0 <= x < 2**32`` in int64, without overflow: the constant
+    is split into 16-bit halves, each partial product below 2**48."""
+    low, high = constant & 0xFFFF, constant >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & _LOW32
+
+
+def _fmix32(x: Tensor) -> Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _mix(x: Tensor, v: Tensor) -> Tensor:
+    return _fmix32(x ^ _fmix32((v + _GOLDEN) & _LOW32))
+
+
+def threshold(p: float) -> int:
+    """Keys whose 32 hash bits are at least this are kept."""
+    return min(int(p * 2.0**32), 2**32 - 1)
+
+
+def keep_mask(seed: Tensor, batch: int, heads: int, q_len: int, k_len: int, p: float, *,
+              device: torch.device | str | None = None) -> Tensor:
+    """The kept weights of a call's ``[batch, heads, q_len, k_len]`` weights (bool, True = kept)
+    for dropout probability ``p`` and the int64 scalar ``seed`` (see the module docstring)."""
+    device = seed.device if device is None else torch.device(device)
+    seed = seed.to(device=device, dtype=torch.int64)
+    index = dict(dtype=torch.int64, device=device)
+    b = torch.arange(batch, **index)[:, None, None]
+    h = torch.arange(heads, **index)[None, :, None]
+    i = torch.arange(q_len, **index)[None, None, :]
+    row_a = _mix(_mix(_mix(seed & _LOW32, b), h), i)[..., None]  # [B, H, Lq, 1]
+    row_c = _mix(_mix(_mix((seed >> 32) & _LOW32, b), h), i)[..., None]
+    j = torch.arange(k_len, **index)
+    bits = _fmix32(_fmix32(j ^ row_a) ^ row_c)
+    return bits >= threshold(p)
+
+
+def apply(weights: Tensor, seed: Tensor, p: float) -> Tensor:
+    """``weights [B, H, Lq, Lk]`` with dropout applied: dropped ones 0, kept ones ``/ (1 - p)``."""
+    batch, heads, q_len, k_len = weights.shape
+    keep = keep_mask(seed, batch, heads, q_len, k_len, p, device=weights.device)
+    return weights * keep / (1.0 - p)

@@ -1,0 +1,169 @@
+"""Building attnkit's native kernel: compile, verify in a separate process, record.
+
+Building is an install step (``attnkit build-kernel``, ``python -m attnkit.kernel``, run by
+``make``), never a first-call cost: nothing is compiled implicitly. The system C++ compiler
+compiles ``interval_attention.cpp`` against the installed torch into a cache directory (default
+``~/.cache/attnkit/native``; ``ATTNKIT_NATIVE_DIR`` moves it), under a name hashed from everything
+the binary depends on: the source, the torch build (version, git revision, C++ ABI, debug), the
+Python ABI tag and the flags. A changed source or torch is simply not found, and the tiled backend
+uses PyTorch's kernels until the next build.
+
+Before a library is installed in the cache it is loaded in a **separate Python process**
+(:mod:`.probe`), which checks the ops it registers and runs them once against a float64 formula.
+Only then is it moved into place, next to a record (``<library>.json``) holding its SHA-256, its
+size, the compiler that built it and the torch build. :mod:`.loading` loads nothing whose bytes do
+not match its record, so a truncated, corrupted or foreign file never reaches this process. The
+record's compiler is part of the key: a build with another compiler (``CXX``) is not a no-op.
+
+Requirements: x86-64 with AVX2 and FMA (the flags below), and a torch that exports the BLAS
+``sgemm_`` the kernel multiplies with (the official x86 builds link MKL).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ... import _torch_private
+
+SOURCE = Path(__file__).with_name("interval_attention.cpp")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+
+
+def cache_dir() -> Path:
+    """Where built kernels live: ``$ATTNKIT_NATIVE_DIR``, else ``$XDG_CACHE_HOME/attnkit/native``
+    (``~/.cache/attnkit/native``)."""
+    if os.environ.get("ATTNKIT_NATIVE_DIR"):
+        return Path(os.environ["ATTNKIT_NATIVE_DIR"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "attnkit" / "native"
+
+
+def torch_build() -> str:
+    """The torch build the kernel is compiled against: a different one needs another binary."""
+    return " ".join((torch.__version__, str(torch.version.git_version), f"cxx11abi={_torch_private.cxx11_abi()}",
+                     f"debug={torch.version.debug}", sys.implementation.cache_tag))
+
+
+def library_path() -> Path:
+    """Where the built kernel for this source, torch build and flags lives."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch_build().encode(), " ".join(FLAGS).encode()):
+        digest.update(part)
+    return cache_dir() / f"interval_attention-{digest.hexdigest()[:16]}.so"
+
+
+def record_path(library: Path) -> Path:
+    """The build record next to ``library``."""
+    return library.with_suffix(".json")
+
+
+def file_digest(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def read_record(library: Path) -> dict | None:
+    """The record of ``library``, or None when there is none or it cannot be read."""
+    try:
+        record = json.loads(record_path(library).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def cpu_supported() -> str:
+    """Empty when this machine can run the kernel, else why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"needs x86-64, this is {platform.machine()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"needs AVX2, the CPU offers {capability}"
+    return ""
+
+
+def compiler() -> str | None:
+    """The C++ compiler a build uses: ``$CXX``, else ``c++`` or ``g++`` on the PATH."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def compiler_identity(command: str) -> str:
+    """The compiler's path and first ``--version`` line (a build with another compiler is another build)."""
+    try:
+        result = subprocess.run([command, "--version"], capture_output=True, text=True, check=False, timeout=60)
+    except OSError as error:
+        raise RuntimeError(f"attnkit native kernel: cannot run the compiler {command!r}: {error}") from None
+    first = (result.stdout.strip().splitlines() or ["unknown version"])[0]
+    return f"{shutil.which(command) or command}: {first}"
+
+
+def probe(library: Path) -> str:
+    """Load ``library`` in a separate Python process and run its ops once; empty when it works,
+    else what went wrong (a crash, a missing op, a wrong result)."""
+    try:
+        result = subprocess.run([sys.executable, "-m", "attnkit._backends.native.probe", str(library)],
+                                capture_output=True, text=True, check=False, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"the probe process failed: {error}"
+    if result.returncode != 0:
+        detail = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+        return f"the probe process failed ({detail})"
+    return ""
+
+
+def write_record(library: Path, compiler_used: str, target: Path | None = None) -> None:
+    """Write ``library``'s record (its digest is taken now), as ``target``'s record when given."""
+    record = {"sha256": file_digest(library), "size": library.stat().st_size, "compiler": compiler_used,
+              "torch": torch_build(), "source_sha256": hashlib.sha256(SOURCE.read_bytes()).hexdigest()}
+    record_path(target or library).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def build(verbose: bool = False, force: bool = False) -> Path:
+    """Compile, probe and record the kernel (a no-op when this source, torch build and compiler
+    already have a verified build, unless ``force``); returns the library's path. Raises
+    ``RuntimeError`` saying why when it cannot (no compiler, CPU, compile error, failed probe) and
+    ``OSError`` when the cache is not writable."""
+    why = cpu_supported()
+    if why:
+        raise RuntimeError(f"attnkit native kernel: {why}")
+    command = compiler()
+    if command is None:
+        raise RuntimeError("attnkit native kernel: no C++ compiler found (install g++, or set CXX)")
+    identity = compiler_identity(command)
+    target = library_path()
+    record = read_record(target)
+    if (not force and target.exists() and record is not None and record.get("compiler") == identity
+            and record.get("sha256") == file_digest(target)):
+        return target
+    from torch.utils import cpp_extension
+
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        partial = Path(scratch) / target.name
+        arguments = [command, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(_torch_private.cxx11_abi())}",
+                     *(f"-I{path}" for path in cpp_extension.include_paths()), str(SOURCE), "-o", str(partial),
+                     f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]
+        if verbose:
+            print(" ".join(arguments))
+        result = subprocess.run(arguments, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"attnkit native kernel: compiling failed:\n{result.stderr[-4000:]}")
+        failure = probe(partial)
+        if failure:
+            raise RuntimeError(f"attnkit native kernel: the built library does not work: {failure}")
+        write_record(partial, identity, target=partial)
+        # The record first, then the library, each atomically: a loader sees a library only once
+        # its record is there (a stale record for an old file fails the digest check: never loaded).
+        record_path(partial).replace(record_path(target))
+        partial.replace(target)
+    return target

@@ -1,0 +1,146 @@
+"""Loading the built kernel into this process, safely, once.
+
+A library is loaded only when its bytes match the record written when it was built and probed
+(:mod:`.building`): a truncated, corrupted or foreign file (a crash waiting to happen: loading a
+truncated shared object can kill the process with SIGBUS) is refused before ``dlopen`` ever sees
+it. A library without a record (built by hand, or the record was deleted) is probed in a separate
+process first, and recorded when it passes. After loading, the ops it registered must have the
+expected schemas. Whatever fails, the tiled backend runs on PyTorch's kernels, and one warning says
+why and how to rebuild.
+
+``ATTNKIT_NATIVE=0`` turns the kernel off for the process; :func:`turned_off` for a block of code
+(in this thread or task only: the switch lives in a context variable).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from . import building as _build
+from .ops import EXPECTED_SCHEMAS, registered_schemas
+
+REBUILD = "attnkit build-kernel"
+
+
+class _Library:
+    """The process's one attempt at loading the kernel: made on the first ask, under a lock, and
+    remembered (a library cannot be unloaded, and a failed one is not tried again)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.loaded: bool | None = None
+        self.why_not = ""
+        self.path: Path | None = None
+
+    def load(self) -> bool:
+        if self.loaded is None:
+            with self._lock:
+                if self.loaded is None:
+                    self.loaded, self.why_not = self._try()
+        return self.loaded
+
+    def _try(self) -> tuple[bool, str]:
+        if os.environ.get("ATTNKIT_NATIVE", "1") == "0":
+            return False, "turned off by ATTNKIT_NATIVE=0"
+        if why := _build.cpu_supported():
+            return False, why
+        if not _torch_supported():
+            return False, f"built for torch 2.13, this is torch {torch.__version__}"
+        path = self.path = _build.library_path()
+        if not path.exists():
+            return False, f"not built (run: {REBUILD})"
+        if why := _verify(path):
+            warnings.warn(f"attnkit native kernel not loaded: {why}; structured masks run on PyTorch's kernels "
+                          f"(rebuild with: {REBUILD})", RuntimeWarning, stacklevel=4)
+            return False, why
+        try:
+            torch.ops.load_library(str(path))
+        except (OSError, RuntimeError) as error:
+            return _refused(f"could not load {path}: {error}")
+        if registered_schemas() != EXPECTED_SCHEMAS:
+            return _refused(f"{path} registered {registered_schemas()}, expected {EXPECTED_SCHEMAS}")
+        return True, ""
+
+
+def _refused(why: str) -> tuple[bool, str]:
+    warnings.warn(f"attnkit native kernel not loaded: {why}; structured masks run on PyTorch's kernels "
+                  f"(rebuild with: {REBUILD})", RuntimeWarning, stacklevel=5)
+    return False, why
+
+
+def _torch_supported() -> bool:
+    from ... import _torch_private
+
+    return _torch_private.supported()
+
+
+def _verify(path: Path) -> str:
+    """Empty when ``path`` may be loaded in-process: its bytes match its build record, or (no
+    record) a separate process loaded and ran it. Else why not."""
+    record = _build.read_record(path)
+    if record is None:
+        if why := _build.probe(path):
+            return f"{path} has no build record and {why}"
+        try:  # remember the verdict; an unwritable cache only means probing again next time
+            _build.write_record(path, "unknown (library found without a record)")
+        except OSError:
+            pass
+        return ""
+    try:
+        size, digest = path.stat().st_size, _build.file_digest(path)
+    except OSError as error:
+        return f"cannot read {path}: {error}"
+    if size != record.get("size") or digest != record.get("sha256"):
+        return f"{path} does not match its build record (truncated, corrupted or replaced)"
+    return ""
+
+
+_library = _Library()
+_disabled: ContextVar[bool] = ContextVar("attnkit_native_disabled", default=False)
+
+
+def available() -> bool:
+    """Whether the built kernel is loaded (loading it, safely, on the first ask)."""
+    return _library.load()
+
+
+def why_unavailable() -> str:
+    """Why :func:`available` is False (empty when it is True)."""
+    return "" if available() else _library.why_not
+
+
+def loaded_from() -> Path | None:
+    """The library this process loaded, or None."""
+    return _library.path if available() else None
+
+
+@contextmanager
+def turned_off() -> Iterator[None]:
+    """Inside the ``with``, the tiled backend runs PyTorch's kernels even where this one applies
+    (tests run the tiled suite both ways; benchmarks compare them). Local to the thread or task."""
+    token = _disabled.set(True)
+    try:
+        yield
+    finally:
+        _disabled.reset(token)
+
+
+def enabled() -> bool:
+    """The kernel is loaded and not turned off here."""
+    return not _disabled.get() and available()
+
+
+def applies(query: Tensor, key: Tensor, value: Tensor, has_tensor_mask: bool) -> bool:
+    """The kernel serves this call: float32 CPU tensors, no dense tensor mask, kernel enabled."""
+    return (not has_tensor_mask and query.device.type == "cpu"
+            and all(t.dtype == torch.float32 for t in (query, key, value)) and enabled())
+

@@ -1,0 +1,80 @@
+"""The kernel's two raw ops, ``torch.ops.attnkit_native.interval_forward`` / ``interval_backward``
+(registered by the library, see ``interval_attention.cpp``), with their tile choices made here.
+Callers check :func:`.loading.available` first; :mod:`attnkit._backends.interval_op` wraps these
+in the public custom op ``attnkit::interval_attention`` (autograd, fake tensors, vmap)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .tile_tables import backward_parts, backward_tiles, tiles
+
+#: The schemas the library must register (checked by the probe and after loading).
+EXPECTED_SCHEMAS = {
+    "interval_forward": "attnkit_native::interval_forward(Tensor query, Tensor key, Tensor value, Tensor lo, "
+                        "Tensor hi, float scale, int block, int chunk, float dropout, int seed) -> (Tensor, Tensor)",
+    "interval_backward": "attnkit_native::interval_backward(Tensor grad_out, Tensor query, Tensor key, "
+                         "Tensor value, Tensor lse, Tensor delta, Tensor lo, Tensor hi, float scale, int block, "
+                         "int chunk, int parts, float dropout, int seed) -> (Tensor, Tensor, Tensor)",
+}
+
+
+def registered_schemas() -> dict[str, str]:
+    """The schemas of the ops named in ``EXPECTED_SCHEMAS`` that are registered now."""
+    found = {}
+    for name in EXPECTED_SCHEMAS:
+        try:
+            found[name] = str(getattr(torch.ops.attnkit_native, name).default._schema)
+        except (AttributeError, RuntimeError):
+            pass
+    return found
+
+
+def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, scale: float,
+                     block: int | None = None, chunk: int | None = None, dropout: float = 0.0,
+                     seed: int = 0) -> tuple[Tensor, Tensor]:
+    """``(output [B, H, Lq, Dv], lse [B, H, Lq])`` of attention where row ``i`` of sequence ``b``
+    attends keys ``lo[s, i] <= j < hi[s, i]`` (``s = b``, or 0 when ``lo`` has one row).
+
+    ``query [B, H, Lq, D]``, ``key [B, Hkv, Lk, D]``, ``value [B, Hkv, Lk, Dv]`` float32 CPU with H a
+    multiple of Hkv (GQA); rows with no key give zeros and lse ``-inf``. ``block`` (query rows
+    computed together) and ``chunk`` (keys per step of the running softmax) default to
+    :func:`.tile_tables.tiles`. ``dropout`` drops each weight with that probability (and scales the kept
+    ones by ``1 / (1 - dropout)``) by :mod:`attnkit._backends.dropout`'s hash of ``seed`` and the
+    position; the lse is the one before dropout."""
+    if block is None or chunk is None:
+        default_block, default_chunk = tiles(lo, hi)
+        block, chunk = block or default_block, chunk or default_chunk
+    query, key, value = _blas_rows(query, key, value)
+    return torch.ops.attnkit_native.interval_forward(query, key, value, lo, hi, scale, block, chunk, dropout, seed)
+
+
+def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
+                      lo: Tensor, hi: Tensor, scale: float, grad_lse: Tensor | None = None,
+                      block: int | None = None, chunk: int | None = None, parts: int | None = None,
+                      dropout: float = 0.0, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of :func:`interval_forward` (same shapes as its inputs) from
+    ``grad_out [B, H, Lq, Dv]`` and, when the lse was used too, ``grad_lse [B, H, Lq]``; ``out`` and
+    ``lse`` are the forward's, ``dropout`` and ``seed`` too. ``parts`` cuts each (sequence, kv
+    head)'s rows into that many pieces computed in parallel (default :func:`.tile_tables.backward_parts`)."""
+    if block is None or chunk is None:
+        default_block, default_chunk = backward_tiles(lo, hi)
+        block, chunk = block or default_block, chunk or default_chunk
+    if parts is None:
+        parts = backward_parts(query.shape[0], key.shape[1], query.shape[2], block)
+    # dL/dS = P * (f dP - delta), delta_i = sum_d dO_id O_id - dL/dlse_i (FlashAttention's D term;
+    # f the dropout factors, whose sum over a row's f * P * dP is dO_i . O_i all the same)
+    delta = torch.einsum("...d,...d->...", grad_out, out)  # a batched matmul: no [.., Dv] temporary
+    if grad_lse is not None:
+        delta = delta - grad_lse
+    grad_out, query, key, value = _blas_rows(grad_out, query, key, value)
+    return torch.ops.attnkit_native.interval_backward(grad_out, query, key, value, lse, delta, lo, hi, scale, block,
+                                                      chunk, parts, dropout, seed)
+
+
+def _blas_rows(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """BLAS reads rows at a stride >= the row length. A size-1 dim may carry any stride (and
+    ``.contiguous()`` keeps it), so such rare layouts are copied with fresh strides."""
+    return tuple(t if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1]
+                 else t.clone(memory_format=torch.contiguous_format) for t in tensors)

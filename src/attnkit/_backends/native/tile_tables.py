@@ -1,0 +1,72 @@
+"""The native kernel's tile tables: how many query rows a block computes together and how many
+keys a step of the running softmax takes, chosen by the mean number of keys a row attends, and how
+the backward splits rows across threads. Measured with ``benchmarks/masks.py`` (L = 16384, H = 8,
+D = 64, fp32, 2 threads); also :func:`computed_fraction`, the share of pairs a call multiplies,
+which ``"auto"`` reads."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+#: (query rows per block, keys per chunk of the running softmax) by the mean number of keys a
+#: row attends, smallest first: a 512 window (span 543 per 32 rows, one chunk; 64-row blocks were
+#: as fast, 128 8% slower); 8 documents, ~2300 keys per row (64 rows 4% faster than 32); causal +
+#: padding, ~7700 keys per row (128 x 512 7% faster than 32 x 1024). A chunk's scores (rows x keys
+#: floats, <= 256 KiB) stay in L2.
+TILES = ((1024, (32, 1024)), (4096, (64, 1024)), (float("inf"), (128, 512)))
+
+#: The backward's tiles, the same way (its chunk holds two score buffers: weights and their
+#: gradients). Median of 3 at L = 16384: the window and the documents within 4% from 16 x 1024 to
+#: 128 x 128 (32 x 1024 best on the window, 0.29 s); causal + padding 128 x 128 to 256 x 128
+#: (3.6-3.7 s) against 4.1-4.3 s for 32-64 row blocks, whose dK, dV products add rank-32 updates.
+BACKWARD_TILES = ((4096, (32, 1024)), (float("inf"), (128, 128)))
+
+#: With fewer (sequence, kv head) pairs than this many per thread, the backward also splits rows
+#: (each part adds into its own dK, dV copy). Window 512, L = 16384, 8 query heads, 2 threads:
+#: one kv head 0.35 s unsplit, 0.28 s in 2-4 parts, 0.29 in 8; eight kv heads 0.29 s unsplit,
+#: 0.33-0.45 s in 2-8 parts (zeroing and summing the copies).
+PARTS_PER_THREAD = 2
+
+
+def _by_mean_keys(table: tuple, lo: Tensor, hi: Tensor) -> tuple[int, int]:
+    """The ``(block, chunk)`` of ``table`` for the mean number of keys the rows attend."""
+    mean_keys = float((hi - lo).clamp(min=0).float().mean()) if lo.numel() else 0.0
+    return next(sizes for below, sizes in table if mean_keys < below)
+
+
+def tiles(lo: Tensor, hi: Tensor) -> tuple[int, int]:
+    """``(block, chunk)`` of the forward for rows attending ``[lo, hi)`` (see ``TILES``)."""
+    return _by_mean_keys(TILES, lo, hi)
+
+
+def backward_tiles(lo: Tensor, hi: Tensor) -> tuple[int, int]:
+    """``(block, chunk)`` of the backward for rows attending ``[lo, hi)`` (see ``BACKWARD_TILES``)."""
+    return _by_mean_keys(BACKWARD_TILES, lo, hi)
+
+
+def backward_parts(batch: int, kv_heads: int, q_len: int, block: int) -> int:
+    """How many row parts each (sequence, kv head) of the backward is cut into: enough for the
+    threads when there are few pairs (see ``PARTS_PER_THREAD``), never more than its blocks."""
+    pairs = max(batch * kv_heads, 1)
+    return max(1, min(-(-PARTS_PER_THREAD * torch.get_num_threads() // pairs), -(-q_len // block)))
+
+
+def computed_fraction(lo: Tensor, hi: Tensor, k_len: int) -> float:
+    """Share of the ``Lq x Lk`` (query, key) pairs that the forward multiplies for rows attending
+    ``[lo, hi)`` (``[S, Lq]``, mean over the S sequences): every row of a block over the span of the
+    block's intervals. Cheap (a dozen vector ops over ``[S, Lq]``, ~30 us at Lq = 128), so
+    ``"auto"`` can ask on every call."""
+    if lo.numel() == 0 or k_len == 0:
+        return 0.0
+    block, _ = tiles(lo, hi)
+    lo, hi = lo.clamp(0, k_len), hi.clamp(0, k_len)
+    empty = lo >= hi
+    first, last = lo.masked_fill(empty, k_len), hi.masked_fill(empty, 0)  # empty rows span nothing
+    sequences, rows = lo.shape
+    blocks = -(-rows // block)
+    first = torch.nn.functional.pad(first, (0, blocks * block - rows), value=k_len)
+    last = torch.nn.functional.pad(last, (0, blocks * block - rows), value=0)
+    span = (last.view(sequences, blocks, block).amax(-1) - first.view(sequences, blocks, block).amin(-1)).clamp(min=0)
+    pairs = int(span[:, :-1].sum()) * block + int(span[:, -1].sum()) * (rows - block * (blocks - 1))
+    return pairs / (lo.numel() * k_len)

@@ -1,0 +1,52 @@
+"""Every private PyTorch API attnkit touches, in one place, checked against the torch versions
+the test suite runs on.
+
+- ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward): the CPU kernel
+  behind ``F.scaled_dot_product_attention``, which also returns the log-sum-exp; the tiled backend
+  runs it per block where attnkit's native kernel does not run.
+- ``torch._C._GLIBCXX_USE_CXX11_ABI``: the C++ ABI the native kernel must be compiled with.
+- ``nn.MultiheadAttention._qkv_same_embed_dim``: whether a module packs its in-projections
+  (``in_proj_weight``) or keeps three (``attnkit.nn.interop``).
+
+Outside :data:`TESTED` the native kernel is not loaded and the per-block kernel falls back to plain
+tensor ops (:func:`flash_cpu_ops` returns None): slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: (major, minor) releases of torch the test suite runs on; pyproject.toml admits the same range.
+TESTED = ((2, 13),)
+
+
+def torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def supported() -> bool:
+    """This torch is one the private APIs below were tested with."""
+    return torch_release() in TESTED
+
+
+def cxx11_abi() -> bool:
+    """Whether this torch was built with the C++11 ABI of libstdc++ (``_GLIBCXX_USE_CXX11_ABI``)."""
+    return bool(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+
+def flash_cpu_ops():
+    """``(forward, backward)`` of PyTorch's fused CPU attention kernel with its log-sum-exp, or None
+    on a torch outside :data:`TESTED` (their signatures are private and have changed before).
+
+    forward(query, key, value, attn_mask=, scale=) -> (output, lse), ``[B, H, L, D]`` layout;
+    backward(grad_out, query, key, value, out, lse, dropout_p, is_causal, attn_mask=, scale=)."""
+    if not supported():
+        return None
+    aten = torch.ops.aten
+    return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def packs_in_projections(module: torch.nn.MultiheadAttention) -> bool:
+    """Whether ``module`` keeps one packed ``in_proj_weight`` (its private ``_qkv_same_embed_dim``)."""
+    return bool(module._qkv_same_embed_dim)

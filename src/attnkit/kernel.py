@@ -1,0 +1,64 @@
+"""attnkit's native CPU kernel for structured masks: build it, and ask whether it runs.
+
+The kernel makes structured masks (causal, sliding windows, packed documents, padding, ...) run
+block-sparse at close to the machine's matrix-multiply rate, forward and backward, on float32 CPU
+tensors. It is compiled once, on your machine, with its C++ compiler::
+
+    attnkit build-kernel            # or: python -m attnkit.kernel
+
+(``make test``/``make demo`` run it). Without it everything still works, on PyTorch's kernels.
+The build is verified in a separate process before it is used; see
+:mod:`attnkit._backends.native` for where it lives and how it is checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ._backends import native
+
+__all__ = ["build", "available", "status", "main"]
+
+
+def build(*, verbose: bool = False, force: bool = False) -> Path:
+    """Compile, verify and install the kernel for this torch (a no-op when it is there); returns its
+    path. Raises ``RuntimeError`` saying why when this machine cannot build it."""
+    return native.build(verbose=verbose, force=force)
+
+
+def available() -> bool:
+    """Whether the kernel is loaded in this process (loading it on the first ask)."""
+    return native.available()
+
+
+def status() -> str:
+    """One line: where the loaded kernel comes from, or why it is not used."""
+    if native.available():
+        return f"attnkit native kernel: loaded from {native.loaded_from()}"
+    return f"attnkit native kernel: not used: {native.why_unavailable()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The build command. Exit status 0 with a note when this machine cannot build or run the
+    kernel (an install without a compiler still works), 1 then with ``--strict``."""
+    parser = argparse.ArgumentParser(prog="attnkit build-kernel", description="Build attnkit's native CPU kernel.")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when the kernel cannot be built or loaded")
+    parser.add_argument("--force", action="store_true", help="rebuild even when a verified build exists")
+    parser.add_argument("--verbose", action="store_true", help="print the compiler command")
+    args = parser.parse_args(argv)
+    try:
+        path = build(verbose=args.verbose, force=args.force)
+    except (RuntimeError, OSError) as error:  # no compiler, unsupported CPU, unwritable cache
+        print(f"{error}\nattnkit: structured masks will run on PyTorch's kernels instead.", file=sys.stderr)
+        return 1 if args.strict else 0
+    if not available():
+        print(f"attnkit native kernel built at {path} but not loadable: {native.why_unavailable()}", file=sys.stderr)
+        return 1 if args.strict else 0
+    print(f"attnkit native kernel: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
