@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import masks
-from attnkit._backends import native, tiled_plan
+from attnkit._backends import native
 from oracle import oracle_attention, oracle_lse
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.why_unavailable()}")
@@ -267,41 +267,6 @@ def test_bad_inputs_raise():
         native.interval_backward(out, q, q, q, out, lse[..., :3], lo, hi, 1.0)
 
 
-@needs_native
-def test_the_tiled_backend_runs_it_exactly_where_it_applies(monkeypatch):
-    calls = []
-    for name in ("interval_forward", "interval_backward"):
-        real = getattr(native, name)
-        monkeypatch.setattr(native, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
-    q, k, v = (torch.randn(1, 2, 64, 8, requires_grad=True) for _ in range(3))
-    window = masks.sliding_window(8)
-    attnkit.attention(q, k, v, mask=window, backend="tiled").sum().backward()
-    attnkit.attention(q, k, v, mask=window, dropout=0.1, backend="tiled").sum().backward()
-    assert calls == ["interval_forward", "interval_backward"] * 2
-    for dtype in (torch.bfloat16, torch.float64):
-        attnkit.attention(q.to(dtype), k.to(dtype), v.to(dtype), mask=window, backend="tiled").sum().backward()
-    attnkit.attention(q, k, v, mask=window.dense(64, 64), backend="tiled").sum().backward()
-    attnkit.attention(q, k, v, mask=window, dropout=0.1, backend="tiled", return_weights=True)
-    with native.turned_off():
-        attnkit.attention(q, k, v, mask=window, backend="tiled").sum().backward()
-    assert len(calls) == 4  # bf16, fp64, a dense tensor mask, weights, turned off: PyTorch's kernels
-
-
-@needs_native
-@pytest.mark.parametrize("backend", ["tiled", "auto"])
-def test_a_call_it_runs_computes_no_plan(monkeypatch, backend):
-    """The block plan only serves PyTorch's kernel: a call that the native kernel runs both ways
-    (forward and backward) never computes it, not even for "auto" to decide."""
-    def no_plan(call):
-        raise AssertionError("planned")
-
-    monkeypatch.setattr(tiled_plan, "cached_plan", no_plan)
-    q, k, v = (torch.randn(1, 2, 1024, 8, requires_grad=True) for _ in range(3))  # long enough for tiled
-    attnkit.attention(q, k, v, mask=masks.sliding_window(8), backend=backend).sum().backward()
-    with pytest.raises(AssertionError, match="planned"), native.turned_off():
-        attnkit.attention(q, k, v, mask=masks.sliding_window(8), backend=backend)
-
-
 @given(lq=st.integers(1, 200), lk=st.integers(1, 200), seed=st.integers(0, 2**31 - 1), shared=st.booleans())
 def test_computed_fraction_counts_each_block_over_its_span(lq, lk, seed, shared):
     """Counted row by row: a block (of the kernel's block size) multiplies all its rows by every
@@ -318,18 +283,6 @@ def test_computed_fraction_counts_each_block_over_its_span(lq, lk, seed, shared)
             if rows:
                 computed += min(lq - first, block) * (max(b for _, b in rows) - min(a for a, _ in rows))
     assert native.computed_fraction(lo, hi, lk) == pytest.approx(computed / (lo.shape[0] * lq * lk))
-
-
-@needs_native
-def test_tiled_gives_the_same_with_and_without_it():
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 4, 300, 16, generator=g) for _ in range(3))
-    mask = masks.document([100, 150, 50]) & masks.sliding_window(64)
-    ours = attnkit.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
-    with native.turned_off():
-        fused = attnkit.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
-    for a, b in zip(ours, fused):
-        torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)
 
 
 @needs_native

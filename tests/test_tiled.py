@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import masks
-from attnkit._backends import choose, native, tiled, tiled_plan
+from attnkit._backends import auto_runs, native, tiled, tiled_plan
 from attnkit._call import make_call
 from oracle import oracle_attention, oracle_lse
 from strategies import cases, mask_cases
@@ -82,7 +82,7 @@ def _oracle(c, dtype=torch.float64):
 
 
 def _tiled(c, query=None, key=None, value=None, **kwargs):
-    with tiled.tuning(**c["tuning"]):
+    with tiled_plan.tuning(**c["tuning"]):
         return attnkit.attention(query if query is not None else c["query"], key if key is not None else c["key"],
                                  value if value is not None else c["value"], mask=c["mask"], causal=c["causal"],
                                  scale=c["scale"], backend="tiled", **kwargs)
@@ -159,7 +159,7 @@ def test_dense_tensor_masks_and_causal_match_the_oracle(case, block, merge_span)
     """Tiled also runs any call without a structured mask: bool/additive masks (with -inf rows),
     per-head masks, 2-D and 3-D inputs, causal with Lq != Lk."""
     expected, _ = oracle_attention(case.query, case.key, case.value, **case.kwargs())
-    with tiled.tuning(block_size=block, merge_span=merge_span):
+    with tiled_plan.tuning(block_size=block, merge_span=merge_span):
         output = attnkit.attention(case.query, case.key, case.value, backend="tiled", **case.kwargs())
     torch.testing.assert_close(output.double(), expected, **FP32)
 
@@ -184,7 +184,7 @@ def test_gradcheck_output_and_log_sum_exp(name):
     v = torch.randn(2, kv_heads, 11, config["dv"], generator=g, dtype=torch.float64, requires_grad=True)
 
     def fn(q, k, v):
-        with tiled.tuning(block_size=2, merge_span=0):
+        with tiled_plan.tuning(block_size=2, merge_span=0):
             out, lse = attnkit.attention(q, k, v, mask=config["mask"], backend="tiled", return_lse=True)
         return out, lse.masked_fill(torch.isneginf(lse), 0.0)  # empty rows: a constant -inf
 
@@ -193,17 +193,15 @@ def test_gradcheck_output_and_log_sum_exp(name):
 
 
 @pytest.mark.parametrize("dv", [4, 3], ids=["fused kernel", "plain kernel"])
-def test_calls_cut_to_the_size_limits_stay_exact(monkeypatch, dv):
+def test_calls_cut_to_the_size_limits_stay_exact(dv):
     """Big groups are cut into several kernel calls (fewer blocks, or fewer rows of one block)."""
-    monkeypatch.setattr(tiled, "CALL_ROWS", 5)
-    monkeypatch.setattr(tiled, "CALL_SCORES", 40)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 23, 4, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 1, 23, 4, generator=g, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 1, 23, dv, generator=g, dtype=torch.float64, requires_grad=True)
     for mask in (masks.sliding_window(5), masks.document([11, 12])):
         def fn(q, k, v):
-            with tiled.tuning(block_size=2, merge_span=0):
+            with tiled_plan.tuning(block_size=2, merge_span=0, call_rows=5, call_scores=40):
                 return attnkit.attention(q, k, v, mask=mask, backend="tiled")
         expected, _ = oracle_attention(q, k, v, mask=mask.dense(23, 23))
         torch.testing.assert_close(fn(q, k, v), expected)
@@ -219,7 +217,7 @@ def test_rows_with_no_key_give_zeros_finite_gradients_and_minus_inf_lse(dtype, d
     v = torch.randn(2, 2, 20, dv, generator=g).to(dtype).requires_grad_()
     # causal with Lq > Lk empties the first 20 rows; sequence 0 has no real key at all.
     mask = masks.causal() & masks.padding(torch.tensor([0, 20]))
-    with tiled.tuning(block_size=8, merge_span=0):
+    with tiled_plan.tuning(block_size=8, merge_span=0):
         out, lse = attnkit.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
     empty = torch.zeros(2, 1, 40, dtype=torch.bool)
     empty[0] = True
@@ -244,17 +242,17 @@ def test_dropout_is_reproducible_from_the_generator_and_leaves_the_global_rng_al
     torch.manual_seed(0)
     expected_next = torch.rand(3)
     torch.manual_seed(0)
-    with tiled.tuning(block_size=4):
+    with tiled_plan.tuning(block_size=4):
         run = lambda seed: attnkit.attention(q, k, v, mask=mask, dropout=0.4, backend="tiled",  # noqa: E731
                                              generator=torch.Generator().manual_seed(seed))
         a, b, c = run(1), run(1), run(2)
     assert torch.equal(torch.rand(3), expected_next)
     assert torch.equal(a, b) and not torch.equal(a, c)
     torch.manual_seed(5)
-    with tiled.tuning(block_size=4):
+    with tiled_plan.tuning(block_size=4):
         first = attnkit.attention(q, k, v, mask=mask, dropout=0.4, backend="tiled")
     torch.manual_seed(5)
-    with tiled.tuning(block_size=4):
+    with tiled_plan.tuning(block_size=4):
         assert torch.equal(first, attnkit.attention(q, k, v, mask=mask, dropout=0.4, backend="tiled"))
 
 
@@ -262,7 +260,7 @@ def test_dropout_is_unbiased_and_applied_to_the_returned_weights():
     q, k, v = _qkv(lq=6, lk=9)
     mask = masks.sliding_window(4, causal=False)
     g = torch.Generator().manual_seed(11)
-    with tiled.tuning(block_size=2):
+    with tiled_plan.tuning(block_size=2):
         draws = torch.stack([attnkit.attention(q, k, v, mask=mask, dropout=0.3, generator=g, backend="tiled")
                              for _ in range(1000)])
         out, weights = attnkit.attention(q, k, v, mask=mask, dropout=0.5, generator=g, return_weights=True,
@@ -282,7 +280,7 @@ def test_gradcheck_with_dropout_from_a_fixed_generator():
     q, k, v = (t.double().requires_grad_() for t in _qkv(lq=7, lk=9))
 
     def fn(q, k, v):
-        with tiled.tuning(block_size=2):
+        with tiled_plan.tuning(block_size=2):
             return attnkit.attention(q, k, v, mask=masks.sliding_window(3), dropout=0.3, backend="tiled",
                                      generator=torch.Generator().manual_seed(7))
 
@@ -298,12 +296,13 @@ def test_keys_that_no_query_may_attend_are_never_read():
     k[0, :, 17:] = float("nan")
     v[0, :, 17:] = float("nan")
     mask = masks.padding(lengths) & masks.sliding_window(6)
-    with tiled.tuning(block_size=4):
+    with tiled_plan.tuning(block_size=4):
         out = attnkit.attention(q, k, v, mask=mask, backend="tiled")
     assert torch.isfinite(out).all()
     finite = attnkit.attention(q, k.nan_to_num(3.0), v.nan_to_num(3.0), mask=mask, backend="reference")
     torch.testing.assert_close(out, finite, **FP32)
-    assert torch.isnan(attnkit.attention(q, k, v, mask=mask, backend="reference")).any()  # the trap is real
+    assert torch.isnan(oracle_attention(q, k, v, mask=mask.dense(30, 30))[0]).any()  # the trap is real for matmuls
+    torch.testing.assert_close(attnkit.attention(q, k, v, mask=mask, backend="reference"), finite, **FP32)
 
 
 def test_aligned_ranges_never_read_keys_that_no_row_attends():
@@ -314,9 +313,9 @@ def test_aligned_ranges_never_read_keys_that_no_row_attends():
     k[..., 17:, :] = float("nan")
     v[..., 17:, :] = float("nan")
     mask = masks.padding([17]) & masks.causal()
-    with tiled.tuning(block_size=32, key_align=16):
-        groups = tiled.plan(make_call(q[:1], k, v, mask=mask, causal=False, scale=None, dropout=0.0,
-                                      generator=None, return_weights=False))
+    with tiled_plan.tuning(block_size=32, key_align=16):
+        groups = tiled.plan_of(make_call(q[:1], k, v, mask=mask, causal=False, scale=None, dropout=0.0,
+                                         generator=None, return_weights=False))
         out = attnkit.attention(q[:1], k, v, mask=mask, backend="tiled")
     assert max(g.key_start + g.length for g in groups) == 17
     assert torch.isfinite(out).all()
@@ -329,7 +328,7 @@ def test_a_sliding_window_runs_even_key_spans():
     544 into the key before the window (masked for every row), where the fused kernel runs
     5-10% faster per pair, and the result still equals the oracle."""
     call = _call(2048, masks.sliding_window(512))
-    interior = max(tiled.plan(call), key=lambda g: g.count)
+    interior = max(tiled.plan_of(call), key=lambda g: g.count)
     assert (interior.length, interior.key_start - interior.q0) == (544, -512)
     q, k, v = _qkv(lq=700, lk=700)
     out = attnkit.attention(q, k, v, mask=masks.sliding_window(512), backend="tiled")
@@ -347,35 +346,42 @@ def test_the_plan_computes_little_more_than_the_attended_pairs_in_few_calls():
     window = _call(4096, masks.sliding_window(512))
     attended = 512 / 4096  # about: each row attends 512 keys
     assert tiled.visited_fraction(window) < 1.15 * attended  # corners of the window blocks only
-    groups = tiled.plan(window)
+    groups = tiled.plan_of(window)
     # The first 512 rows (windows clipped at key 0) differ block by block; the rest is one
     # batched call (or a few, cut to the size limit).
-    assert len(groups) <= 512 // tiled_plan.BLOCK_SIZE + 8
+    assert len(groups) <= 512 // tiled_plan.settings().block_size + 8
     assert sum(g.count * g.rows for g in groups if g.count > 1) >= 4096 - 512
     documents = _call(4096, masks.document([1000, 1500, 1596]))
-    assert len(tiled.plan(documents)) < 12
+    assert len(tiled.plan_of(documents)) < 12
     assert tiled.visited_fraction(documents) < 1.1 * (1000**2 + 1500**2 + 1596**2) / 4096**2
+
+
+def _auto(call) -> str:
+    """"torch" or "tiled": whether auto's op keeps the mask sparse (native kernel or blocks) or
+    runs the fused kernel densely, as "torch" would."""
+    runs = auto_runs(call)
+    return "torch" if runs in ("torch", "tiled:dense") else "tiled"
 
 
 def test_auto_runs_long_structured_masks_tiled_and_everything_else_fused(forward_kernel):
     native_runs = forward_kernel == "native"  # the thresholds follow the kernel tiled would run
-    assert choose(_call(4096, masks.sliding_window(256))).name == "tiled"
-    assert choose(_call(4096, masks.document([1024] * 4))).name == "tiled"
-    assert choose(_call(128, masks.sliding_window(16))).name == ("tiled" if native_runs else "torch")
-    assert choose(_call(64, masks.sliding_window(8))).name == "torch"  # too short to profit
-    assert choose(_call(4096, masks.padding([4096]))).name == "torch"  # nothing to skip
+    assert _auto(_call(4096, masks.sliding_window(256))) == "tiled"
+    assert _auto(_call(4096, masks.document([1024] * 4))) == "tiled"
+    assert _auto(_call(128, masks.sliding_window(16))) == ("tiled" if native_runs else "torch")
+    assert _auto(_call(64, masks.sliding_window(8))) == "torch"  # too short to profit
+    assert _auto(_call(4096, masks.padding([4096]))) == "torch"  # nothing to skip
     # Masks keeping most pairs: the native kernel still wins up to ~90% of them, PyTorch's
     # kernel per block only below 60%
-    assert choose(_call(1024, masks.prefix_lm(512))).name == ("tiled" if native_runs else "torch")
-    assert choose(_call(4096, masks.padding([3600]))).name == ("tiled" if native_runs else "torch")
-    assert choose(_call(4096, masks.padding([4000]))).name == "torch"  # 98% of the pairs
-    assert choose(_call(4096, masks.causal() & masks.padding([3000]))).name == "tiled"
+    assert _auto(_call(1024, masks.prefix_lm(512))) == ("tiled" if native_runs else "torch")
+    assert _auto(_call(4096, masks.padding([3600]))) == ("tiled" if native_runs else "torch")
+    assert _auto(_call(4096, masks.padding([4000]))) == "torch"  # 98% of the pairs
+    assert _auto(_call(4096, masks.causal() & masks.padding([3000]))) == "tiled"
     # SDPA's own causal path is as fast as PyTorch's kernel block by block, and as the native one
     # on long rows
-    assert choose(_call(4096, masks.causal())).name == ("tiled" if native_runs else "torch")
-    assert choose(_call(8192, masks.causal())).name == "torch"
-    assert choose(_call(4096, None)).name == "torch"
-    assert choose(_call(16, None, return_lse=True)).name == "tiled"  # only tiled gives the lse
+    assert _auto(_call(4096, masks.causal())) == ("tiled" if native_runs else "torch")
+    assert auto_runs(_call(8192, masks.causal())) == "tiled:dense"
+    assert auto_runs(_call(4096, None)) == "torch"
+    assert auto_runs(_call(16, None, return_lse=True)) == ("tiled:native" if native_runs else "tiled:blocks")
 
 
 def test_auto_runs_dropout_on_the_native_kernel_whatever_the_mask(forward_kernel):
@@ -386,13 +392,13 @@ def test_auto_runs_dropout_on_the_native_kernel_whatever_the_mask(forward_kernel
         options = dict(causal=False, scale=None, dropout=0.1, generator=None, return_weights=False) | kwargs
         return make_call(q, q, q, mask=mask, **options)
 
-    expected = "tiled" if forward_kernel == "native" else "torch"
-    assert choose(call(32, None)).name == expected
-    assert choose(call(8192, masks.causal())).name == expected
-    assert choose(call(256, None, causal=True)).name == expected
-    assert choose(call(256, None, return_weights=True)).name == "torch"
-    assert choose(call(256, masks.causal().dense(256, 256))).name == "torch"  # a dense tensor mask
-    assert choose(call(256, None, dropout=0.0)).name == "torch"
+    expected = "tiled:native" if forward_kernel == "native" else "torch"
+    assert auto_runs(call(32, None)) == expected
+    assert auto_runs(call(8192, masks.causal())) == (expected if forward_kernel == "native" else "tiled:blocks")
+    assert auto_runs(call(256, None, causal=True)) == expected
+    assert auto_runs(call(256, None, return_weights=True)) == "torch"
+    assert auto_runs(call(256, masks.causal().dense(256, 256))) == "torch"  # a dense tensor mask
+    assert auto_runs(call(256, None, dropout=0.0)) == "torch"
 
 
 def test_training_saves_only_linear_memory():
@@ -401,9 +407,9 @@ def test_training_saves_only_linear_memory():
     q = torch.randn(1, 2, length, 16, requires_grad=True)
     out = attnkit.attention(q, q, q, mask=masks.sliding_window(64), backend="tiled")
     node = out.grad_fn
-    while "Tiled" not in type(node).__name__:  # past the reshape back to the caller's layout
+    while "IntervalAttention" not in type(node).__name__:  # past the reshape back to the caller's layout
         node = node.next_functions[0][0]
-    saved = sum(t.numel() for t in node.saved_tensors)
+    saved = sum(t.numel() for t in node.saved_tensors if t is not None)
     assert saved <= 5 * q.numel()
     out.sum().backward()
     assert torch.isfinite(q.grad).all()
@@ -425,12 +431,14 @@ def test_plans_are_reused_for_equal_masks_and_redone_when_a_lengths_tensor_chang
     lengths = torch.tensor([40, 25])
     q, k, v = (torch.randn(2, 2, 40, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     mask = masks.padding(lengths) & masks.sliding_window(9)
-    with tiled.tuning(block_size=4):
-        first = tiled_plan.cached_plan(make_call(q, k, v, mask=mask, causal=False, scale=None, dropout=0.0,
-                                                 generator=None, return_weights=False))
-        again = masks.padding(torch.tensor([40, 25])) & masks.sliding_window(9)
-        assert tiled_plan.cached_plan(make_call(q, k, v, mask=again, causal=False, scale=None, dropout=0.0,
-                                                generator=None, return_weights=False)) is first
+    def cached(mask):
+        call = make_call(q, k, v, mask=mask, causal=False, scale=None, dropout=0.0, generator=None,
+                         return_weights=False)
+        return tiled_plan.plans.plan(tiled_plan.Problem(*tiled_plan.row_bounds(call), 40, 40, 2, False))
+
+    with tiled_plan.tuning(block_size=4):
+        first = cached(mask)
+        assert cached(masks.padding(torch.tensor([40, 25])) & masks.sliding_window(9)) is first
         attnkit.attention(q, k, v, mask=mask, backend="tiled")
         lengths[1] = 7  # in place: the same mask object now means something else
         output = attnkit.attention(q, k, v, mask=mask, backend="tiled")

@@ -26,7 +26,8 @@ class AttentionCall:
     ``mask`` is ``None``, a boolean tensor (True = may attend) or a floating additive bias
     already in the query's dtype, broadcastable to ``[..., Lq, Lk]``. A structured mask
     (:class:`attnkit.masks.StructuredMask`) arrives as ``structure`` with ``mask=None``; backends
-    that do not declare ``structured`` receive the call :meth:`densified` instead.
+    that do not declare ``structured`` receive the call :meth:`densified` instead. With dropout,
+    ``seed`` fixes the pattern (:mod:`attnkit._backends.dropout`: the same on every backend).
     """
 
     query: Tensor
@@ -40,6 +41,8 @@ class AttentionCall:
     return_weights: bool
     structure: _masks.StructuredMask | None = None
     return_lse: bool = False
+    #: The dropout seed (int64 scalar tensor), drawn once per call after validation (None without dropout).
+    seed: Tensor | None = None
 
     @property
     def q_len(self) -> int:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dataclasses import replace
+
 from . import _backends, _steps
+from ._backends import dropout as _dropout
 from ._call import make_call
 from .masks import StructuredMask
 
@@ -27,7 +30,7 @@ def attention(
     r"""Scaled dot-product attention: ``softmax(query @ key^T * scale + mask) @ value``.
 
     Args:
-        query: ``[..., Lq, Dk]``.
+        query: ``[..., Lq, Dk]``, any number of leading dims (2-D ``[Lq, Dk]`` to 6-D and beyond).
         key: ``[..., Lk, Dk]``. With 4-D ``[B, H, L, D]`` inputs, key and value may have
             ``Hkv`` heads where ``H % Hkv == 0`` (grouped-query attention: query head ``h``
             reads key/value head ``h // (H // Hkv)``). Otherwise the leading dims equal query's.
@@ -49,17 +52,26 @@ def attention(
 
         scale: multiplies the scores; default ``1 / sqrt(Dk)``.
         dropout: probability of zeroing each weight (the rest are scaled by ``1/(1-p)``);
-            pass it only in training. Reproducible with ``generator`` (the same generator state
-            gives the same result on the same backend and kernel; backends draw differently).
-        generator: the random source of dropout (on the inputs' device type).
+            pass it only in training. Which weights are dropped is a function of one seed drawn
+            per call and the weight's position (batch, head, row, key), the same on every backend,
+            kernel and device: the same ``generator`` state gives the same result everywhere.
+        generator: the random source of the dropout seed (on the inputs' device type); with one,
+            the global RNG is neither read nor reseeded. ``torch.compile`` cannot trace a
+            generator: under ``fullgraph=True`` pass ``None`` (the seed then comes from the
+            global RNG).
         return_weights: also return the weights ``[..., Lq, Lk]`` (per query head) that were
             applied to ``value``, after masking and dropout, so ``output == weights @ value``.
-        backend: ``"auto"`` (``"tiled"`` for a structured mask long enough to profit, for
-            ``return_lse``, or for dropout where attnkit's native CPU kernel runs; else
-            ``"torch"``), ``"reference"`` (the readable formula),
-            ``"torch"`` (``F.scaled_dot_product_attention``; with ``return_weights`` a materialised
-            path of fused ops: baddbmm, in-place softmax, bmm) or ``"tiled"`` (block-sparse,
-            O(L) memory); see :func:`attnkit.backends`.
+        backend: ``"auto"`` (see :mod:`attnkit._backends.policy`: on the CPU, ``"tiled"`` for a
+            structured mask long enough to profit, for ``return_lse``, or for dropout where
+            attnkit's native CPU kernel runs; else, and on every other device, ``"torch"``; the
+            same choice compiled and eager), ``"reference"`` (the readable formula),
+            ``"torch"`` (``F.scaled_dot_product_attention``; with ``return_weights`` or dropout a
+            materialised path of fused ops: baddbmm, in-place softmax, bmm) or ``"tiled"``
+            (block-sparse, O(L) memory); see :func:`attnkit.backends`. A named backend is never
+            replaced, with two documented exceptions that cannot change the result: with no keys
+            at all (``Lk = 0``) every row is zeros, computed by the reference formula; and while
+            :func:`attnkit.trace.record` listens, calls run the reference backend, the one that
+            reports its steps.
         return_lse: also return the log-sum-exp of each row, ``[..., Lq]``: the natural log of
             ``sum_j exp(scale * q.k_j + bias_j)`` over the keys the row may attend, before dropout;
             ``-inf`` for a row with no key; float32 for half-precision inputs. Differentiable.
@@ -69,7 +81,9 @@ def attention(
         ``output [..., Lq, Dv]``; with ``return_weights`` and/or ``return_lse``, a tuple
         ``(output, weights, lse)`` holding the ones asked for, in that order.
         A query row with no key it may attend gives zeros (and zero weights) in every backend,
-        with finite gradients; never NaN.
+        with finite gradients; never NaN. A masked-out (query, key) pair contributes nothing,
+        whatever its query, key or value hold; NaN and inf in attended pairs propagate (an
+        attended NaN or +inf score makes its row NaN), as in the reference backend.
 
     Raises:
         TypeError / ValueError naming the offending argument, its shape and the one expected.
@@ -80,6 +94,8 @@ def attention(
         generator=generator, return_weights=return_weights, return_lse=return_lse,
     )
     chosen = _backends.resolve(backend, call)
+    if call.dropout > 0:  # drawn only once the call is valid: a failed call leaves the generator alone
+        call = replace(call, seed=_dropout.draw_seed(call.generator, call.query.device))
     tracing = _steps.active() and not return_lse
     if (call.k_len == 0 and not return_lse) or tracing:
         # No keys at all (every row is empty), or a trace is listening: the readable formula

@@ -1,10 +1,11 @@
 """The backend registry: named implementations of one attention semantics.
 
 A backend is a function from a validated :class:`~attnkit._call.AttentionCall` to
-``(output, weights or None)``. Every backend implements the same contract (masks with
-True = may attend, bottom-right causal, zeros for rows with no key, dropout on the
-weights), so they are interchangeable and the test suite checks each against one oracle.
-``"auto"`` is not a backend but a choice made per call by :func:`choose`.
+``(output, weights or None[, lse])``, with a declaration of what it supports. Every backend
+implements the same contract (masks with True = may attend, bottom-right causal, zeros for rows
+with no key, dropout on the weights with attnkit's one pattern, masked-out pairs never read), so
+they are interchangeable and the test suite checks each against one oracle. ``"auto"`` is not a
+backend but a choice made per call by :mod:`.policy`.
 """
 
 from __future__ import annotations
@@ -12,12 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from .._call import AttentionCall
 
-__all__ = ["Backend", "register_backend", "get_backend", "backends", "choose"]
+__all__ = ["Backend", "register_backend", "get_backend", "backends", "choose", "auto_runs", "resolve"]
 
 # Returns (output, weights or None), or (output, weights or None, lse) from backends that
 # declare returns_lse (the lse is used when the call asks for it).
@@ -26,14 +26,22 @@ BackendFn = Callable[[AttentionCall], tuple[Tensor, ...]]
 
 @dataclass(frozen=True)
 class Backend:
-    """A named attention implementation and what it can do."""
+    """A named attention implementation and what it supports.
+
+    ``returns_weights`` / ``returns_lse``: it can return the weights / the log-sum-exp.
+    ``structured``: it reads structured masks (others receive :meth:`AttentionCall.densified`).
+    ``devices``: the device types it runs on (None: any device PyTorch runs on).
+    Every backend takes any rank ``[..., L, D]``, dense boolean and additive masks, causal,
+    GQA (4-D), dropout with a generator, and is differentiable.
+    """
 
     name: str
     run: BackendFn
     summary: str
     returns_weights: bool = False
     returns_lse: bool = False
-    structured: bool = False  # understands structured masks; others receive call.densified()
+    structured: bool = False
+    devices: frozenset[str] | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -41,6 +49,8 @@ _REGISTRY: dict[str, Backend] = {}
 
 def register_backend(backend: Backend) -> None:
     """Make ``backend`` selectable by name in ``attention(..., backend=name)``."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend must be an attnkit.Backend, got {type(backend).__name__}")
     if backend.name == "auto":
         raise ValueError("'auto' is reserved for automatic selection")
     _REGISTRY[backend.name] = backend
@@ -62,18 +72,29 @@ def get_backend(name: str) -> Backend:
 
 
 def choose(call: AttentionCall) -> Backend:
-    """What ``backend="auto"`` runs: tiled for the log-sum-exp, a structured mask where skipping
-    blocks pays, or dropout where attnkit's native kernel runs (see ``tiled.profits``), else the
-    fused kernel (with weights, its materialised fused-op path). Under ``torch.compile`` only the
-    log-sum-exp goes tiled: that backend plans and calls its kernels eagerly, which would break
-    the graph, while the fused path traces (a structured mask in its dense form)."""
-    if call.return_lse or (not torch.compiler.is_compiling() and _tiled.profits(call)):
-        return _REGISTRY["tiled"]
-    return _REGISTRY["torch"]
+    """What ``backend="auto"`` runs for ``call`` (:mod:`.policy`): a registered backend, or the tiled
+    backend with its kernel left to run time (its op may then run the fused kernel densely)."""
+    name = _policy.choose(call)
+    return _AUTO_TILED if name == "interval" else _REGISTRY[name]
+
+
+def auto_runs(call: AttentionCall) -> str:
+    """What ``"auto"`` runs for ``call``, read from its data as the op would: ``"torch"``, or the
+    tiled op's kernel, ``"tiled:native"``, ``"tiled:blocks"`` or ``"tiled:dense"`` (PyTorch's
+    fused kernel over the dense mask). For tests and benchmarks."""
+    backend = choose(call)
+    if backend is not _AUTO_TILED and backend.name != "tiled":
+        return backend.name
+    query, key, value, lo, hi, bias = _tiled.interval_inputs(call)
+    structure = _tiled.combined(call.structure, call.causal)
+    causal_only = structure is not None and structure.is_causal
+    return "tiled:" + _policy.kernel_for(query, key, value, lo, hi, bias, call.dropout, causal_only,
+                                         sparse_only=backend is not _AUTO_TILED)
 
 
 def resolve(name: str, call: AttentionCall) -> Backend:
-    """The backend that will run ``call`` when the user asked for ``name``."""
+    """The backend that will run ``call`` when the user asked for ``name``; an explicit name is
+    never replaced: a backend that cannot do what the call asks is an error."""
     backend = choose(call) if name == "auto" else get_backend(name)
     if call.return_weights and not backend.returns_weights:
         capable = [b.name for b in _REGISTRY.values() if b.returns_weights]
@@ -87,11 +108,15 @@ def resolve(name: str, call: AttentionCall) -> Backend:
             f"backend {backend.name!r} cannot return the log-sum-exp; use return_lse=False, "
             f"or backend 'auto' or one of {capable}"
         )
+    device = call.query.device.type
+    if backend.devices is not None and device not in backend.devices:
+        raise ValueError(f"backend {backend.name!r} runs on {sorted(backend.devices)}, the inputs are on {device!r}")
     return backend
 
 
-from . import reference as _reference  # noqa: E402  (registration needs the registry above)
-from . import fused as _fused  # noqa: E402
+from . import fused as _fused  # noqa: E402  (registration needs the registry above)
+from . import policy as _policy  # noqa: E402
+from . import reference as _reference  # noqa: E402
 from . import tiled as _tiled  # noqa: E402
 
 register_backend(
@@ -100,11 +125,15 @@ register_backend(
 )
 register_backend(
     Backend("torch", _fused.torch_attention,
-            "PyTorch's fused F.scaled_dot_product_attention; weights via baddbmm + in-place softmax",
+            "PyTorch's fused F.scaled_dot_product_attention; weights and dropout via baddbmm + in-place softmax",
             returns_weights=True)
 )
 register_backend(
     Backend("tiled", _tiled.tiled_attention,
-            "block-sparse: per query block, only the keys the mask allows, through the fused kernel",
-            returns_weights=True, returns_lse=True, structured=True)
+            "block-sparse: per query block only the keys the mask allows (attnkit's native CPU kernel, "
+            "else PyTorch's kernels per block), O(L) memory", returns_weights=True, returns_lse=True, structured=True)
 )
+# What "auto" runs for structured masks: the same backend, whose op picks its kernel from the row
+# bounds at run time, the fused kernel over the dense mask included (policy.kernel_for).
+_AUTO_TILED = Backend("tiled", _tiled.auto_tiled_attention, "the tiled backend's op, kernel chosen at run time",
+                      returns_weights=True, returns_lse=True, structured=True)

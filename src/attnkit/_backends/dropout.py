@@ -33,16 +33,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["draw_seed", "keep_mask", "apply", "SEED_BITS"]
+__all__ = ["draw_seed", "kept", "keep_mask", "apply", "threshold", "SEED_BITS"]
 
-#: Seeds are drawn uniformly from [0, 2**SEED_BITS).
+#: Seeds are drawn uniformly from [0, 2**SEED_BITS - 1) (randint's bound must fit in int64).
 SEED_BITS = 63
 _LOW32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 
 
 def _draw(generator: torch.Generator | None, device: torch.device) -> Tensor:
-    return torch.randint(0, 2**SEED_BITS, (), generator=generator, device=device, dtype=torch.int64)
+    return torch.randint(0, 2**SEED_BITS - 1, (), generator=generator, device=device, dtype=torch.int64)
 
 
 # Dynamo cannot trace a torch.Generator: with one, the draw runs eagerly (a graph break, or an
@@ -85,21 +85,26 @@ def threshold(p: float) -> int:
     return min(int(p * 2.0**32), 2**32 - 1)
 
 
+def kept(seed: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor, p: float) -> Tensor:
+    """Whether the weights at positions ``(b, h, i, j)`` are kept (bool, the four int64 index
+    tensors broadcast together; ``j`` along the last dim), for dropout ``p`` and the int64 scalar
+    ``seed``. Any piece of a call's weights can be drawn this way (the tiled backend's blocks)."""
+    seed = seed.to(device=b.device, dtype=torch.int64)
+    row_a = _mix(_mix(_mix(seed & _LOW32, b), h), i)
+    row_c = _mix(_mix(_mix((seed >> 32) & _LOW32, b), h), i)
+    return _fmix32(_fmix32(j ^ row_a) ^ row_c) >= threshold(p)
+
+
 def keep_mask(seed: Tensor, batch: int, heads: int, q_len: int, k_len: int, p: float, *,
               device: torch.device | str | None = None) -> Tensor:
     """The kept weights of a call's ``[batch, heads, q_len, k_len]`` weights (bool, True = kept)
     for dropout probability ``p`` and the int64 scalar ``seed`` (see the module docstring)."""
     device = seed.device if device is None else torch.device(device)
-    seed = seed.to(device=device, dtype=torch.int64)
     index = dict(dtype=torch.int64, device=device)
-    b = torch.arange(batch, **index)[:, None, None]
-    h = torch.arange(heads, **index)[None, :, None]
-    i = torch.arange(q_len, **index)[None, None, :]
-    row_a = _mix(_mix(_mix(seed & _LOW32, b), h), i)[..., None]  # [B, H, Lq, 1]
-    row_c = _mix(_mix(_mix((seed >> 32) & _LOW32, b), h), i)[..., None]
-    j = torch.arange(k_len, **index)
-    bits = _fmix32(_fmix32(j ^ row_a) ^ row_c)
-    return bits >= threshold(p)
+    b = torch.arange(batch, **index)[:, None, None, None]
+    h = torch.arange(heads, **index)[None, :, None, None]
+    i = torch.arange(q_len, **index)[None, None, :, None]
+    return kept(seed, b, h, i, torch.arange(k_len, **index), p)
 
 
 def apply(weights: Tensor, seed: Tensor, p: float) -> Tensor:

@@ -12,7 +12,9 @@ Grouped-query attention folds the query heads of a group into the row dimension,
 value are never repeated. Rows with no allowed key get a harmless key before the softmax
 and are zeroed after it: the softmax never sees an all ``-inf`` row, so neither the weights
 nor the gradients can become NaN. That costs one extra pass over the weights, taken only
-when a row can be empty (an explicit mask, or causal with ``Lq > Lk``).
+when a row can be empty (an explicit mask, or causal with ``Lq > Lk``). A masked call whose
+inputs hold NaN or inf runs the reference formula's pairwise products instead, which never
+multiply a masked-out pair (:mod:`.numerics`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from torch import Tensor
 
 from .._call import AttentionCall
 from .empty_rows import give_empty_rows_a_key
-from .reference import drop_weights
+from .numerics import all_finite
+from .reference import drop_weights, reference_attention
 
 
 def _needs_grad(call: AttentionCall) -> bool:
@@ -36,6 +39,10 @@ def _needs_grad(call: AttentionCall) -> bool:
 
 def fused_weights_attention(call: AttentionCall) -> tuple[Tensor, Tensor]:
     query, key, value = call.query, call.key, call.value
+    if (call.mask is not None or call.causal) and not all_finite(query, key, value):
+        # a masked-out pair's NaN would enter the products (0 * NaN): the exact pairwise formula
+        output, weights = reference_attention(call)
+        return output, weights
     lead = query.shape[:-2]
     # [groups, rows, D]: with GQA a group is one key/value head and its rows are the query
     # rows of every query head that reads it (head h reads key/value head h // group_size).
@@ -53,10 +60,11 @@ def fused_weights_attention(call: AttentionCall) -> tuple[Tensor, Tensor]:
     if mask is not None and (call.mask is not None or call.q_len > call.k_len):
         mask, no_key = give_empty_rows_a_key(mask)
     if mask is not None:
-        if mask.dtype == torch.bool:
-            scores.masked_fill_(~mask, float("-inf"))
-        else:
-            scores.add_(mask)
+        if mask.dtype != torch.bool:  # a removed pair is set to -inf, not added to (inf - inf is NaN)
+            removed = mask == float("-inf")
+            scores.add_(mask.masked_fill(removed, 0.0))
+            mask = ~removed
+        scores.masked_fill_(~mask, float("-inf"))
 
     in_place = not _needs_grad(call)
     if in_place:
@@ -67,7 +75,7 @@ def fused_weights_attention(call: AttentionCall) -> tuple[Tensor, Tensor]:
         weights = weights.masked_fill_(no_key, 0.0) if in_place else weights.masked_fill(no_key, 0.0)
 
     if call.dropout > 0:
-        weights = drop_weights(weights, call.dropout, call.generator)
+        weights = drop_weights(weights, call.dropout, call.seed)
 
     output = torch.bmm(weights.view(groups, rows, call.k_len), value3)
     return output.view(*lead, call.q_len, value.shape[-1]), weights

@@ -8,7 +8,9 @@
     output  = weights @ value              (each query's weighted average of the values)
 
 It materialises the ``[..., Lq, Lk]`` score matrix, so it is the backend that returns
-weights, and each step is reported to :mod:`attnkit._steps` for the explainer.
+weights, and each step is reported to :mod:`attnkit._steps` for the explainer. When a masked
+input holds NaN or inf, the two products run pairwise so that masked-out pairs are never
+multiplied (:mod:`.numerics`): the definition every backend follows.
 """
 
 from __future__ import annotations
@@ -18,30 +20,16 @@ from torch import Tensor
 
 from .._call import AttentionCall
 from .._steps import record
+from . import dropout as _dropout
+from . import layout
+from .numerics import all_finite, pairwise_scores, pairwise_values, softmax_rows
+
+__all__ = ["reference_attention", "drop_weights", "softmax_rows"]
 
 
-def softmax_rows(scores: Tensor) -> Tensor:
-    """Softmax over the last dim that gives an all-zero row (not NaN) where every score is -inf.
-
-    Half-precision scores are exponentiated and summed in float32. The row maximum is
-    subtracted for stability and detached, which leaves the gradient unchanged (softmax is
-    shift-invariant) and keeps fully-masked rows free of ``inf - inf``.
-    """
-    if scores.shape[-1] == 0:
-        return scores
-    work_dtype = torch.float32 if scores.dtype in (torch.float16, torch.bfloat16) else scores.dtype
-    row_max = scores.detach().amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    exp = torch.exp((scores - row_max).to(work_dtype))
-    total = exp.sum(dim=-1, keepdim=True)
-    weights = exp / torch.where(total > 0, total, torch.ones_like(total))
-    return weights.to(scores.dtype)
-
-
-def drop_weights(weights: Tensor, dropout: float, generator: torch.Generator | None) -> Tensor:
-    """Zero each weight with probability ``dropout`` and rescale the rest by ``1 / (1 - dropout)``."""
-    keep = torch.rand(weights.shape, generator=generator, device=weights.device) >= dropout
-    return weights * keep / (1.0 - dropout)
+def drop_weights(weights: Tensor, p: float, seed: Tensor) -> Tensor:
+    """``weights [..., Lq, Lk]`` with dropout ``p`` applied by attnkit's pattern for ``seed``."""
+    return _dropout.apply(layout.fold(weights), seed, p).reshape(weights.shape)
 
 
 def reference_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
@@ -51,26 +39,28 @@ def reference_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         key = key.repeat_interleave(call.group_size, dim=1)
         value = value.repeat_interleave(call.group_size, dim=1)
 
-    scores = query @ key.transpose(-2, -1)
+    mask = call.dense_mask()
+    allowed = None if mask is None else mask if mask.dtype == torch.bool else mask != float("-inf")
+    pairwise = allowed is not None and not all_finite(query, key, value)
+
+    scores = pairwise_scores(query, key, allowed) if pairwise else query @ key.transpose(-2, -1)
     record("scores", scores)
     scores = scores * call.scale
     record("scaled_scores", scores)
 
-    mask = call.dense_mask()
     if mask is not None:
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask
+        if mask.dtype != torch.bool:
+            scores = scores + mask.masked_fill(~allowed, 0.0)
+        scores = scores.masked_fill(~allowed, float("-inf"))
         record("masked_scores", scores)
 
     weights = softmax_rows(scores)
     record("weights", weights)
 
     if call.dropout > 0:
-        weights = drop_weights(weights, call.dropout, call.generator)
+        weights = drop_weights(weights, call.dropout, call.seed)
         record("dropped_weights", weights)
 
-    output = weights @ value
+    output = pairwise_values(weights, value, allowed) if pairwise else weights @ value
     record("output", output)
     return output, (weights if call.return_weights else None)

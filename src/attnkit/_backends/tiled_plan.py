@@ -10,55 +10,136 @@ arithmetic: no attention is computed here.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from contextvars import ContextVar
+from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .._call import AttentionCall
-from ..masks import KeyRange, StructuredMask, causal, plan_blocks
+from ..masks import StructuredMask, causal
 
-#: Levels of coarser blocks above ``BLOCK_SIZE`` (each 4x the one below), see ``level_ranges``.
-LEVELS = 3
 
-#: Queries per block. Small blocks waste little of a window on its masked corners (a 512-key
-#: window computes 543 keys per row with 32-row blocks); the fused kernel still sees large
-#: problems because runs of similar blocks are batched into one call. benchmarks/masks.py: 32
-#: was 7% faster than 64 on the 512 window at L = 16384, equal on documents and causal+padding.
-BLOCK_SIZE = 32
+@dataclass(frozen=True)
+class Settings:
+    """How the tiled backend cuts a call on PyTorch's kernels (the native kernel has its own
+    tiles, :mod:`.native.tile_tables`). Read from a context variable: :func:`tuning` changes them
+    for one block of code in one thread or task, never for the rest of the process."""
 
-#: A block whose key ranges span at most this many keys runs them as one range with a dense mask
-#: over the span, rather than one unmasked range plus masked edges: below it, the extra calls and
-#: merges cost more than masking the whole span.
-MERGE_SPAN = 1024
+    #: Queries per block. Small blocks waste little of a window on its masked corners (a 512-key
+    #: window computes 543 keys per row with 32-row blocks); the fused kernel still sees large
+    #: problems because runs of similar blocks are batched into one call. benchmarks/masks.py: 32
+    #: was 7% faster than 64 on the 512 window at L = 16384, equal on documents and causal+padding.
+    block_size: int = 32
+    #: A block whose key ranges span at most this many keys runs them as one range with a dense
+    #: mask over the span, rather than one unmasked range plus masked edges: below it, the extra
+    #: calls and merges cost more than masking the whole span.
+    merge_span: int = 1024
+    #: Masked key ranges are widened to a multiple of this many keys, into keys that no row of the
+    #: block attends (so the widened keys are masked for every row and nothing is counted twice).
+    #: The fused kernel is slower per pair on odd lengths: 543 keys per 32-row block (a 512 window)
+    #: cost 5-10% more per pair than 544 (its vector loops run a scalar tail); benchmarks/masks.py.
+    key_align: int = 16
+    #: Levels of coarser blocks above ``block_size`` (each 4x the one below), see ``level_ranges``.
+    levels: int = 3
+    #: Limits of one kernel call, so that its temporaries stay small next to the inputs: the
+    #: plain-ops kernel (dropout, other devices) materialises its scores; the fused kernel returns a
+    #: partial output of ``rows x heads x Dv`` (32k rows x heads: 8 MiB at Dv = 64 in fp32).
+    call_scores: int = 1 << 23
+    call_rows: int = 1 << 15
 
-#: Masked key ranges are widened to a multiple of this many keys, into keys that no row of the
-#: block attends (so the widened keys are masked for every row and nothing is counted twice).
-#: The fused kernel is slower per pair on odd lengths: 543 keys per 32-row block (a 512 window)
-#: cost 5-10% more per pair than 544 (its vector loops run a scalar tail); benchmarks/masks.py.
-KEY_ALIGN = 16
+
+_settings: ContextVar[Settings] = ContextVar("attnkit_tiled_settings", default=Settings())
+
+
+def settings() -> Settings:
+    """The settings in force here."""
+    return _settings.get()
 
 
 @contextmanager
-def tuning(*, block_size: int | None = None, merge_span: int | None = None,
-           key_align: int | None = None) -> Iterator[None]:
-    """Run the tiled backend with other ``BLOCK_SIZE`` / ``MERGE_SPAN`` / ``KEY_ALIGN`` inside the
-    ``with`` (tests use tiny blocks and no merging to exercise many blocks and partial merges
-    cheaply, and several alignments)."""
-    global BLOCK_SIZE, MERGE_SPAN, KEY_ALIGN
-    for name, value in (("block_size", block_size), ("key_align", key_align)):
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    saved = BLOCK_SIZE, MERGE_SPAN, KEY_ALIGN
-    BLOCK_SIZE = BLOCK_SIZE if block_size is None else block_size
-    MERGE_SPAN = MERGE_SPAN if merge_span is None else merge_span
-    KEY_ALIGN = KEY_ALIGN if key_align is None else key_align
+def tuning(**overrides: int) -> Iterator[Settings]:
+    """Run the tiled backend with other :class:`Settings` inside the ``with`` (tests use tiny
+    blocks and no merging to exercise many blocks and partial merges cheaply, and several
+    alignments). Only this thread or task sees them."""
+    known = {f.name for f in fields(Settings)}
+    for name, value in overrides.items():
+        if name not in known:
+            raise TypeError(f"tuning() got an unknown setting {name!r}; known: {sorted(known)}")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < (0 if name in ("merge_span", "levels") else 1):
+            raise ValueError(f"{name} must be >= {0 if name in ('merge_span', 'levels') else 1}, got {value}")
+    new = replace(settings(), **overrides)
+    token = _settings.set(new)
     try:
-        yield
+        yield new
     finally:
-        BLOCK_SIZE, MERGE_SPAN, KEY_ALIGN = saved
+        _settings.reset(token)
+
+
+class KeyRange(NamedTuple):
+    """Keys ``start <= j < stop`` that a block of queries may attend.
+
+    ``full``: every query of the block may attend every key of the range (no mask needed);
+    otherwise some (query, key) pairs inside are masked and a dense mask must be applied.
+    """
+
+    start: int
+    stop: int
+    full: bool
+
+
+def plan_blocks(lo: Tensor, hi: Tensor, block_size: int) -> list[list[KeyRange]]:
+    """Cut the rows of ``lo, hi`` (``[..., Lq]``, clipped) into blocks of ``block_size`` queries
+    and give each block its key ranges: ``[union start, full start)`` partial, ``[full start,
+    full stop)`` full, ``[full stop, union stop)`` partial, leaving out empty ones. Leading dims
+    (sequences) count as more rows of the same block. Vectorised: a few tensor ops for any Lq."""
+    q_len = lo.shape[-1]
+    if q_len == 0:
+        return []
+    blocks = -(-q_len // block_size)
+    pad = blocks * block_size - q_len
+    lo2 = lo.reshape(-1, q_len)
+    hi2 = hi.reshape(-1, q_len)
+    nonempty = lo2 < hi2
+    big = 2**62
+
+    def per_block(t: Tensor, fill: int) -> Tensor:
+        # The last block's missing rows get a neutral fill: they neither widen the union nor
+        # shrink the range attended by all rows.
+        t = torch.cat([t, t.new_full((t.shape[0], pad), fill)], dim=1)
+        return t.reshape(t.shape[0], blocks, block_size).transpose(0, 1).reshape(blocks, -1)
+
+    any_lo = per_block(torch.where(nonempty, lo2, big), big).amin(1)
+    any_hi = per_block(torch.where(nonempty, hi2, -1), -1).amax(1)
+    # A key is attended by every row of the block iff it is inside every row's interval.
+    all_lo = per_block(lo2, -big).amax(1)
+    all_hi = per_block(hi2, big).amin(1)
+    plan = []
+    for u0, u1, f0, f1 in zip(any_lo.tolist(), any_hi.tolist(), all_lo.tolist(), all_hi.tolist()):
+        if u0 >= u1:
+            plan.append([])
+        elif f0 >= f1:
+            plan.append([KeyRange(u0, u1, False)])
+        else:
+            ranges = [KeyRange(u0, f0, False), KeyRange(f0, f1, True), KeyRange(f1, u1, False)]
+            plan.append([r for r in ranges if r.start < r.stop])
+    return plan
+
+
+def key_ranges(mask: StructuredMask, q_start: int, q_stop: int, q_len: int, k_len: int | None = None) -> list[KeyRange]:
+    """Which keys the queries ``q_start <= i < q_stop`` of ``mask`` may attend, as sorted disjoint
+    ranges; keys outside them are masked for every query of the block (and every sequence)."""
+    if not 0 <= q_start <= q_stop <= q_len:
+        raise ValueError(f"need 0 <= q_start <= q_stop <= q_len, got {q_start}, {q_stop}, {q_len}")
+    lo, hi = mask.row_bounds(q_len, k_len)
+    block = max(q_stop - q_start, 1)
+    return plan_blocks(lo[..., q_start:q_stop], hi[..., q_start:q_stop], block)[0] if q_stop > q_start else []
 
 
 # -- planning ------------------------------------------------------------------------------------
@@ -78,40 +159,42 @@ class Group:
     key_step: int
     length: int
     full: bool
-    seed: int = 0
+    #: The blocks' rows and keys are the same positions and the mask is causal: PyTorch's kernel
+    #: applies it itself (its own causal path), no mask tensor.
+    causal: bool = False
 
     @property
     def q1(self) -> int:
         return self.q0 + self.count * self.rows
 
 
-def structure_of(call: AttentionCall) -> StructuredMask | None:
-    """The call's structured mask with ``causal=True`` folded in (None when it has neither)."""
-    if call.causal:
-        return causal() if call.structure is None else call.structure & causal()
-    return call.structure
+def combined(structure: StructuredMask | None, causal_too: bool) -> StructuredMask | None:
+    """A structured mask with ``causal=True`` folded in (None when there is neither)."""
+    if causal_too:
+        return causal() if structure is None else structure & causal()
+    return structure
 
 
-def row_bounds(call: AttentionCall) -> tuple[Tensor, Tensor]:
+def intervals(structure: StructuredMask | None, causal_too: bool, q_len: int, k_len: int) -> tuple[Tensor, Tensor]:
     """``lo, hi`` of every query row, ``[S, Lq]`` with S = 1 or one row per sequence."""
-    structure = structure_of(call)
-    if structure is None:
-        lo = torch.zeros(1, call.q_len, dtype=torch.int64)
-        return lo, torch.full_like(lo, call.k_len)
-    lo, hi = structure.row_bounds(call.q_len, call.k_len)
+    mask = combined(structure, causal_too)
+    if mask is None:
+        lo = torch.zeros(1, q_len, dtype=torch.int64)
+        return lo, torch.full_like(lo, k_len)
+    lo, hi = mask.row_bounds(q_len, k_len)
     return (lo[None], hi[None]) if lo.dim() == 1 else (lo, hi)
 
 
-def batch_size(call: AttentionCall) -> int:
-    """Sequences of the call: dim 0 of 3-D/4-D inputs, 1 for 2-D ones."""
-    return call.query.shape[0] if call.query.dim() >= 3 else 1
+def row_bounds(call: AttentionCall) -> tuple[Tensor, Tensor]:
+    """:func:`intervals` of a call."""
+    return intervals(call.structure, call.causal, call.q_len, call.k_len)
 
 
-def block_ranges(lo: Tensor, hi: Tensor, size: int) -> list[list[KeyRange]]:
-    """Each block's key ranges, with short spans merged into one masked range (``MERGE_SPAN``)."""
+def block_ranges(lo: Tensor, hi: Tensor, size: int, merge_span: int) -> list[list[KeyRange]]:
+    """Each block's key ranges, with spans of at most ``merge_span`` keys merged into one masked range."""
     blocks = plan_blocks(lo, hi, size)
     for index, ranges in enumerate(blocks):
-        if len(ranges) > 1 and ranges[-1].stop - ranges[0].start <= MERGE_SPAN:
+        if len(ranges) > 1 and ranges[-1].stop - ranges[0].start <= merge_span:
             blocks[index] = [KeyRange(ranges[0].start, ranges[-1].stop, False)]
     return blocks
 
@@ -124,7 +207,8 @@ def _subtract(r: KeyRange, done: tuple[int, int] | None) -> list[KeyRange]:
     return [p for p in parts if p.start < p.stop]
 
 
-def level_ranges(lo: Tensor, hi: Tensor, size: int, levels: int) -> list[tuple[int, list[list[KeyRange]]]]:
+def level_ranges(lo: Tensor, hi: Tensor, size: int, levels: int,
+                 merge_span: int) -> list[tuple[int, list[list[KeyRange]]]]:
     """Key ranges per block at each level: ``(block size, ranges of each block)``, coarse to fine.
 
     A coarse block (``size * 4**k`` rows) whose rows all start at the same key (causal,
@@ -154,7 +238,7 @@ def level_ranges(lo: Tensor, hi: Tensor, size: int, levels: int) -> list[tuple[i
                     current[index] = parent
         result.append((coarse, runs))
         done, previous = current, coarse
-    finest = block_ranges(lo, hi, size)
+    finest = block_ranges(lo, hi, size, merge_span)
     if previous:
         finest = [[part for r in ranges for part in _subtract(r, done.get(index * size // previous))]
                   for index, ranges in enumerate(finest)]
@@ -188,58 +272,101 @@ def _same_start(lo: Tensor, hi: Tensor, size: int) -> list[bool]:
     return (~nonempty.any(1) | (_lowest(starts, nonempty) == _highest(starts, nonempty))).tolist()
 
 
-#: How many recent plans :func:`cached_plan` keeps (each with its ``[S, Lq]`` row bounds).
-PLAN_CACHE = 4
-_recent_plans: list[tuple[tuple, Tensor, Tensor, list[Group]]] = []
+@dataclass(frozen=True)
+class Problem:
+    """What a plan depends on: the rows' key intervals ``lo, hi`` (``[S, Lq]``, S = 1 or one row per
+    sequence), the lengths, the number of sequences, and whether a dense tensor mask comes too
+    (it differs from block to block, so nothing is batched and there are no coarse levels)."""
+
+    lo: Tensor
+    hi: Tensor
+    q_len: int
+    k_len: int
+    batch: int
+    has_mask: bool
 
 
-def cached_plan(call: AttentionCall) -> list[Group]:
-    """:func:`plan` of ``call``, reused when a recent call had the same plan inputs. A model's
-    layers, and a training loop's steps, repeat one mask, and planning costs about 5 ms at
-    L = 16384 (3% of a 512-window call). The rows' bounds are compared by value, so a mask
-    rebuilt alike hits, and a lengths tensor changed in place misses, as it must."""
-    lo, hi = row_bounds(call)
-    key = (BLOCK_SIZE, MERGE_SPAN, LEVELS, KEY_ALIGN, call.q_len, call.k_len, batch_size(call), call.mask is None)
-    for index, entry in enumerate(_recent_plans):
-        if entry[0] == key and torch.equal(entry[1], lo) and torch.equal(entry[2], hi):
-            _recent_plans.append(_recent_plans.pop(index))  # most recently used last
-            return entry[3]
-    groups = plan(call, bounds=(lo, hi))
-    _recent_plans.append((key, lo, hi, groups))
-    del _recent_plans[:-PLAN_CACHE]
-    return groups
+class PlanCache:
+    """The plans of the last few calls, reused when a call has equal plan inputs. A model's layers,
+    and a training loop's steps, repeat one mask, and planning costs about 5 ms at L = 16384 (3% of
+    a 512-window call). Row bounds are compared by value, so a mask rebuilt alike hits, and a
+    lengths tensor changed in place misses, as it must. Safe to share between threads."""
+
+    def __init__(self, capacity: int = 4) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: list[tuple[tuple, Tensor, Tensor, list[Group]]] = []
+
+    def plan(self, problem: Problem) -> list[Group]:
+        config = settings()
+        key = (config, problem.q_len, problem.k_len, problem.batch, problem.has_mask)
+        with self._lock:
+            for index, (other, lo, hi, groups) in enumerate(self._entries):
+                if other == key and torch.equal(lo, problem.lo) and torch.equal(hi, problem.hi):
+                    self._entries.append(self._entries.pop(index))  # most recently used last
+                    return groups
+        groups = plan(problem, config)  # outside the lock: planning is pure
+        with self._lock:
+            self._entries.append((key, problem.lo, problem.hi, groups))
+            del self._entries[:-self.capacity]
+        return groups
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
 
 
-def plan(call: AttentionCall, size: int | None = None, bounds: tuple[Tensor, Tensor] | None = None) -> list[Group]:
-    """Every kernel call the tiled backend makes for ``call``, in order (``bounds``: the call's
-    :func:`row_bounds` when the caller has them already).
+def dense_plan(problem: Problem, causal_only: bool, group: int) -> list[Group]:
+    """One call per sequence over all rows and keys: what PyTorch's fused kernel would run on the
+    dense form of the mask (its causal path for a plain causal mask, when GQA does not stack heads
+    as rows)."""
+    shared = problem.lo.shape[0] == 1
+    batches = [slice(0, problem.batch)] if shared else [slice(s, s + 1) for s in range(problem.batch)]
+    causal_path = causal_only and problem.q_len == problem.k_len and not problem.has_mask and group == 1
+    return [Group(batch, 0, problem.q_len, 1, 0, 0, problem.k_len, full=causal_path, causal=causal_path)
+            for batch in batches]
+
+
+def visited_fraction(problem: Problem) -> float:
+    """Share of the ``Lq x Lk`` (query, key) pairs, over the batch, that :func:`plan` computes."""
+    area = sum(g.count * g.rows * g.length * (g.batch.stop - g.batch.start) for g in plans.plan(problem))
+    return area / max(1, problem.q_len * problem.k_len * problem.batch)
+
+
+#: The process's plan cache (the tiled backend's only state that outlives a call).
+plans = PlanCache()
+
+
+def plan(problem: Problem, config: Settings | None = None) -> list[Group]:
+    """Every kernel call the tiled backend makes for ``problem``, in order.
 
     At each level (:func:`level_ranges`), ranges of consecutive full-size blocks join one group
     when they have the same length, fullness and mask pattern (relative to their start) and
     their starts step evenly. A dense tensor mask differs from block to block, so with one there
     are no coarse levels and every range is its own group."""
-    size = size or BLOCK_SIZE
-    lo, hi = bounds if bounds is not None else row_bounds(call)
+    config = config or settings()
+    lo, hi = problem.lo, problem.hi
     per_sequence = lo.shape[0] > 1
     groups: list[Group] = []
     for s in range(lo.shape[0]):
-        batch = slice(s, s + 1) if per_sequence else slice(0, batch_size(call))
-        for block, blocks in level_ranges(lo[s], hi[s], size, 0 if call.mask is not None else LEVELS):
-            blocks = _aligned(blocks, lo[s], hi[s], block)
-            groups.extend(_runs(blocks, block, lo[s], hi[s], batch, call))
+        batch = slice(s, s + 1) if per_sequence else slice(0, problem.batch)
+        levels = 0 if problem.has_mask else config.levels
+        for block, blocks in level_ranges(lo[s], hi[s], config.block_size, levels, config.merge_span):
+            blocks = _aligned(blocks, lo[s], hi[s], block, config.key_align)
+            groups.extend(_runs(blocks, block, lo[s], hi[s], batch, problem))
     return [_stacked(g) for g in groups]
 
 
 def _runs(blocks: list[list[KeyRange]], size: int, lo: Tensor, hi: Tensor, batch: slice,
-          call: AttentionCall) -> list[Group]:
+          problem: Problem) -> list[Group]:
     """Group the ranges of consecutive blocks of one level into batched kernel calls."""
     patterns = _patterns(lo, hi, blocks, size)
     groups: list[Group] = []
     open_runs: dict[tuple, Group] = {}
     for index, ranges in enumerate(blocks):
         q0 = index * size
-        rows = min(size, call.q_len - q0)
-        batchable = call.mask is None and rows == size
+        rows = min(size, problem.q_len - q0)
+        batchable = not problem.has_mask and rows == size
         extended: dict[tuple, Group] = {}
         for r in ranges:
             signature = (r.stop - r.start, r.full, patterns.get((index, r.start)))
@@ -262,8 +389,9 @@ def _runs(blocks: list[list[KeyRange]], size: int, lo: Tensor, hi: Tensor, batch
     return groups
 
 
-def _aligned(blocks: list[list[KeyRange]], lo: Tensor, hi: Tensor, size: int) -> list[list[KeyRange]]:
-    """Widen each block's masked ranges to a multiple of ``KEY_ALIGN`` keys, to the left where
+def _aligned(blocks: list[list[KeyRange]], lo: Tensor, hi: Tensor, size: int,
+             key_align: int) -> list[list[KeyRange]]:
+    """Widen each block's masked ranges to a multiple of ``key_align`` keys, to the left where
     the range starts at or before every row's first key, else (or for the rest) to the right
     where it ends at or after every row's last key. Keys outside ``[min lo, max hi)`` of the
     block's rows are masked for all of them (the bias is built from ``lo, hi``) and lie in no
@@ -280,7 +408,7 @@ def _aligned(blocks: list[list[KeyRange]], lo: Tensor, hi: Tensor, size: int) ->
     for index, ranges in enumerate(blocks):
         widened = []
         for r in ranges:
-            short = -(r.stop - r.start) % KEY_ALIGN
+            short = -(r.stop - r.start) % key_align
             start, stop = r.start, r.stop
             if not r.full and short:
                 if start <= first[index]:

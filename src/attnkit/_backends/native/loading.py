@@ -139,8 +139,12 @@ def enabled() -> bool:
     return not _disabled.get() and available()
 
 
+def serves(device_type: str, dtype: torch.dtype, has_tensor_mask: bool) -> bool:
+    """The kernel serves calls of this kind: float32 CPU tensors, no dense tensor mask, kernel enabled."""
+    return not has_tensor_mask and device_type == "cpu" and dtype == torch.float32 and enabled()
+
+
 def applies(query: Tensor, key: Tensor, value: Tensor, has_tensor_mask: bool) -> bool:
-    """The kernel serves this call: float32 CPU tensors, no dense tensor mask, kernel enabled."""
-    return (not has_tensor_mask and query.device.type == "cpu"
-            and all(t.dtype == torch.float32 for t in (query, key, value)) and enabled())
+    """The kernel serves this call (:func:`serves`; query, key and value share one dtype)."""
+    return serves(query.device.type, query.dtype, has_tensor_mask)
 

@@ -46,6 +46,7 @@ def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: 
     if block is None or chunk is None:
         default_block, default_chunk = tiles(lo, hi)
         block, chunk = block or default_block, chunk or default_chunk
+    _require_library()
     query, key, value = _blas_rows(query, key, value)
     return torch.ops.attnkit_native.interval_forward(query, key, value, lo, hi, scale, block, chunk, dropout, seed)
 
@@ -68,9 +69,17 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
     delta = torch.einsum("...d,...d->...", grad_out, out)  # a batched matmul: no [.., Dv] temporary
     if grad_lse is not None:
         delta = delta - grad_lse
+    _require_library()
     grad_out, query, key, value = _blas_rows(grad_out, query, key, value)
     return torch.ops.attnkit_native.interval_backward(grad_out, query, key, value, lse, delta, lo, hi, scale, block,
                                                       chunk, parts, dropout, seed)
+
+
+def _require_library() -> None:
+    from .loading import available, why_unavailable  # loading imports this module
+
+    if not available():
+        raise RuntimeError(f"attnkit native kernel unavailable: {why_unavailable()}")
 
 
 def _blas_rows(*tensors: Tensor) -> tuple[Tensor, ...]:

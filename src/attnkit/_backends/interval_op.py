@@ -1,0 +1,222 @@
+"""The tiled backend's computation as PyTorch custom ops: ``attnkit::interval_attention`` and its
+backward, so that ``torch.compile``, ``torch.func`` and autograd hooks see one op, not Python.
+
+    torch.ops.attnkit.interval_attention(query, key, value, lo, hi, bias, scale, dropout, seed,
+                                         causal_only, sparse_only) -> (output [N, H, Lq, Dv], lse [N, H, Lq])
+
+Row ``i`` of sequence ``n`` attends keys ``lo[s, i] <= j < hi[s, i]`` (``lo, hi [S, Lq]``, int64,
+``s = n`` or 0 when S = 1), plus an optional additive ``bias`` broadcastable to ``[N, H, Lq, Lk]``
+(as ``[Nm, Hm, Lq, Lk]``); ``query [N, H, Lq, D]``, ``key [N, Hkv, Lk, D]``, ``value [N, Hkv, Lk,
+Dv]`` with ``H % Hkv == 0`` (GQA). Dropout ``dropout`` from the int64 scalar ``seed``
+(:mod:`.dropout`). The lse is float32 for half-precision inputs, ``-inf`` for rows with no key.
+
+Layers of this module:
+- the ops' implementation picks its kernel at run time from the data (:func:`.policy.kernel_for`):
+  attnkit's native kernel (float32 CPU, no bias, kernel built), PyTorch's kernels block by block
+  (:mod:`.blockwise`), or, unless ``sparse_only`` (an explicit ``backend="tiled"``), PyTorch's fused
+  kernel over the dense mask where that is faster (``causal_only``: the mask is plain causal, which
+  that kernel applies itself). All agree to rounding and draw the same dropout pattern, so a
+  forward on one and a backward on another is still exact;
+- fake implementations give shapes for tracing (no data is read);
+- autograd (registered on the op, and the same functions as :class:`IntervalAttention`, the
+  ``torch.func``-ready form the tiled backend calls): ``setup_context`` saves tensors through
+  ``save_for_backward`` only (so
+  ``saved_tensors_hooks``, offloading and checkpointing see them), gradients flow to ``bias`` too,
+  and with ``create_graph=True`` the backward recomputes the call densely in differentiable ops
+  (O(Lq x Lk) memory), so second-order gradients are exact;
+- vmap rules fold the vmapped dim into ``N`` (so ``torch.func.vmap``, ``jacrev`` and
+  ``jacfwd``-free uses of them work; under vmap dropout positions count sequences across the
+  vmapped dim).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import blockwise, native, policy
+from .numerics import all_finite, work_dtype
+
+__all__ = ["interval_attention", "IntervalAttention"]
+
+
+def _seed_value(seed: Tensor | None) -> int:
+    return 0 if seed is None else int(seed)
+
+
+@torch.library.custom_op("attnkit::interval_attention", mutates_args=())
+def interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None,
+                       scale: float, dropout: float, seed: Tensor | None, causal_only: bool,
+                       sparse_only: bool) -> tuple[Tensor, Tensor]:
+    kernel = policy.kernel_for(query, key, value, lo, hi, bias, dropout, causal_only, sparse_only)
+    if kernel == "native":
+        return native.interval_forward(query, key, value, lo, hi, scale, dropout=dropout, seed=_seed_value(seed))
+    return blockwise.forward(query, key, value, lo, hi, bias, scale, dropout, seed, dense=kernel == "dense",
+                             causal_only=causal_only)
+
+
+@interval_attention.register_fake
+def _(query, key, value, lo, hi, bias, scale, dropout, seed, causal_only, sparse_only):
+    out = query.new_empty(*query.shape[:-1], value.shape[-1])
+    return out, query.new_empty(query.shape[:-1], dtype=work_dtype(query.dtype))
+
+
+@torch.library.custom_op("attnkit::interval_attention_backward", mutates_args=())
+def interval_attention_backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tensor, value: Tensor,
+                                out: Tensor, lse: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None, scale: float,
+                                dropout: float, seed: Tensor | None, causal_only: bool, sparse_only: bool,
+                                bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dbias)``; ``dbias`` is shaped like ``bias`` when ``bias_grad``, else empty. The
+    kernel is chosen as the forward's was (the same rule on the same inputs)."""
+    kernel = policy.kernel_for(query, key, value, lo, hi, bias, dropout, causal_only, sparse_only)
+    if kernel == "native":
+        dq, dk, dv = native.interval_backward(grad_out, query, key, value, out, lse, lo, hi, scale, grad_lse,
+                                              dropout=dropout, seed=_seed_value(seed))
+        return dq, dk, dv, query.new_empty(0)
+    dq, dk, dv, dbias = blockwise.backward(grad_out, grad_lse, query, key, value, out, lse, lo, hi, bias, scale,
+                                           dropout, seed, bias_grad, dense=kernel == "dense", causal_only=causal_only)
+    return dq, dk, dv, query.new_empty(0) if dbias is None else dbias
+
+
+@interval_attention_backward.register_fake
+def _(grad_out, grad_lse, query, key, value, out, lse, lo, hi, bias, scale, dropout, seed, causal_only, sparse_only,
+      bias_grad):
+    dbias = bias.new_empty(bias.shape) if bias_grad else query.new_empty(0)
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dbias
+
+
+# -- autograd ----------------------------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    query, key, value, lo, hi, bias, scale, dropout, seed, causal_only, sparse_only = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, lo, hi, bias, seed, out, lse)
+    ctx.scale, ctx.dropout, ctx.causal_only, ctx.sparse_only = scale, dropout, causal_only, sparse_only
+    ctx.set_materialize_grads(False)  # an unused lse gets no gradient: the fused kernels' backward applies
+
+
+def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
+    query, key, value, lo, hi, bias, seed, out, lse = ctx.saved_tensors
+    bias_grad = bias is not None and ctx.needs_input_grad[5]
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    grads = None
+    if torch.is_grad_enabled():  # create_graph=True: this backward must be differentiable too
+        grads = _differentiable_backward(ctx, grad_out, grad_lse, query, key, value, lo, hi, bias, seed)
+    if grads is None:
+        grads = torch.ops.attnkit.interval_attention_backward(
+            grad_out, grad_lse, query, key, value, out, lse, lo, hi, bias, ctx.scale, ctx.dropout, seed,
+            ctx.causal_only, ctx.sparse_only, bias_grad)
+    dq, dk, dv, dbias = grads
+    return dq, dk, dv, None, None, dbias if bias_grad else None, None, None, None, None, None
+
+
+def _differentiable_backward(ctx, grad_out, grad_lse, query, key, value, lo, hi, bias, seed):
+    """The gradients as a graph (for gradient penalties and other second-order uses): the call
+    recomputed densely in plain ops (pairwise products where an input is not finite), then
+    differentiated with ``create_graph=True``. None where the recomputation has no graph to
+    differentiate (inside ``torch.func`` transforms, which differentiate on their own levels)."""
+    wants = ctx.needs_input_grad
+    candidates = [(0, query), (1, key), (2, value)] + ([(5, bias)] if bias is not None else [])
+    chosen = [(index, t) for index, t in candidates if wants[index] and t.requires_grad]
+    if not chosen:
+        return None
+    exact = not all_finite(query, key, value)
+    out, lse, _ = blockwise.dense_attention(query, key, value, lo, hi, bias, ctx.scale, ctx.dropout, seed,
+                                            exact=exact)
+    if not out.requires_grad:
+        return None
+    outputs, grads = [out], [grad_out]
+    if grad_lse is not None:
+        outputs.append(lse.masked_fill(torch.isneginf(lse), 0.0))  # rows with no key: a constant
+        grads.append(grad_lse)
+    found = torch.autograd.grad(outputs, [t for _, t in chosen], grads, create_graph=True, allow_unused=True)
+    result: dict[int, Tensor | None] = {index: g for (index, _), g in zip(chosen, found)}
+    return result.get(0), result.get(1), result.get(2), result.get(5)
+
+
+interval_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+class IntervalAttention(torch.autograd.Function):
+    """The op with the same autograd, as a ``torch.autograd.Function`` with ``setup_context``: the
+    form ``torch.func`` transforms accept (``grad``, ``vmap``, ``jacrev``; ops registered with
+    ``torch.library.register_autograd`` are refused by them in torch 2.13), and which
+    ``torch.compile`` traces into forward and backward graphs. The tiled backend calls this."""
+
+    generate_vmap_rule = True  # vmaps forward and backward, i.e. the two ops' vmap rules below
+
+    @staticmethod
+    def forward(query, key, value, lo, hi, bias, scale, dropout, seed, causal_only, sparse_only):
+        return torch.ops.attnkit.interval_attention(query, key, value, lo, hi, bias, scale, dropout, seed,
+                                                    causal_only, sparse_only)
+
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
+
+
+# -- vmap: the vmapped dim joins the batch ------------------------------------------------------------
+
+
+def _batched(t: Tensor, dim: int | None, size: int) -> Tensor:
+    """``t`` with its vmapped dim first (``[V, ...]``), expanded when it is not vmapped."""
+    return t.movedim(dim, 0) if dim is not None else t.expand(size, *t.shape)
+
+
+def _fold_rows(t: Tensor, dim: int | None, size: int, batch: int) -> Tensor:
+    """Per-sequence data ``[S, ...]`` (S = 1 shared, or ``batch``) for the folded batch
+    ``[size * batch, ...]``; left shared (``[1, ...]``) when neither vmapped nor per-sequence."""
+    if dim is None and t.shape[0] == 1:
+        return t
+    t = _batched(t, dim, size)
+    return t.expand(size, batch, *t.shape[2:]).reshape(size * batch, *t.shape[2:])
+
+
+def _fold(t: Tensor, dim: int | None, size: int) -> Tensor:
+    t = _batched(t, dim, size)
+    return t.reshape(size * t.shape[1], *t.shape[2:])
+
+
+def _no_batched_seed(seed_dim: int | None) -> None:
+    if seed_dim is not None:
+        raise NotImplementedError("attnkit.attention under vmap takes one dropout seed for all samples")
+
+
+@torch.library.register_vmap("attnkit::interval_attention")
+def _(info, in_dims, query, key, value, lo, hi, bias, scale, dropout, seed, causal_only, sparse_only):
+    size, (q_dim, k_dim, v_dim, lo_dim, hi_dim, bias_dim, _, _, seed_dim, _, _) = info.batch_size, in_dims
+    _no_batched_seed(seed_dim)
+    q, k, v = _fold(query, q_dim, size), _fold(key, k_dim, size), _fold(value, v_dim, size)
+    batch = q.shape[0] // size
+    lo, hi = _fold_rows(lo, lo_dim, size, batch), _fold_rows(hi, hi_dim, size, batch)
+    bias = None if bias is None else _fold_rows(bias, bias_dim, size, batch)
+    out, lse = torch.ops.attnkit.interval_attention(q, k, v, lo, hi, bias, scale, dropout, seed, causal_only,
+                                                    sparse_only)
+    return (out.reshape(size, batch, *out.shape[1:]), lse.reshape(size, batch, *lse.shape[1:])), (0, 0)
+
+
+@torch.library.register_vmap("attnkit::interval_attention_backward")
+def _(info, in_dims, grad_out, grad_lse, query, key, value, out, lse, lo, hi, bias, scale, dropout, seed,
+      causal_only, sparse_only, bias_grad):
+    size = info.batch_size
+    (go_dim, gl_dim, q_dim, k_dim, v_dim, o_dim, l_dim, lo_dim, hi_dim, bias_dim, _, _, seed_dim, *_) = in_dims
+    _no_batched_seed(seed_dim)
+    q = _fold(query, q_dim, size)
+    batch = q.shape[0] // size
+    folded_bias = None
+    if bias is not None:  # per sample when its gradient is asked: every sample's own copy
+        b = _batched(bias, bias_dim, size)
+        b = b.expand(size, batch, *b.shape[2:]) if bias_grad or bias_dim is not None or b.shape[1] > 1 else b
+        folded_bias = b.reshape(-1, *b.shape[2:])
+    dq, dk, dv, dbias = torch.ops.attnkit.interval_attention_backward(
+        _fold(grad_out, go_dim, size), None if grad_lse is None else _fold(grad_lse, gl_dim, size), q,
+        _fold(key, k_dim, size), _fold(value, v_dim, size), _fold(out, o_dim, size), _fold(lse, l_dim, size),
+        _fold_rows(lo, lo_dim, size, batch), _fold_rows(hi, hi_dim, size, batch), folded_bias, scale, dropout, seed,
+        causal_only, sparse_only, bias_grad)
+    unfold = [t.reshape(size, batch, *t.shape[1:]) for t in (dq, dk, dv)]
+    if bias_grad:
+        dbias = dbias.reshape(size, batch, *dbias.shape[1:])
+        dbias = dbias.sum(1, keepdim=True) if bias.shape[0 if bias_dim is None else 1] == 1 else dbias
+        return (*unfold, dbias), (0, 0, 0, 0)
+    return (*unfold, dbias), (0, 0, 0, None)

@@ -1,0 +1,82 @@
+"""The numerical rules every plain-ops path shares: the half-precision upcast, the safe softmax,
+and products in which a masked-out (query, key) pair contributes nothing.
+
+**Non-finite inputs.** Attention is defined over the pairs a row may attend: a pair the mask
+removes contributes nothing, forward or backward, whatever its query, key or value hold (padding
+may contain anything, even NaN); NaN and inf in attended pairs propagate as IEEE arithmetic does
+(an attended NaN or +inf score makes the row NaN; -inf scores weigh 0). Matrix products compute
+``0 * NaN = NaN`` for masked pairs, so when an input holds a non-finite value the plain-ops paths
+switch to pairwise products (:func:`pairwise_scores`, :func:`pairwise_values`) that never multiply
+a masked pair: O(Lq x Lk x D) memory, taken only then. Under ``torch.compile`` the check would
+break the graph and is skipped: masked-out NaN may then spread into rows (never hidden).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["work_dtype", "softmax_rows", "softmax_with_lse", "can_read", "all_finite", "pairwise_scores", "pairwise_values"]
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype softmax and accumulations run in: float32 for half precision, else ``dtype``."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def softmax_with_lse(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """Row softmax and log-sum-exp in :func:`work_dtype`. A row whose scores are all ``-inf`` (no
+    key to attend) gives zero weights and lse ``-inf``, with finite gradients: the row maximum is
+    detached (softmax is shift-invariant) and replaced by 0 where it is not finite, and the sum is
+    divided out only where it is positive. A NaN or +inf score makes the row's weights and lse NaN
+    (as ``torch.softmax``: +inf / +inf)."""
+    work = work_dtype(scores.dtype)
+    row_max = scores.detach().amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    exp = torch.exp((scores - row_max).to(work))
+    total = exp.sum(dim=-1, keepdim=True)
+    # each exp is <= 1 after the shift, so the sum is infinite only through a +inf score
+    broken = ~torch.isfinite(total)
+    has_key = total > 0
+    nan = torch.full_like(total, float("nan"))
+    divisor = torch.where(broken, nan, torch.where(has_key, total, torch.ones_like(total)))
+    lse = torch.where(broken, nan, torch.where(has_key, torch.log(divisor) + row_max.to(work),
+                                               torch.full_like(total, float("-inf"))))
+    return exp / divisor, lse.squeeze(-1)
+
+
+def softmax_rows(scores: Tensor) -> Tensor:
+    """:func:`softmax_with_lse`'s weights, in the scores' dtype."""
+    if scores.shape[-1] == 0:
+        return scores
+    return softmax_with_lse(scores)[0].to(scores.dtype)
+
+
+def can_read(*tensors: Tensor) -> bool:
+    """Whether values may be looked at now: not while ``torch.compile`` traces (a data-dependent
+    branch would break the graph), not on the meta device (no values)."""
+    return not torch.compiler.is_compiling() and all(t.device.type != "meta" for t in tensors)
+
+
+def all_finite(*tensors: Tensor) -> bool:
+    """Whether every value of ``tensors`` is finite (True when :func:`can_read` says no)."""
+    if not can_read(*tensors):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def pairwise_scores(query: Tensor, key: Tensor, allowed: Tensor) -> Tensor:
+    """``query @ key^T`` (``[..., Lq, Lk]``) where a pair that is not ``allowed`` is 0 and never
+    multiplied, even through autograd (both factors are replaced before the product)."""
+    pair = allowed[..., None]
+    q = torch.where(pair, query[..., :, None, :], 0.0)
+    k = torch.where(pair, key[..., None, :, :], 0.0)
+    return (q * k).sum(-1)
+
+
+def pairwise_values(weights: Tensor, value: Tensor, allowed: Tensor) -> Tensor:
+    """``weights @ value`` (``[..., Lq, Dv]``) summing only ``allowed`` pairs, even through autograd."""
+    pair = allowed[..., None]
+    w = torch.where(pair, weights[..., None], 0.0)
+    v = torch.where(pair, value[..., None, :, :], 0.0)
+    return (w * v).sum(-2)

@@ -1,0 +1,100 @@
+"""What ``backend="auto"`` runs: the one policy, in one place.
+
+Two halves. :func:`choose` picks the backend from what is known before any data is read (it is
+traced by ``torch.compile``), in order:
+
+1. ``return_lse``: the backend that returns it (``"tiled"``).
+2. **Device first**: on a device type where attnkit's own kernels were not measured (anything but
+   the CPU today), PyTorch's fused kernels (``"torch"``): attnkit never routes a call to code whose
+   speed nobody measured there.
+3. ``return_weights``: ``"torch"``'s materialised path of fused ops (weights are ``Lq x Lk`` anyway).
+4. A structured mask, or dropout where attnkit's native kernel runs: the interval op with its
+   kernel left to :func:`kernel_for`.
+5. Else ``"torch"``.
+
+:func:`kernel_for` runs inside the op (``attnkit::interval_attention``, :mod:`.interval_op`), on the
+real row bounds: attnkit's native kernel, PyTorch's kernel block by block, or PyTorch's fused
+kernel on the dense form of the mask (what ``"torch"`` would run), by the thresholds below,
+measured with ``benchmarks/masks.py --threshold``. Compiled graphs hold the op, so compiled and
+eager calls make the same choice on the same data, and no ``Lq x Lk`` mask is built unless the
+dense kernel is the one chosen.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._call import AttentionCall
+from . import native
+from .tiled_plan import Problem, visited_fraction
+
+#: Device types where attnkit's kernels (the tiled backend) were measured against PyTorch's.
+MEASURED_DEVICES = frozenset({"cpu"})
+
+#: With PyTorch's kernel block by block (benchmarks/masks.py --threshold, B=1, H=8, D=64, fp32, 2 CPU
+#: threads): below 512 x 512 pairs the fused dense kernel always won; at 512 x 512 tiled won where it
+#: computed <= 30% of the pairs (window, documents: 0.56-0.75x the time) and lost at 50% (1.2x);
+#: from 1024 x 1024 it won at 50% too (0.47-0.82x).
+AUTO_MIN_PAIRS = 512 * 512
+AUTO_MAX_VISITED = ((1024 * 1024, 0.3), (float("inf"), 0.6))  # (pairs below, visited share at most)
+#: With attnkit's native kernel (``--threshold --dense-side``, 64 to 16384): from 128 x 128 pairs
+#: tiled took 0.10-0.93x the fused dense kernel's time on every mask where the kernel multiplies
+#: <= 91% of the pairs (windows, documents, causal + padding, prefix-LM, a symmetric half-length
+#: window, padding alone, a causal chunk of the last rows) and tied at 94% (1.00x); at 64 x 64
+#: the differences were microseconds either way (0.80-1.36x over two runs). The share is the
+#: kernel's own (each block over its rows' key span, :func:`native.computed_fraction`), which
+#: needs no plan.
+#: A plain causal mask it ran in 0.61-0.97x SDPA's own causal path up to 4096 x 4096, 0.96-1.00x
+#: at 8192 and 16384: SDPA keeps that one from 8192 x 8192.
+NATIVE_MIN_PAIRS = 128 * 128
+NATIVE_MAX_COMPUTED = 0.9
+NATIVE_CAUSAL_MAX_PAIRS = 8192 * 8192
+
+
+def choose(call: AttentionCall) -> str:
+    """What ``"auto"`` runs for ``call`` (see the module docstring): ``"torch"``, ``"tiled"``, or
+    ``"interval"`` (the tiled backend's op with its kernel chosen at run time). Traceable."""
+    if call.return_lse:
+        return "tiled"
+    if call.query.device.type not in MEASURED_DEVICES or call.return_weights:
+        return "torch"
+    if call.structure is not None:
+        return "interval"
+    if call.dropout > 0 and _native_serves(call.query.device.type, call.query.dtype, call.mask is not None):
+        # SDPA has no fused CPU kernel with dropout (its math path materialises every weight): the
+        # native kernel took 0.64-0.77x its time at 32 x 32 pairs, 0.35-0.44x at 64 x 64 and
+        # 0.02-0.13x at 4096 x 4096, on the sweep's masks and with no mask at all
+        # (``--threshold --dropout 0.1``).
+        return "interval"
+    return "torch"
+
+
+@torch.compiler.assume_constant_result
+def _native_serves(device_type: str, dtype: torch.dtype, has_mask: bool) -> bool:
+    """Process state (the kernel loaded, not turned off), read once per trace."""
+    return native.serves(device_type, dtype, has_mask)
+
+
+def kernel_for(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None,
+               dropout: float, causal_only: bool, sparse_only: bool) -> str:
+    """Which kernel the interval op runs: ``"native"``, ``"blocks"`` (PyTorch's kernel block by
+    block) or ``"dense"`` (PyTorch's fused kernel over every key, the mask as a tensor).
+    ``sparse_only`` (an explicit ``backend="tiled"``) leaves out the dense kernel."""
+    if native.applies(query, key, value, bias is not None):
+        if sparse_only or dropout > 0:
+            return "native"
+        pairs = query.shape[2] * key.shape[2]
+        if pairs < NATIVE_MIN_PAIRS:
+            return "dense"
+        if causal_only and query.shape[2] == key.shape[2]:
+            return "native" if pairs < NATIVE_CAUSAL_MAX_PAIRS else "dense"
+        return "native" if native.computed_fraction(lo, hi, key.shape[2]) <= NATIVE_MAX_COMPUTED else "dense"
+    if sparse_only or dropout > 0:
+        return "blocks"
+    pairs = query.shape[2] * key.shape[2]
+    if pairs < AUTO_MIN_PAIRS or (causal_only and bias is None and query.shape[2] == key.shape[2]):
+        return "dense"  # short; or SDPA's own causal path, which skips the same blocks 15-55% faster
+    limit = next(share for below, share in AUTO_MAX_VISITED if pairs < below)
+    problem = Problem(lo.cpu(), hi.cpu(), query.shape[2], key.shape[2], query.shape[0], bias is not None)
+    return "blocks" if visited_fraction(problem) <= limit else "dense"
