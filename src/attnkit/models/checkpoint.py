@@ -52,7 +52,8 @@ def model_directory(name_or_path: str | Path) -> Path:
         try:
             module = importlib.import_module(package)
         except ImportError:
-            raise ImportError(f"model {name_or_path!r} ships in the package {package!r}: {install}") from None
+            raise ImportError(f"the built-in model {name_or_path!r} is not installed (it ships in the package "
+                              f"{package!r}); install it with: {install}") from None
         directory = Path(module.get_model_path())
     else:
         directory = Path(name_or_path)

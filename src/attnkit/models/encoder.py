@@ -29,12 +29,10 @@ class Encoded:
 def as_texts(texts: str | Iterable[str]) -> list[str]:
     """One text or any iterable of texts (list, tuple, generator...) as a non-empty list of ``str``;
     anything else is a clear error naming ``texts``."""
-    if isinstance(texts, str):
-        return [texts]
     if isinstance(texts, (bytes, bytearray)):
         raise TypeError("texts must be a str or an iterable of str, got bytes; decode it first")
     try:
-        items = list(texts)
+        items = [texts] if isinstance(texts, str) else list(texts)
     except TypeError:
         raise TypeError(f"texts must be a str or an iterable of str, got {type(texts).__name__}") from None
     for i, text in enumerate(items):
