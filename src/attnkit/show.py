@@ -84,8 +84,13 @@ def show(texts: Sequence[str] | None, *, model: str = "minilm", out: str | Path 
     work); files of the same names in it are replaced.
     """
     from .viz import save_grid, save_head, write_report
+    from .viz._optional import require
     from .viz.report import DEFAULT_NAME
 
+    # A missing optional package is reported before the model runs, not after minutes of it.
+    require("numpy", "the HTML report")
+    if images:
+        require("matplotlib.figure", "image export")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out: {str(out)!r} is a file; give a directory for the report and its images "

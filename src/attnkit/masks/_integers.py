@@ -30,8 +30,8 @@ def _describe(value: object) -> str:
 
 
 def _is_int(value: object) -> bool:
-    # numpy integers register as numbers.Integral; bool and numpy's bool_ must not pass.
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+    # numpy integers register as numbers.Integral (numpy's bool does not); bool must not pass.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_range(name: str, low: int, high: int, minimum: int | None, maximum: int | None, shown: object) -> None:

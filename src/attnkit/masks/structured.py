@@ -379,8 +379,9 @@ def document(lengths: Sequence[int] | Tensor | None = None, *, ids: Tensor | Non
         raise TypeError("document() takes either lengths (positional) or ids=..., exactly one of them")
     if lengths is not None:
         sizes = _integers.integers("lengths", lengths, expected="a 1-D sequence of ints (one per document)")
-        if int(sizes.sum()) > _integers.LIMIT:
-            raise ValueError(f"lengths must sum to at most 2**62 positions, got {int(sizes.sum())}")
+        total = sum(sizes.tolist())  # in Python: an int64 sum could wrap around
+        if total > _integers.LIMIT:
+            raise ValueError(f"lengths must sum to at most 2**62 positions, got {total}")
         labels = torch.repeat_interleave(torch.arange(sizes.numel()), sizes.cpu())
         return _Document(labels, f"{sizes.tolist()}")
     labels = _integers.integers("ids", ids, ndims=(1, 2), minimum=None, maximum=None,

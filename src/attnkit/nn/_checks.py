@@ -37,6 +37,8 @@ def features(name: str, tensor: object, size: int) -> Tensor:
         raise TypeError(f"{name} must be a torch.Tensor [B, L, {size}] or [L, {size}], got {type(tensor).__name__}")
     if tensor.dim() not in (2, 3) or tensor.shape[-1] != size:
         raise ValueError(f"{name} must be [B, L, {size}] or [L, {size}], got shape {tuple(tensor.shape)}")
+    if not tensor.is_floating_point():
+        raise TypeError(f"{name} must have a floating dtype (token features), got {tensor.dtype}")
     return tensor
 
 

@@ -90,12 +90,13 @@ class KVCache:
         new = keys.shape[2] if isinstance(keys, Tensor) and keys.dim() == 4 else "n"
         expected_keys = (*self.keys.shape[:2], new, self.keys.shape[3])
         expected_values = (*self.values.shape[:2], new, self.values.shape[3])
+        shown_keys, shown_values = (f"[{', '.join(map(str, dims))}]" for dims in (expected_keys, expected_values))
         if not (isinstance(keys, Tensor) and isinstance(values, Tensor)):
-            raise TypeError(f"cache expects tensors keys {list(expected_keys)} and values {list(expected_values)}, "
+            raise TypeError(f"cache expects tensors keys {shown_keys} and values {shown_values}, "
                             f"got {type(keys).__name__} and {type(values).__name__}")
         if tuple(keys.shape) != expected_keys or tuple(values.shape) != expected_values:
             raise ValueError(
-                f"cache expects keys {list(expected_keys)} and values {list(expected_values)} "
+                f"cache expects keys {shown_keys} and values {shown_values} "
                 f"([B, Hkv, n, D]), got keys {tuple(keys.shape)} and values {tuple(values.shape)}"
             )
         if {keys.dtype, values.dtype} != {self.keys.dtype} or {keys.device, values.device} != {self.keys.device}:
