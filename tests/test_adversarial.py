@@ -101,6 +101,7 @@ def test_core_refuses_bad_arguments_by_name(name):
 MASK_ERRORS = {
     "float document lengths": (TypeError, r"lengths must be .*holding float 2.7", lambda: masks.document([2.7, 3.2])),
     "bool in document lengths": (TypeError, r"lengths must be .*holding bool True", lambda: masks.document([True, 2])),
+    "None in padding lengths": (TypeError, r"lengths must be .*holding NoneType None", lambda: masks.padding([None, 2])),
     "document from a string": (TypeError, r"lengths must be .*got str", lambda: masks.document("23")),
     "document from an int": (TypeError, r"lengths must be a 1-D sequence of ints .*got int 5", lambda: masks.document(5)),
     "negative document": (ValueError, r"lengths must be >= 0, got \[3, -1\]", lambda: masks.document([3, -1])),

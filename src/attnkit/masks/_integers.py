@@ -68,13 +68,13 @@ def _from_sequence(name: str, value: object, expected: str, minimum: int | None,
     if not isinstance(items, Sequence) or isinstance(items, (str, bytes)):
         raise TypeError(f"{name} must be {expected}, got {_describe(value)}")
     leaves = list(_leaves(items))
-    wrong = next((leaf for leaf in leaves if not _is_int(leaf)), None)
-    if wrong is not None:
-        raise TypeError(f"{name} must be {expected}, got {_describe(value)} holding {_describe(wrong)}")
-    outside = next((int(leaf) for leaf in leaves if not _INT64[0] <= int(leaf) <= _INT64[1]), None)  # type: ignore[call-overload]
-    if outside is not None:  # refused before torch would fail to convert it
-        _check_range(name, outside, outside, minimum, maximum, outside)
-        raise ValueError(f"{name} must hold int64 values, got {outside}")
+    for leaf in leaves:
+        if not _is_int(leaf):
+            raise TypeError(f"{name} must be {expected}, got {_describe(value)} holding {_describe(leaf)}")
+    for number in map(int, leaves):  # type: ignore[arg-type]
+        if not _INT64[0] <= number <= _INT64[1]:  # refused before torch would fail to convert it
+            _check_range(name, number, number, minimum, maximum, number)
+            raise ValueError(f"{name} must hold int64 values, got {number}")
     try:
         return torch.tensor(items, dtype=torch.int64)
     except (TypeError, ValueError):  # ragged nesting
