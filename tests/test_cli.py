@@ -30,6 +30,6 @@ def test_explain_causal_shows_the_mask_and_masked_weights(capsys):
     assert "'Your' attends most to 'Your' (1.0000)" in text
 
 
-def test_console_script_runs():
-    result = subprocess.run([sys.executable, "-m", "attnkit.cli", "explain"], capture_output=True, text=True, check=True)
+def test_python_dash_m_attnkit_runs():
+    result = subprocess.run([sys.executable, "-m", "attnkit", "explain"], capture_output=True, text=True, check=True)
     assert "Reading the weights" in result.stdout

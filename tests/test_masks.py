@@ -36,7 +36,7 @@ def test_padding_mask_from_lengths_and_keep():
     assert masks.padding_mask(lengths, key_length=6).shape == (3, 1, 1, 6)
     with pytest.raises(ValueError, match=r"lengths must lie in \[0, 2\]"):
         masks.padding_mask(lengths, key_length=2)
-    with pytest.raises(TypeError, match="1-D integer tensor"):
+    with pytest.raises(TypeError, match=r"lengths must be a 1-D sequence of ints \[B\], got a torch.float32 tensor"):
         masks.lengths_to_keep(torch.tensor([1.5]))
 
 

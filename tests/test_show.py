@@ -38,9 +38,10 @@ def test_show_minilm_on_two_texts(tmp_path, capsys):
     assert (tmp_path / "layer5-head11.png").exists()
 
 
-def test_show_rejects_a_head_out_of_range(tmp_path):
-    with pytest.raises(SystemExit, match=r"head: got 12, expected 0 <= head < 12"):
-        main(["show", "Hi", "--out", str(tmp_path), "--head", "12"])
+def test_show_rejects_a_head_out_of_range(tmp_path, capsys):
+    assert main(["show", "Hi", "--out", str(tmp_path / "report"), "--head", "12"]) == 2
+    assert capsys.readouterr().err == "attnkit show: error: head: got 12, expected 0 <= head < 12\n"
+    assert not (tmp_path / "report").exists()  # refused before anything was written
 
 
 def test_explain_minilm_walks_one_head(capsys):
@@ -58,5 +59,5 @@ def test_explain_minilm_walks_one_head(capsys):
 def test_explain_minilm_causal_and_bad_layer(capsys):
     assert main(["explain", "Hi there", "--model", "minilm", "--causal"]) == 0
     assert "masked_scores [4, 4]" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match=r"layer must be in \[0, 5\]"):
-        main(["explain", "Hi", "--model", "minilm", "--layer", "6"])
+    assert main(["explain", "Hi", "--model", "minilm", "--layer", "6"]) == 2
+    assert capsys.readouterr().err.startswith("attnkit explain: error: layer must be in [0, 5]")

@@ -87,7 +87,7 @@ def test_per_sequence_masks_broadcast_over_heads_and_need_a_batch():
     (lambda: masks.document(ids=torch.tensor([0, 1, 0])), ValueError, r"contiguous runs.*\[0, 1, 0\]"),
     (lambda: masks.document(ids=torch.zeros(2, 2, 2, dtype=torch.long)), TypeError, r"\[T\] or \[B, T\].*\(2, 2, 2\)"),
     (lambda: masks.prefix_lm(-1), ValueError, r"prefix_length must be >= 0, got -1"),
-    (lambda: masks.padding(torch.tensor([1.5])), TypeError, r"lengths must be an int or a 1-D integer"),
+    (lambda: masks.padding(torch.tensor([1.5])), TypeError, r"lengths must be an int or a 1-D sequence of ints \[B\], got a torch.float32 tensor"),
     (lambda: masks.padding([1, 2]) & masks.padding([1, 2, 3]), ValueError, r"different numbers of sequences \[2, 3\]"),
 ], ids=["window 0", "window float", "negative document", "no document", "non-contiguous ids", "3-D ids",
         "negative prefix", "float padding", "batch mismatch"])

@@ -78,10 +78,23 @@ def summarise(record) -> list[str]:
 def show(texts: Sequence[str] | None, *, model: str = "minilm", out: str | Path = "attnkit-report",
          layer: int = 0, head: int = 0, images: bool = True) -> ShowResult:
     """Write ``out/attention.html`` (every text) and, with ``images``, PNG and SVG images of the
-    first text's layer x head grid and of one head."""
-    from .viz import save_grid, save_head, write_report
+    first text's layer x head grid and of one head.
 
+    ``out`` is a directory, created if needed (an existing file there is refused before any
+    work); files of the same names in it are replaced.
+    """
+    from .viz import save_grid, save_head, write_report
+    from .viz._optional import require
+    from .viz.report import DEFAULT_NAME
+
+    # A missing optional package is reported before the model runs, not after minutes of it.
+    require("numpy", "the HTML report")
+    if images:
+        require("matplotlib.figure", "image export")
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out: {str(out)!r} is a file; give a directory for the report and its images "
+                         "(created if needed)")
     if model == "toy":
         if texts:
             raise ValueError("the toy model has one fixed sentence; use --model minilm for your own texts")
@@ -90,7 +103,7 @@ def show(texts: Sequence[str] | None, *, model: str = "minilm", out: str | Path 
         records = model_records(list(texts or DEFAULT_TEXTS), model)
     first = records[0]
     first.head(layer, head)  # a clear error for an out-of-range layer or head, before writing
-    paths = [write_report(records, out, title=f"attnkit: {first.model} attention")]
+    paths = [write_report(records, out / DEFAULT_NAME, title=f"attnkit: {first.model} attention")]
     if images:
         for suffix in ("png", "svg"):
             paths.append(save_grid(first, out / f"grid.{suffix}"))

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import _integers
+
 __all__ = [
     "causal_mask",
     "padding_mask",
@@ -44,23 +46,19 @@ def causal_mask(q_len: int, k_len: int | None = None, *, device: torch.device | 
     Aligned bottom-right (see the module docstring's picture); with ``Lq == Lk`` it is the
     usual lower triangle. ``k_len`` defaults to ``q_len``.
     """
-    k_len = q_len if k_len is None else k_len
-    if q_len < 0 or k_len < 0:
-        raise ValueError(f"causal_mask needs non-negative lengths, got q_len={q_len}, k_len={k_len}")
+    q_len = _integers.integer("q_len", q_len)
+    k_len = q_len if k_len is None else _integers.integer("k_len", k_len)
     return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
 
 
 def lengths_to_keep(lengths: Tensor, max_length: int | None = None) -> Tensor:
     """``[B]`` integer lengths -> ``[B, max_length]`` boolean keep-mask (True on real positions)."""
-    if not isinstance(lengths, Tensor):
-        lengths = torch.as_tensor(lengths)
-    if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
-        raise TypeError(f"lengths must be a 1-D integer tensor [B], got {lengths.dtype} of shape {tuple(lengths.shape)}")
-    longest = int(lengths.max()) if lengths.numel() else 0
+    max_length = _integers.optional_integer("max_length", max_length)
+    lengths = _integers.integers("lengths", lengths)
+    if max_length is not None and lengths.numel() and int(lengths.max()) > max_length:
+        raise ValueError(f"lengths must lie in [0, {max_length}] (max_length), got {lengths.tolist()}")
     if max_length is None:
-        max_length = longest
-    if lengths.numel() and (int(lengths.min()) < 0 or longest > max_length):
-        raise ValueError(f"lengths must lie in [0, {max_length}], got {lengths.tolist()}")
+        max_length = int(lengths.max()) if lengths.numel() else 0
     positions = torch.arange(max_length, device=lengths.device)
     return positions < lengths[:, None]
 
@@ -72,19 +70,18 @@ def padding_mask(lengths_or_keep: Tensor, key_length: int | None = None, *, ndim
     boolean keep-mask ``[B, Lk]``. ``ndim=4`` broadcasts against ``[B, H, Lq, Lk]`` scores,
     ``ndim=3`` against ``[B, Lq, Lk]``.
     """
-    if ndim < 2:
-        raise ValueError(f"ndim must be >= 2 (batch and key dims), got {ndim}")
+    ndim = _integers.integer("ndim", ndim, minimum=2)
+    key_length = _integers.optional_integer("key_length", key_length)
     keep = lengths_or_keep
-    if not isinstance(keep, Tensor):
-        keep = torch.as_tensor(keep)
-    if keep.dtype != torch.bool:
+    if not (isinstance(keep, Tensor) and keep.dtype == torch.bool):
         keep = lengths_to_keep(keep, key_length)
     elif keep.dim() != 2:
         raise ValueError(f"a boolean keep-mask must be [B, Lk], got shape {tuple(keep.shape)}")
     elif key_length is not None and keep.shape[1] != key_length:
         raise ValueError(f"keep-mask has {keep.shape[1]} keys, expected key_length={key_length}")
     batch, keys = keep.shape
-    return keep.reshape(batch, *([1] * (ndim - 2)), keys)
+    # A copy: a later in-place edit of the caller's keep-mask must not change this mask.
+    return keep.clone().reshape(batch, *([1] * (ndim - 2)), keys)
 
 
 def from_torch_key_padding_mask(key_padding_mask: Tensor, *, ndim: int = 4) -> Tensor:
@@ -94,6 +91,7 @@ def from_torch_key_padding_mask(key_padding_mask: Tensor, *, ndim: int = 4) -> T
     may be attended, shaped ``[B, 1, ..., 1, Lk]`` (``ndim`` dims). A floating mask is an
     additive bias in both conventions and is only reshaped.
     """
+    ndim = _integers.integer("ndim", ndim, minimum=2)
     if key_padding_mask.dim() != 2:
         raise ValueError(f"key_padding_mask must be [B, Lk], got shape {tuple(key_padding_mask.shape)}")
     mask = ~key_padding_mask if key_padding_mask.dtype == torch.bool else key_padding_mask
@@ -107,6 +105,7 @@ def from_torch_attn_mask(attn_mask: Tensor, *, num_heads: int | None = None) -> 
     ``[Lq, Lk]`` stays 2-D; ``[B * num_heads, Lq, Lk]`` becomes ``[B, num_heads, Lq, Lk]``.
     A boolean mask is inverted (PyTorch: True = not allowed); a floating one is unchanged.
     """
+    num_heads = _integers.optional_integer("num_heads", num_heads, minimum=1)
     mask = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask
     if mask.dim() == 2:
         return mask

@@ -29,12 +29,14 @@ Boolean forms mean **True = may attend**, as everywhere in attnkit.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from . import _integers
 from .dense import to_string as _draw_dense
 
 __all__ = [
@@ -325,21 +327,10 @@ class _Intersection(StructuredMask):
 
 
 def _int_or_lengths(name: str, value: object) -> int | Tensor:
-    """An int, or per-sequence ints ``[B]`` as an int64 tensor; negative values rejected."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or a 1-D integer sequence [B], got bool")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-        return value
-    tensor = value if isinstance(value, Tensor) else torch.as_tensor(value)
-    if tensor.dim() != 1 or tensor.is_floating_point() or tensor.dtype == torch.bool or tensor.is_complex():
-        raise TypeError(
-            f"{name} must be an int or a 1-D integer sequence [B], got {tensor.dtype} of shape {tuple(tensor.shape)}"
-        )
-    if tensor.numel() and int(tensor.min()) < 0:
-        raise ValueError(f"{name} must be >= 0, got {tensor.tolist()}")
-    return tensor.to(torch.int64)
+    """An int, or per-sequence ints ``[B]`` as the mask's own int64 tensor; each in ``[0, 2**62]``."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return _integers.integer(name, value)
+    return _integers.integers(name, value, expected="an int or a 1-D sequence of ints [B]")
 
 
 def causal() -> StructuredMask:
@@ -365,11 +356,9 @@ def sliding_window(size: int, *, causal: bool = True) -> StructuredMask:
         . # # # .        . . # # #
         . . # # #        . . . # #
     """
-    if isinstance(size, bool) or not isinstance(size, int):
-        raise TypeError(f"size must be an int, got {type(size).__name__}")
-    if size < 1:
-        raise ValueError(f"size must be >= 1, got {size}")
-    return _SlidingWindow(size, causal)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    return _SlidingWindow(_integers.integer("size", size, minimum=1), causal)
 
 
 def document(lengths: Sequence[int] | Tensor | None = None, *, ids: Tensor | None = None) -> StructuredMask:
@@ -389,18 +378,16 @@ def document(lengths: Sequence[int] | Tensor | None = None, *, ids: Tensor | Non
     if (lengths is None) == (ids is None):
         raise TypeError("document() takes either lengths (positional) or ids=..., exactly one of them")
     if lengths is not None:
-        sizes = lengths if isinstance(lengths, Tensor) else torch.as_tensor(list(lengths), dtype=torch.int64)
-        if sizes.dim() != 1 or sizes.is_floating_point() or sizes.dtype == torch.bool:
-            raise TypeError(f"lengths must be a 1-D sequence of ints, got {sizes.dtype} of shape {tuple(sizes.shape)}")
-        if sizes.numel() and int(sizes.min()) < 0:
-            raise ValueError(f"lengths must be >= 0, got {sizes.tolist()}")
-        labels = torch.repeat_interleave(torch.arange(sizes.numel()), sizes.to(torch.int64).cpu())
+        sizes = _integers.integers("lengths", lengths, expected="a 1-D sequence of ints (one per document)")
+        total = sum(sizes.tolist())  # in Python: an int64 sum could wrap around
+        if total > _integers.LIMIT:
+            raise ValueError(f"lengths must sum to at most 2**62 positions, got {total}")
+        labels = torch.repeat_interleave(torch.arange(sizes.numel()), sizes.cpu())
         return _Document(labels, f"{sizes.tolist()}")
-    if not isinstance(ids, Tensor):
-        ids = torch.as_tensor(ids)
-    if ids.dim() not in (1, 2) or ids.is_floating_point() or ids.dtype == torch.bool:
-        raise TypeError(f"ids must be an integer tensor [T] or [B, T], got {ids.dtype} of shape {tuple(ids.shape)}")
-    return _Document(ids.cpu(), f"ids={ids.tolist()}" if ids.numel() <= 16 else f"ids of shape {tuple(ids.shape)}")
+    labels = _integers.integers("ids", ids, ndims=(1, 2), minimum=None, maximum=None,
+                                expected="an integer tensor [T] or [B, T]")
+    return _Document(labels.cpu(), f"ids={labels.tolist()}" if labels.numel() <= 16
+                     else f"ids of shape {tuple(labels.shape)}")
 
 
 def prefix_lm(prefix_length: int | Sequence[int] | Tensor) -> StructuredMask:

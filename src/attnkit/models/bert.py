@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..nn import MultiHeadAttention
+from ..nn import MultiHeadAttention, _checks
 
 # Hugging Face's names for the activations we support: "gelu" is the exact (erf) GELU.
 _ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -42,33 +43,76 @@ class BertConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, *, source: str = "config") -> "BertConfig":
-        """Build from a parsed ``config.json``; missing keys or unsupported settings are clear errors."""
-        model_type = raw.get("model_type", "bert")
-        if model_type != "bert":
-            raise ValueError(f"{source}: model_type is {model_type!r}; attnkit loads BERT-family encoders ('bert')")
-        position_type = raw.get("position_embedding_type", "absolute")
-        if position_type != "absolute":
-            raise ValueError(f"{source}: position_embedding_type {position_type!r} is not supported (only 'absolute')")
-        all_fields = dataclasses.fields(cls)
-        missing = [f.name for f in all_fields if f.name not in raw and f.default is dataclasses.MISSING]
+        """Build from a parsed ``config.json``, checking every key it uses (type and range);
+        errors name ``source`` (the file) and the key. Keys attnkit does not use are ignored."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source}: expected a JSON object of settings, got {type(raw).__name__}")
+        for key, expected in (("model_type", "bert"), ("position_embedding_type", "absolute")):
+            value = raw.get(key, expected)
+            if value != expected:
+                raise ValueError(f"{source}: {key} is {value!r}; attnkit loads BERT-family encoders "
+                                 f"with {key} {expected!r}")
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in raw and f.default is dataclasses.MISSING]
         if missing:
             raise ValueError(f"{source}: missing required key(s) {missing}")
-        config = cls(**{f.name: raw[f.name] for f in all_fields if f.name in raw})
-        if config.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"{source}: hidden_act {config.hidden_act!r} is not supported; "
-                             f"expected one of {sorted(_ACTIVATIONS)}")
+        values = {name: _checked(source, name, raw[name]) for name in _RULES if name in raw}
+        config = cls(**values)
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(f"{source}: hidden_size {config.hidden_size} is not divisible by "
                              f"num_attention_heads {config.num_attention_heads}")
+        if config.pad_token_id >= config.vocab_size:
+            raise ValueError(f"{source}: pad_token_id {config.pad_token_id} is not a token id "
+                             f"(vocab_size is {config.vocab_size})")
         return config
 
     @classmethod
     def from_file(cls, path: str | Path) -> "BertConfig":
         try:
-            raw = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as error:
+            raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise ValueError(f"{path}: not valid JSON ({error})") from None
         return cls.from_dict(raw, source=str(path))
+
+
+# What each key of config.json must be: ("int", minimum), ("probability", None), ("positive", None)
+# (a finite float > 0) or ("activation", None).
+_RULES: dict[str, tuple[str, int | None]] = {
+    "vocab_size": ("int", 1),
+    "hidden_size": ("int", 1),
+    "num_hidden_layers": ("int", 1),
+    "num_attention_heads": ("int", 1),
+    "intermediate_size": ("int", 1),
+    "max_position_embeddings": ("int", 1),
+    "type_vocab_size": ("int", 1),
+    "pad_token_id": ("int", 0),
+    "layer_norm_eps": ("positive", None),
+    "hidden_dropout_prob": ("probability", None),
+    "attention_probs_dropout_prob": ("probability", None),
+    "hidden_act": ("activation", None),
+}
+
+
+def _checked(source: str, key: str, value: object) -> object:
+    """``value`` of ``config.json``'s ``key`` if it obeys the key's rule, else a ValueError naming both."""
+    kind, minimum = _RULES[key]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "int":
+        if isinstance(value, int) and not isinstance(value, bool) and value >= minimum:  # type: ignore[operator]
+            return value
+        expected = f"an integer >= {minimum}"
+    elif kind == "positive":
+        if number and math.isfinite(value) and value > 0:  # type: ignore[arg-type, operator]
+            return float(value)  # type: ignore[arg-type]
+        expected = "a finite number > 0"
+    elif kind == "probability":
+        if number and 0 <= value < 1:  # type: ignore[operator]
+            return float(value)  # type: ignore[arg-type]
+        expected = "a probability in [0, 1)"
+    else:
+        if isinstance(value, str) and value in _ACTIVATIONS:
+            return value
+        raise ValueError(f"{source}: hidden_act {value!r} is not supported; expected one of {sorted(_ACTIVATIONS)}")
+    raise ValueError(f"{source}: {key} must be {expected}, got {value!r} ({type(value).__name__})")
 
 
 class BertEmbeddings(nn.Module):
@@ -134,7 +178,9 @@ class BertEncoder(nn.Module):
         self.layers = nn.ModuleList(BertLayer(config, backend=backend) for _ in range(config.num_hidden_layers))
 
     def set_backend(self, backend: str) -> None:
-        """Run every attention call of the model on ``backend`` (see :func:`attnkit.backends`)."""
+        """Run every attention call of the model on ``backend`` (see :func:`attnkit.backends`);
+        an unknown name is refused and changes nothing."""
+        backend = _checks.backend_name(backend)
         for layer in self.layers:
             layer.attention.backend = backend
 

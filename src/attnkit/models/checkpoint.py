@@ -52,13 +52,15 @@ def model_directory(name_or_path: str | Path) -> Path:
         try:
             module = importlib.import_module(package)
         except ImportError:
-            raise ImportError(f"model {name_or_path!r} ships in the package {package!r}: {install}") from None
+            raise ImportError(f"the built-in model {name_or_path!r} is not installed (it ships in the package "
+                              f"{package!r}); install it with: {install}") from None
         directory = Path(module.get_model_path())
     else:
         directory = Path(name_or_path)
         if not directory.is_dir():
+            problem = "is not a directory" if directory.exists() else "does not exist"
             raise FileNotFoundError(
-                f"model directory {str(directory)!r} does not exist; give a Hugging Face-format folder "
+                f"model directory {str(directory)!r} {problem}; give a Hugging Face-format folder "
                 f"({', '.join(REQUIRED_FILES)}) or one of the names {sorted(BUILTIN_MODELS)}")
     for name in REQUIRED_FILES:
         if not (directory / name).is_file():
@@ -108,3 +110,16 @@ def read_tokenizer(directory: Path):
     tokenizer.no_padding()
     tokenizer.no_truncation()
     return tokenizer
+
+
+def check_vocabulary(tokenizer, config, directory: Path) -> None:
+    """Every id the tokenizer can produce has a row in the model's word embeddings; otherwise
+    the mismatch is named at load time instead of failing inside some later ``encode``."""
+    vocabulary = tokenizer.get_vocab(with_added_tokens=True)
+    largest = max(vocabulary.values(), default=-1)
+    if largest >= config.vocab_size:
+        token = next(t for t, i in vocabulary.items() if i == largest)
+        raise ValueError(
+            f"{directory / 'tokenizer.json'} does not fit {directory / 'config.json'}: the tokenizer "
+            f"has ids up to {largest} ({token!r}) but vocab_size is {config.vocab_size}"
+        )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .bert import BertConfig, BertEncoder
-from .checkpoint import BUILTIN_MODELS, model_directory, read_tokenizer, read_weights
+from .checkpoint import BUILTIN_MODELS, check_vocabulary, model_directory, read_tokenizer, read_weights
 
 
 @dataclass
@@ -23,6 +24,28 @@ class Encoded:
     input_ids: Tensor  # [B, T]
     tokens: list[list[str]]  # per text, the real tokens only (no padding)
     attentions: tuple[Tensor, ...] | None  # per layer [B, H, T, T] when asked for
+
+
+def as_texts(texts: str | Iterable[str]) -> list[str]:
+    """One text or any iterable of texts (list, tuple, generator...) as a non-empty list of ``str``;
+    anything else is a clear error naming ``texts``."""
+    if isinstance(texts, (bytes, bytearray)):
+        raise TypeError("texts must be a str or an iterable of str, got bytes; decode it first")
+    try:
+        items = [texts] if isinstance(texts, str) else list(texts)
+    except TypeError:
+        raise TypeError(f"texts must be a str or an iterable of str, got {type(texts).__name__}") from None
+    for i, text in enumerate(items):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{i}] must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:  # lone surrogates, e.g. from undecodable command-line bytes
+            raise ValueError(f"texts[{i}] is not valid Unicode text ({error.reason} at position {error.start}): "
+                             f"{text[:60]!r}") from None
+    if not items:
+        raise ValueError("texts is empty; give at least one text")
+    return items
 
 
 class TextEncoder:
@@ -43,13 +66,15 @@ class TextEncoder:
     def device(self) -> torch.device:
         return self.model.embeddings.word.weight.device
 
-    def tokenize(self, texts: Sequence[str]) -> tuple[Tensor, Tensor, list[list[str]]]:
-        """Texts -> ``input_ids [B, T]``, ``attention_mask [B, T]`` (padded to the longest) and tokens."""
-        encodings = self.tokenizer.encode_batch(list(texts))
-        for text, encoding in zip(texts, encodings):
+    def tokenize(self, texts: str | Iterable[str]) -> tuple[Tensor, Tensor, list[list[str]]]:
+        """Texts -> ``input_ids [B, T]``, ``attention_mask [B, T]`` (padded to the longest) and tokens.
+        A text longer than ``max_length`` tokens is an error, never cut."""
+        texts = as_texts(texts)
+        encodings = self.tokenizer.encode_batch(texts)
+        for i, (text, encoding) in enumerate(zip(texts, encodings, strict=True)):
             if len(encoding.ids) > self.max_length:
-                raise ValueError(f"text has {len(encoding.ids)} tokens, more than max_length={self.max_length}: "
-                                 f"{text[:60]!r}...")
+                raise ValueError(f"texts[{i}] has {len(encoding.ids)} tokens, more than max_length="
+                                 f"{self.max_length}: {text[:60]!r}...")
         longest = max(len(e.ids) for e in encodings)
         pad = self.model.config.pad_token_id
         input_ids = torch.full((len(encodings), longest), pad, dtype=torch.long)
@@ -60,24 +85,22 @@ class TextEncoder:
         return input_ids.to(self.device), attention_mask.to(self.device), [list(e.tokens) for e in encodings]
 
     @torch.inference_mode()
-    def encode(self, texts: str | Sequence[str], *, need_weights: bool = False, causal: bool = False) -> Encoded:
-        """Encode one text or a batch; with ``need_weights`` also every layer's ``[B, H, T, T]`` weights.
+    def encode(self, texts: str | Iterable[str], *, need_weights: bool = False, causal: bool = False) -> Encoded:
+        """Encode one text or a batch (any iterable of ``str``); with ``need_weights`` also every
+        layer's ``[B, H, T, T]`` weights.
 
         ``causal`` masks future tokens in every layer (not how the model was trained; for study).
         """
-        if isinstance(texts, str):
-            texts = [texts]
-        if not texts:
-            raise ValueError("texts is empty; give at least one text")
         input_ids, attention_mask, tokens = self.tokenize(texts)
         hidden, attentions = self.model(input_ids, attention_mask, need_weights=need_weights, causal=causal)
         return Encoded(hidden, attention_mask, input_ids, tokens, attentions)
 
-    def embed(self, texts: str | Sequence[str], *, batch_size: int = 32, normalize: bool = True) -> Tensor:
-        """Sentence embeddings ``[N, E]``: mean of the real tokens' hidden states, L2-normalised
-        (the sentence-transformers recipe for all-MiniLM-L6-v2)."""
-        if isinstance(texts, str):
-            texts = [texts]
+    def embed(self, texts: str | Iterable[str], *, batch_size: int = 32, normalize: bool = True) -> Tensor:
+        """Sentence embeddings ``[N, E]`` of one text or any iterable of ``str``: mean of the real
+        tokens' hidden states, L2-normalised (the sentence-transformers recipe for all-MiniLM-L6-v2)."""
+        texts = as_texts(texts)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         chunks = []
         for start in range(0, len(texts), batch_size):
             out = self.encode(texts[start : start + batch_size])
@@ -86,7 +109,7 @@ class TextEncoder:
             chunks.append(F.normalize(pooled, dim=-1) if normalize else pooled)
         return torch.cat(chunks)
 
-    def similarity(self, a: str | Sequence[str], b: str | Sequence[str]) -> Tensor:
+    def similarity(self, a: str | Iterable[str], b: str | Iterable[str]) -> Tensor:
         """Cosine similarity ``[len(a), len(b)]`` between sentence embeddings."""
         return self.embed(a) @ self.embed(b).T
 
@@ -105,6 +128,10 @@ def load(
     ``max_length`` defaults to the model's number of positions (512 for MiniLM); longer texts
     are an error rather than silently truncated. The model is returned in eval mode.
     """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"name_or_path must be a model name or a directory path, got {type(name_or_path).__name__}")
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)):
+        raise TypeError(f"max_length must be an int or None, got {type(max_length).__name__}")
     directory = model_directory(name_or_path)
     config = BertConfig.from_file(directory / "config.json")
     limit = config.max_position_embeddings
@@ -126,5 +153,7 @@ def load(
     model.eval()
     if device is not None:
         model.to(device)
+    tokenizer = read_tokenizer(directory)
+    check_vocabulary(tokenizer, config, directory)
     name = name_or_path if name_or_path in BUILTIN_MODELS else directory.name
-    return TextEncoder(model, read_tokenizer(directory), name=str(name), max_length=max_length or limit)
+    return TextEncoder(model, tokenizer, name=str(name), max_length=max_length or limit)

@@ -26,7 +26,7 @@ def dropout_probability(value: object) -> float:
 
 
 def backend_name(value: object) -> str:
-    if value not in backends():
+    if not isinstance(value, str) or value not in backends():
         raise ValueError(f"unknown backend {value!r}; available: {backends()}")
     return value  # type: ignore[return-value]
 
@@ -37,6 +37,8 @@ def features(name: str, tensor: object, size: int) -> Tensor:
         raise TypeError(f"{name} must be a torch.Tensor [B, L, {size}] or [L, {size}], got {type(tensor).__name__}")
     if tensor.dim() not in (2, 3) or tensor.shape[-1] != size:
         raise ValueError(f"{name} must be [B, L, {size}] or [L, {size}], got shape {tuple(tensor.shape)}")
+    if not tensor.is_floating_point():
+        raise TypeError(f"{name} must have a floating dtype (token features), got {tensor.dtype}")
     return tensor
 
 
@@ -66,3 +68,17 @@ def inputs_with_context(x: Tensor, context: Tensor | None, d_in: int, d_context:
     features(name, context, d_context)
     same_batch(x, "context", context)
     return context
+
+
+def boolean(name: str, value: object) -> bool:
+    """A flag: exactly ``True`` or ``False`` (``"no"`` or ``0`` are not silently coerced)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def weight_tensors(**weights: object) -> None:
+    """Weights handed to a conversion are tensors (else a TypeError naming the first that is not)."""
+    for name, weight in weights.items():
+        if not isinstance(weight, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")

@@ -6,11 +6,13 @@ from torch import Tensor, nn
 
 from ..core import attention
 from . import _checks
+from ._settings import AttentionSettings
 
 
-class HeadLayer(nn.Module):
+class HeadLayer(AttentionSettings, nn.Module):
     """Checked head sizes (``d_in``, ``d_qk``, ``d_v``, ``d_context``) and attention settings
-    (``causal``, ``dropout``, ``backend``) of a layer whose heads each have their own projections."""
+    (``causal``, ``dropout``, ``backend``, checked on every assignment) of a layer whose heads
+    each have their own projections."""
 
     def __init__(self, d_in: int, d_qk: int, d_v: int | None, d_context: int | None, *,
                  causal: bool, dropout: float, backend: str) -> None:
@@ -19,9 +21,9 @@ class HeadLayer(nn.Module):
         self.d_qk = _checks.positive_int("d_qk", d_qk)
         self.d_v = _checks.optional_positive_int("d_v", d_v, self.d_qk)
         self.d_context = _checks.optional_positive_int("d_context", d_context, self.d_in)
-        self.causal = bool(causal)
-        self.dropout = _checks.dropout_probability(dropout)
-        self.backend = _checks.backend_name(backend)
+        self.causal = causal
+        self.dropout = dropout
+        self.backend = backend
 
     def attend(self, queries: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None,
                need_weights: bool) -> Tensor | tuple[Tensor, Tensor]:

@@ -5,13 +5,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..masks import StructuredMask
 from . import _checks
 from .self_attention import SelfAttention
 
 
-def head_mask(mask: Tensor | None, head: int) -> Tensor | None:
-    """The part of a ``[B, H, Lq, Lk]``-broadcastable mask that applies to one head."""
-    if mask is None or mask.dim() < 3:
+def check_head_mask(mask: object, num_heads: int, batched: bool) -> None:
+    """A tensor mask must fit ``[B, H, Lq, Lk]`` (``[H, Lq, Lk]`` unbatched): its heads dim 1 or ``H``."""
+    if not isinstance(mask, Tensor):
+        return  # None, a structured mask (the same for every head), or a type the core names
+    expected = "[B, H, Lq, Lk]" if batched else "[H, Lq, Lk] (unbatched x)"
+    if mask.dim() > (4 if batched else 3):
+        raise ValueError(f"mask must broadcast to {expected} with H = num_heads = {num_heads}, "
+                         f"got shape {tuple(mask.shape)}")
+    if mask.dim() >= 3 and mask.shape[-3] not in (1, num_heads):
+        raise ValueError(f"mask's heads dim (dim -3 of {expected}) must be 1 or num_heads = {num_heads}, "
+                         f"got shape {tuple(mask.shape)}")
+
+
+def head_mask(mask: Tensor | StructuredMask | None, head: int) -> Tensor | StructuredMask | None:
+    """The part of a ``[B, H, Lq, Lk]``-broadcastable mask that applies to one head (a structured
+    mask applies to every head as it is)."""
+    if not isinstance(mask, Tensor) or mask.dim() < 3:
         return mask
     return mask.select(-3, head if mask.shape[-3] > 1 else 0)
 
@@ -50,6 +65,8 @@ class HeadList(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads = _checks.positive_int("num_heads", num_heads)
+        if out_dim is not None:
+            out_dim = _checks.positive_int("out_dim", out_dim)
         factory = dict(device=device, dtype=dtype)
         self.heads = nn.ModuleList(
             SelfAttention(d_in, d_qk, d_v, qkv_bias=qkv_bias, causal=causal, dropout=dropout,
@@ -57,15 +74,14 @@ class HeadList(nn.Module):
             for _ in range(self.num_heads)
         )
         concatenated = self.num_heads * self.heads[0].d_v
-        self.out_proj = None if out_dim is None else nn.Linear(
-            concatenated, _checks.positive_int("out_dim", out_dim), **factory)
+        self.out_proj = None if out_dim is None else nn.Linear(concatenated, out_dim, **factory)
 
     def forward(
         self,
         x: Tensor,
         context: Tensor | None = None,
         *,
-        mask: Tensor | None = None,
+        mask: Tensor | StructuredMask | None = None,
         need_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Run every head on ``x`` (and ``context``) and concatenate their outputs.
@@ -74,12 +90,14 @@ class HeadList(nn.Module):
             x: ``[B, Lq, d_in]`` or ``[Lq, d_in]``.
             context: ``[B, Lk, d_context]`` or ``[Lk, d_context]``; default ``x``.
             mask: boolean (**True = may attend**) or additive float, broadcastable to
-                ``[B, H, Lq, Lk]`` (``[H, Lq, Lk]`` unbatched), as for :class:`MultiHeadAttention`.
+                ``[B, H, Lq, Lk]`` (``[H, Lq, Lk]`` unbatched), as for :class:`MultiHeadAttention`;
+                or a structured mask from :mod:`attnkit.masks` (every head gets it).
             need_weights: also return every head's weights.
 
         Returns:
             ``output [B, Lq, out_dim or num_heads * d_v]``, or ``(output, weights [B, H, Lq, Lk])``.
         """
+        check_head_mask(mask, self.num_heads, batched=isinstance(x, Tensor) and x.dim() != 2)
         results = [head(x, context, mask=head_mask(mask, h), need_weights=need_weights)
                    for h, head in enumerate(self.heads)]
         outputs = [r[0] for r in results] if need_weights else results

@@ -27,6 +27,10 @@ class KVCache:
     :meth:`MultiHeadAttention.new_cache`; use it under ``torch.no_grad()`` (it is written in
     place), and :meth:`reset` it before a new sequence.
 
+    A layer call that fails (a bad mask, say) leaves the cache as it was: the layer
+    :meth:`stage`\ s the new tokens, attends, and only then :meth:`commit`\ s them, so a retry
+    does not see the failed call's tokens twice.
+
     Attributes:
         keys: ``[B, num_kv_heads, max_length, head_dim]`` buffer; rows ``< len(cache)`` are valid.
         values: ``[B, num_kv_heads, max_length, value_head_dim]`` buffer.
@@ -51,6 +55,7 @@ class KVCache:
         self.keys = torch.zeros(batch_size, num_kv_heads, max_length, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch_size, num_kv_heads, max_length, value_head_dim, dtype=dtype, device=device)
         self.length = 0
+        self._staged: int | None = None  # the length after the staged tokens, until commit()
 
     @property
     def max_length(self) -> int:
@@ -62,18 +67,36 @@ class KVCache:
     def reset(self) -> None:
         """Forget every stored token (the buffers are kept)."""
         self.length = 0
+        self._staged = None
 
     def update(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        """Append new ``keys [B, Hkv, n, head_dim]`` and ``values [B, Hkv, n, value_head_dim]``.
+        """Append new ``keys [B, Hkv, n, head_dim]`` and ``values [B, Hkv, n, value_head_dim]``:
+        :meth:`stage` then :meth:`commit`.
 
         Returns every key and value stored so far, ``[B, Hkv, len(cache), *]`` views of the buffers.
         """
-        new = keys.shape[2] if keys.dim() == 4 else "n"
+        stored = self.stage(keys, values)
+        self.commit()
+        return stored
+
+    def stage(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Write new ``keys [B, Hkv, n, head_dim]`` and ``values [B, Hkv, n, value_head_dim]`` after
+        the stored ones without counting them yet (``len(cache)`` is unchanged until
+        :meth:`commit`; staging again replaces them).
+
+        Returns the stored keys and values followed by the new ones, ``[B, Hkv, len(cache) + n, *]``
+        views of the buffers.
+        """
+        new = keys.shape[2] if isinstance(keys, Tensor) and keys.dim() == 4 else "n"
         expected_keys = (*self.keys.shape[:2], new, self.keys.shape[3])
         expected_values = (*self.values.shape[:2], new, self.values.shape[3])
+        shown_keys, shown_values = (f"[{', '.join(map(str, dims))}]" for dims in (expected_keys, expected_values))
+        if not (isinstance(keys, Tensor) and isinstance(values, Tensor)):
+            raise TypeError(f"cache expects tensors keys {shown_keys} and values {shown_values}, "
+                            f"got {type(keys).__name__} and {type(values).__name__}")
         if tuple(keys.shape) != expected_keys or tuple(values.shape) != expected_values:
             raise ValueError(
-                f"cache expects keys {list(expected_keys)} and values {list(expected_values)} "
+                f"cache expects keys {shown_keys} and values {shown_values} "
                 f"([B, Hkv, n, D]), got keys {tuple(keys.shape)} and values {tuple(values.shape)}"
             )
         if {keys.dtype, values.dtype} != {self.keys.dtype} or {keys.device, values.device} != {self.keys.device}:
@@ -87,10 +110,17 @@ class KVCache:
                 f"cache overflow: it holds {self.length} of max_length={self.max_length} tokens, "
                 f"cannot add {keys.shape[2]} more; make a larger cache or reset() it"
             )
+        # Rows from self.length on hold no stored token: writing there changes nothing visible.
         self.keys[:, :, self.length:end] = keys
         self.values[:, :, self.length:end] = values
-        self.length = end
+        self._staged = end
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def commit(self) -> None:
+        """Count the tokens of the last :meth:`stage` as stored."""
+        if self._staged is None:
+            raise RuntimeError("KVCache.commit: nothing is staged (call stage() first)")
+        self.length, self._staged = self._staged, None
 
     def __repr__(self) -> str:
         batch, heads, max_length, head_dim = self.keys.shape

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor, nn
 
 from .. import _steps
 from ..core import attention
-from . import _checks, convert, interop
+from . import _checks
+from ._settings import AttentionSettings
 from ._traced import traced_call
+from .convert import HeadConversions
+from .interop import TorchConversions
 from .kv_cache import KVCache
-from .self_attention import SelfAttention
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(HeadConversions, TorchConversions, AttentionSettings, nn.Module):
     r"""Batch-first multi-head attention over :func:`attnkit.attention`; GQA and MQA included.
 
     ::
@@ -47,6 +47,10 @@ class MultiHeadAttention(nn.Module):
     Projections are ``nn.Linear`` modules named ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``
     with PyTorch's default ``nn.Linear`` initialisation (``nn.MultiheadAttention`` uses
     Xavier-uniform weights and zero biases; :meth:`from_torch` copies its values).
+
+    Conversions: :meth:`from_heads` and :meth:`from_stacked` (the seeds' other formulations,
+    :mod:`attnkit.nn.convert`), :meth:`from_torch` and :meth:`to_torch` (:mod:`attnkit.nn.interop`).
+    ``causal``, ``dropout`` and ``backend`` may be reassigned; a bad value is refused on assignment.
 
     Differences from ``torch.nn.MultiheadAttention`` (see :meth:`forward`): one ``mask``
     with **True = may attend** instead of ``key_padding_mask``/``attn_mask`` with True = ignore;
@@ -89,6 +93,7 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = _checks.optional_positive_int("head_dim", head_dim, self.embed_dim // self.num_heads)
         self.value_head_dim = _checks.optional_positive_int("value_head_dim", value_head_dim, self.head_dim)
         concatenated = self.num_heads * self.value_head_dim
+        output_projection = _checks.boolean("output_projection", output_projection)
         if not output_projection and out_dim not in (None, concatenated):
             raise ValueError(
                 f"without an output projection the output has num_heads * value_head_dim = {concatenated} "
@@ -96,9 +101,10 @@ class MultiHeadAttention(nn.Module):
             )
         self.out_dim = concatenated if not output_projection else _checks.optional_positive_int(
             "out_dim", out_dim, self.embed_dim)
-        self.dropout = _checks.dropout_probability(dropout)
-        self.causal = bool(causal)
-        self.backend = _checks.backend_name(backend)
+        self.dropout = dropout
+        self.causal = causal
+        self.backend = backend
+        bias = _checks.boolean("bias", bias)
 
         factory = dict(device=device, dtype=dtype)
         self.q_proj = nn.Linear(self.embed_dim, self.num_heads * self.head_dim, bias=bias, **factory)
@@ -137,6 +143,8 @@ class MultiHeadAttention(nn.Module):
                 path; without them the fused kernel runs and never stores that matrix.
             cache: a :class:`KVCache` from :meth:`new_cache` (self-attention only): the new
                 tokens' keys and values are appended to it and attention runs over all of them.
+                They are counted as stored only once the call succeeds: a call that fails
+                (a bad mask, say) leaves the cache as it was.
 
         Returns:
             ``output [B, Lq, out_dim]`` when ``need_weights=False``, else
@@ -146,6 +154,8 @@ class MultiHeadAttention(nn.Module):
             NaN there whenever it materialises the weights.
         """
         key, value = self._key_and_value(query, key, value)
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache (from new_cache) or None, got {type(cache).__name__}")
         if cache is not None and key is not query:
             raise ValueError("a KVCache serves self-attention decoding: call forward(query, cache=cache) without key")
 
@@ -158,7 +168,7 @@ class MultiHeadAttention(nn.Module):
         keys = self.k_proj(key).view(batch, k_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         values = self.v_proj(value).view(batch, k_len, self.num_kv_heads, self.value_head_dim).transpose(1, 2)
         if cache is not None:
-            keys, values = cache.update(keys, values)
+            keys, values = cache.stage(keys, values)
         _steps.record("queries", queries)
         _steps.record("keys", keys)
         _steps.record("values", values)
@@ -178,6 +188,8 @@ class MultiHeadAttention(nn.Module):
         output = self.out_proj(concatenated)
         _steps.record("projected", output)
 
+        if cache is not None:
+            cache.commit()
         if unbatched:
             output = output.squeeze(0)
         if not need_weights:
@@ -213,27 +225,6 @@ class MultiHeadAttention(nn.Module):
         weight = self.k_proj.weight
         return KVCache(batch_size, max_length, self.num_kv_heads, self.head_dim, self.value_head_dim,
                        dtype=dtype or weight.dtype, device=device or weight.device)
-
-    @classmethod
-    def from_heads(cls, heads: Sequence[SelfAttention] | nn.Module, **kwargs: object) -> MultiHeadAttention:
-        """The fused layer computing what a :class:`HeadList` (or a list of :class:`SelfAttention`
-        heads, concatenated) computes; see :func:`attnkit.nn.convert.from_heads`."""
-        return convert.from_heads(cls, heads, **kwargs)
-
-    @classmethod
-    def from_stacked(cls, w_query: Tensor, w_key: Tensor, w_value: Tensor, **kwargs: object) -> MultiHeadAttention:
-        """The fused layer for stacked per-head weights ``[H, d_out, d_in]`` (seed 001, :class:`StackedHeads`);
-        see :func:`attnkit.nn.convert.from_stacked`."""
-        return convert.from_stacked(cls, w_query, w_key, w_value, **kwargs)
-
-    @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention, **kwargs: object) -> MultiHeadAttention:
-        """A copy of ``torch.nn.MultiheadAttention``'s weights; see :func:`attnkit.nn.interop.from_torch`."""
-        return interop.from_torch(cls, module, **kwargs)
-
-    def to_torch(self) -> nn.MultiheadAttention:
-        """An equivalent ``torch.nn.MultiheadAttention`` (batch_first=True); see :func:`attnkit.nn.interop.to_torch`."""
-        return interop.to_torch(self)
 
     def extra_repr(self) -> str:
         extras = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}"]

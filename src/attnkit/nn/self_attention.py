@@ -49,6 +49,7 @@ class SelfAttention(HeadLayer):
     ) -> None:
         super().__init__(d_in, d_qk, d_v, d_context, causal=causal, dropout=dropout, backend=backend)
         factory = dict(device=device, dtype=dtype)
+        qkv_bias = _checks.boolean("qkv_bias", qkv_bias)
         self.q_proj = nn.Linear(self.d_in, self.d_qk, bias=qkv_bias, **factory)
         self.k_proj = nn.Linear(self.d_context, self.d_qk, bias=qkv_bias, **factory)
         self.v_proj = nn.Linear(self.d_context, self.d_v, bias=qkv_bias, **factory)
@@ -61,6 +62,7 @@ class SelfAttention(HeadLayer):
         Seed 002 writes ``x @ W`` with ``W [d_in, d_out]``: pass ``W.T``. ``kwargs`` go to the
         constructor (``causal``, ``dropout``, ``backend``).
         """
+        _checks.weight_tensors(w_query=w_query, w_key=w_key, w_value=w_value)
         if not (w_query.dim() == w_key.dim() == w_value.dim() == 2):
             raise ValueError(
                 "w_query, w_key, w_value must be 2-D [d_out, d_in], got shapes "

@@ -79,6 +79,11 @@ class StackedHeads(HeadLayer):
             ``output [B, Lq, num_heads * d_v]``, or ``(output, weights [B, H, Lq, Lk])``.
         """
         context = _checks.inputs_with_context(x, context, self.d_in, self.d_context)
+        unbatched = x.dim() == 2
+        if unbatched:
+            # A batch of one, so the heads are never taken for a batch: a per-sequence mask
+            # (masks.padding([n])) must describe one sequence, not H of them.
+            x, context = x.unsqueeze(0), context.unsqueeze(0)
         # [B, 1, L, d_in] @ [H, d_in, d_out] -> [B, H, L, d_out]
         queries = x.unsqueeze(-3) @ self.w_query.transpose(-1, -2)
         keys = context.unsqueeze(-3) @ self.w_key.transpose(-1, -2)
@@ -88,7 +93,11 @@ class StackedHeads(HeadLayer):
         _steps.record("heads", heads)
         concatenated = heads.transpose(-3, -2).flatten(-2)  # [B, L, H, d_v] -> [B, L, H * d_v]
         _steps.record("concatenated", concatenated)
-        return (concatenated, result[1]) if need_weights else concatenated
+        if unbatched:
+            concatenated = concatenated.squeeze(0)
+        if not need_weights:
+            return concatenated
+        return concatenated, (result[1].squeeze(0) if unbatched else result[1])
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, {super().extra_repr()}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
@@ -18,6 +19,8 @@ from .progress import progress as _progress
 from .record import AttentionRecord
 
 DEFAULT_NAME = "attention.html"
+
+_SLOT = re.compile(r"\{\{(TITLE|STYLE|META|SCRIPT|DATA)\}\}")
 
 # Concatenated in this order into the page's one inline script (later files use earlier ones).
 _SCRIPTS = ("data.js", "colours.js", "canvas.js", "head_view.js", "model_view.js", "heatmap.js", "app.js")
@@ -40,6 +43,8 @@ def render_report(
     progress: bool | None = None,
 ) -> str:
     """The report's HTML text; see :func:`write_report`."""
+    if not isinstance(title, str):
+        raise TypeError(f"title must be a str, got {type(title).__name__}")
     records = [records] if isinstance(records, AttentionRecord) else list(records)
     if not records:
         raise ValueError("records: got none, expected at least one AttentionRecord")
@@ -55,16 +60,16 @@ def render_report(
         })
         blocks.append(f'<script type="application/octet-stream" id="attnkit-data-{i}">{data}</script>')
     script = "(() => {\n\"use strict\";\n" + "\n".join(_asset(name) for name in _SCRIPTS) + "\n})();"
-    page = _asset("report.html")
-    # Fill the small slots first and the data last, so no inserted text is scanned for slots.
-    for slot, text in (
-        ("{{TITLE}}", html.escape(title)),
-        ("{{STYLE}}", _asset("report.css")),
-        ("{{META}}", _script_json({"title": title, "records": metas})),
-        ("{{SCRIPT}}", script),
-    ):
-        page = page.replace(slot, text)
-    return page.replace("{{DATA}}", "\n".join(blocks))
+    fills = {
+        "TITLE": html.escape(title),
+        "STYLE": _asset("report.css"),
+        "META": _script_json({"title": title, "records": metas}),
+        "SCRIPT": script,
+        "DATA": "\n".join(blocks),
+    }
+    # One pass over the template: inserted text (a title or a sentence that reads "{{DATA}}")
+    # is never scanned for slots, so no input can alter the page.
+    return _SLOT.sub(lambda slot: fills[slot.group(1)], _asset("report.html"))
 
 
 def write_report(
@@ -81,7 +86,7 @@ def write_report(
         records: one :class:`AttentionRecord` per sentence (a sentence selector switches
             between them).
         out: a ``.html`` file path, or a directory (created if needed) that receives
-            ``attention.html``.
+            ``attention.html``; an existing file without the ``.html`` suffix is refused.
         title: shown as the page's heading and title.
         precision: how weights are stored: ``"float32"`` (exact), ``"float16"`` (half the
             size, 3 significant digits) or ``"auto"`` (float32 unless a sentence has more than
@@ -95,7 +100,11 @@ def write_report(
     heatmap of one head (hover a cell for query, key and weight).
     """
     out = Path(out)
-    path = out if out.suffix.lower() in (".html", ".htm") else out / DEFAULT_NAME
+    is_page = out.suffix.lower() in (".html", ".htm")
+    if not is_page and out.exists() and not out.is_dir():
+        raise ValueError(f"out: {str(out)!r} is a file; give a directory (it receives {DEFAULT_NAME}) "
+                         "or a path ending in .html")
+    path = out if is_page else out / DEFAULT_NAME
     page = render_report(records, title=title, precision=precision, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page, encoding="utf-8")
