@@ -41,9 +41,10 @@ browser:
 	  || echo "WARNING: chromium could not be installed: the browser tests will be skipped"; \
 	else echo "note: not root: chromium not installed, the browser tests will be skipped"; fi
 
-# attnkit's own CPU kernel for structured masks: compiled once into ~/.cache/attnkit/native
-# (a no-op when that build is there). Without a C++ compiler or an x86-64 AVX2 CPU it prints why
-# and the tiled backend uses PyTorch's kernel (the kernel's tests then skip).
+# attnkit's own CPU kernel for structured masks (`attnkit build-kernel`): compiled once into
+# ~/.cache/attnkit/native, probed in a separate process and recorded (a no-op when that build is
+# there). Without a C++ compiler or an x86-64 AVX2 CPU it prints why and the tiled backend uses
+# PyTorch's kernels (the kernel's tests then skip).
 native: $(VENV)/.installed
 	$(BIN)/python -m attnkit.kernel
 
@@ -53,5 +54,7 @@ test: $(VENV)/.installed-test browser native
 bench: $(VENV)/.installed native
 	for b in sdpa layers masks models; do $(BIN)/python benchmarks/$$b.py || exit 1; done
 
+# The native kernel's cache too (where attnkit.kernel builds it).
 clean:
+	rm -rf "$${ATTNKIT_NATIVE_DIR:-$${XDG_CACHE_HOME:-$$HOME/.cache}/attnkit/native}"
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis

@@ -64,9 +64,9 @@ def test_dropout_is_unbiased(backend):
     """The mean over many dropout draws approaches the output without dropout."""
     q, k, v = _qkv(lq=4, lk=6)
     g = torch.Generator().manual_seed(11)
-    draws = torch.stack([attnkit.attention(q, k, v, dropout=0.3, generator=g, backend=backend) for _ in range(2000)])
+    draws = torch.stack([attnkit.attention(q, k, v, dropout=0.3, generator=g, backend=backend) for _ in range(800)])
     clean = attnkit.attention(q, k, v, backend="reference")
-    # Each output is a sum of ~6 terms with per-term std <= |v| * sqrt(p/(1-p)); over 2000 draws
-    # the mean's standard error is about 0.03 here, so 0.15 is a 5-sigma band.
-    assert (draws.mean(0) - clean).abs().max() < 0.15
+    # Each output is a sum of ~6 terms with per-term std <= |v| * sqrt(p/(1-p)); over 800 draws
+    # the mean's standard error is about 0.047 here, so 0.24 is a 5-sigma band.
+    assert (draws.mean(0) - clean).abs().max() < 0.24
     assert (draws.std(0).mean() > 0.05)

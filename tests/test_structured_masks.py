@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attnkit
+from attnkit._backends import tiled_plan
 from attnkit import masks
 from strategies import mask_cases
 
@@ -33,7 +34,7 @@ def test_key_ranges_of_a_block_hold_exactly_the_attended_keys(case, lq, lk, data
     q_start = data.draw(st.integers(0, lq - 1))
     q_stop = data.draw(st.integers(q_start + 1, lq))
     allowed = case.allowed(lq, lk).expand(BATCH, lq, lk)[:, q_start:q_stop]  # every sequence's rows
-    ranges = case.mask.key_ranges(q_start, q_stop, lq, lk)
+    ranges = tiled_plan.key_ranges(case.mask, q_start, q_stop, lq, lk)
     inside = torch.zeros(lk, dtype=torch.bool)
     for previous, current in zip(ranges, ranges[1:]):
         assert previous.stop <= current.start  # sorted, disjoint

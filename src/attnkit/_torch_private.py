@@ -7,6 +7,9 @@ the test suite runs on.
 - ``torch._C._GLIBCXX_USE_CXX11_ABI``: the C++ ABI the native kernel must be compiled with.
 - ``nn.MultiheadAttention._qkv_same_embed_dim``: whether a module packs its in-projections
   (``in_proj_weight``) or keeps three (``attnkit.nn.interop``).
+- ``torch._C._functorch.is_functorch_wrapped_tensor``, ``torch._subclasses``' fake and functional
+  tensors: tensors (inside ``torch.func`` transforms, compile-time tracing) whose values cannot steer
+  Python control flow.
 
 Outside :data:`TESTED` the native kernel is not loaded and the per-block kernel falls back to plain
 tensor ops (:func:`flash_cpu_ops` returns None): slower, never wrong.
@@ -50,3 +53,14 @@ def flash_cpu_ops():
 def packs_in_projections(module: torch.nn.MultiheadAttention) -> bool:
     """Whether ``module`` keeps one packed ``in_proj_weight`` (its private ``_qkv_same_embed_dim``)."""
     return bool(module._qkv_same_embed_dim)
+
+
+def without_values(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has no values Python may branch on: a ``torch.func`` transform's wrapper
+    (``vmap``, ``grad``), a fake or functional tensor (``torch.compile``'s and AOT autograd's
+    tracing, ``torch.library.opcheck``), or a meta tensor."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return (tensor.device.type == "meta" or bool(torch._C._functorch.is_functorch_wrapped_tensor(tensor))
+            or is_fake(tensor) or isinstance(tensor, FunctionalTensor))

@@ -1,5 +1,5 @@
 """The ``attnkit`` command line: ``explain`` walks through attention step by step, ``show``
-writes a report of a real model's attention.
+writes a report of a real model's attention, ``build-kernel`` compiles the native CPU kernel.
 
 A user's mistake (a missing model, a bad ``--out``, an index out of range, a missing optional
 package) is one line on stderr, ``attnkit <command>: error: ...``, and exit status 2, like
@@ -116,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--head", type=_index, default=0, help="head of the single-head images")
     show.add_argument("--no-images", action="store_true", help="write only the HTML report")
     show.set_defaults(run=_show)
+
+    from . import kernel
+
+    build = commands.add_parser("build-kernel", help="compile attnkit's native CPU kernel for structured masks (once)",
+                                description=kernel.__doc__.split("\n\n")[0])
+    kernel.add_arguments(build)
+    build.set_defaults(run=kernel.run)
     return parser
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ._backends import native
 
-__all__ = ["build", "available", "status", "main"]
+__all__ = ["build", "available", "status", "add_arguments", "run", "main"]
 
 
 def build(*, verbose: bool = False, force: bool = False) -> Path:
@@ -40,14 +40,20 @@ def status() -> str:
     return f"attnkit native kernel: not used: {native.why_unavailable()}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The build command. Exit status 0 with a note when this machine cannot build or run the
-    kernel (an install without a compiler still works), 1 then with ``--strict``."""
-    parser = argparse.ArgumentParser(prog="attnkit build-kernel", description="Build attnkit's native CPU kernel.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The build command's options (``attnkit build-kernel`` and ``python -m attnkit.kernel``)."""
     parser.add_argument("--strict", action="store_true", help="exit 1 when the kernel cannot be built or loaded")
     parser.add_argument("--force", action="store_true", help="rebuild even when a verified build exists")
     parser.add_argument("--verbose", action="store_true", help="print the compiler command")
-    args = parser.parse_args(argv)
+    parser.add_argument("--status", action="store_true", help="only say whether the kernel is used, and why not")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build (or with ``--status`` only report). Exit status 0 with a note when this machine cannot
+    build or run the kernel (an install without a compiler still works), 1 then with ``--strict``."""
+    if args.status:
+        print(status())
+        return 0 if available() or not args.strict else 1
     try:
         path = build(verbose=args.verbose, force=args.force)
     except (RuntimeError, OSError) as error:  # no compiler, unsupported CPU, unwritable cache
@@ -58,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if args.strict else 0
     print(f"attnkit native kernel: {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m attnkit.kernel``: the build command."""
+    parser = argparse.ArgumentParser(prog="attnkit build-kernel", description="Build attnkit's native CPU kernel.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

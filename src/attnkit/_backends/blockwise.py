@@ -16,8 +16,9 @@ output and lse (FlashAttention's split-key backward), so memory stays O(L).
 Layout (see :mod:`.interval_op`): ``query [N, H, Lq, D]``, ``key/value [N, Hkv, Lk, D/Dv]``,
 ``lo, hi [S, Lq]`` (S = 1 or N), an optional additive ``bias`` broadcastable to ``[N, H, Lq, Lk]``
 as ``[Nm, Hm, Lq, Lk]``, dropout from ``seed`` (:mod:`.dropout`: the same pattern as every path).
-Inputs holding NaN or inf run :func:`dense_attention` instead (pairwise products: a masked pair
-never enters one, :mod:`.numerics`).
+A forward whose inputs hold NaN or inf, or whose scores could overflow, runs :func:`dense_attention` instead (pairwise products: a
+masked pair never enters one, :mod:`.numerics`); the op's autograd does the same for the backward
+(:mod:`.interval_op`), where autograd can run.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class _Call:
         self.scale, self.dropout, self.seed = scale, dropout, seed
         self.group = query.shape[1] // key.shape[1]
         self.flash = kernels.flash_applies(query, value, dropout)
-        self.finite = numerics.all_finite(query, key, value)
+        self.pairwise = numerics.needs_pairwise(query, key, value, scale)
         self.problem = Problem(lo.cpu(), hi.cpu(), query.shape[2], key.shape[2], query.shape[0], bias is not None)
 
     def queries(self, g: Group, b: int, t: Tensor | None = None) -> Tensor:
@@ -172,7 +173,7 @@ def forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, b
     one call per sequence over every key with the mask as a tensor (what PyTorch's fused kernel
     runs on a dense mask; its causal path when ``causal_only``), instead of the block plan."""
     call = _Call(query, key, value, lo, hi, bias, scale, dropout, seed)
-    if not call.finite:
+    if call.pairwise:
         with torch.no_grad():
             return dense_attention(query, key, value, lo, hi, bias, scale, dropout, seed, exact=True)[:2]
     group = call.group
@@ -215,8 +216,6 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
              causal_only: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """``(dq, dk, dv, dbias)`` of :func:`forward` from the gradients of its output and lse (``dbias``,
     shaped like ``bias``, only when ``bias_grad``); ``dense`` and ``causal_only`` as the forward's."""
-    if not numerics.all_finite(query, key, value, grad_out):
-        return _dense_backward(grad_out, grad_lse, query, key, value, lo, hi, bias, scale, dropout, seed, bias_grad)
     call = _Call(query, key, value, lo, hi, bias, scale, dropout, seed)
     use_flash = call.flash and grad_lse is None and not bias_grad
     work = numerics.work_dtype(query.dtype)
@@ -295,18 +294,3 @@ def dense_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: T
         weights = _dropout.apply(weights, seed, dropout)
     out = numerics.pairwise_values(weights, v, allowed) if exact else weights @ v
     return out.to(query.dtype), lse, weights.to(query.dtype)
-
-
-def _dense_backward(grad_out, grad_lse, query, key, value, lo, hi, bias, scale, dropout, seed, bias_grad):
-    inputs = [t.detach().requires_grad_() for t in (query, key, value)]
-    bias_input = None if bias is None else bias.detach().requires_grad_(bias_grad)
-    with torch.enable_grad():
-        out, lse, _ = dense_attention(*inputs, lo, hi, bias_input, scale, dropout, seed, exact=True)
-        outputs, grads = [out], [grad_out]
-        if grad_lse is not None:
-            outputs.append(lse.masked_fill(torch.isneginf(lse), 0.0))  # rows with no key: a constant
-            grads.append(grad_lse)
-        wrt = inputs + ([bias_input] if bias_grad else [])
-        found = torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
-    found = [torch.zeros_like(t) if g is None else g for g, t in zip(found, wrt)]
-    return found[0], found[1], found[2], found[3] if bias_grad else None

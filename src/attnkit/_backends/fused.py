@@ -18,29 +18,13 @@ from torch import Tensor
 from .._call import AttentionCall
 from .empty_rows import give_empty_rows_a_key
 from .fused_weights import fused_weights_attention
-from .numerics import can_read
+from .numerics import needs_pairwise
 from .reference import reference_attention
 
 # Device types whose SDPA kernels already return zeros (and finite gradients) for query rows
 # with no allowed key; verified by the test suite for torch >= 2.5 on CPU. Elsewhere such
 # rows are given a harmless key to attend and their output is zeroed afterwards.
 EMPTY_ROWS_GIVE_ZEROS = {"cpu"}
-
-#: float32's largest value, with a margin: scores below it in magnitude cannot overflow.
-_SCORE_LIMIT = 1e38
-
-
-def _masked_pairs_are_safe(call: AttentionCall) -> bool:
-    """SDPA adds a dense mask to the scores, so a masked-out pair whose score is NaN or inf turns
-    its row NaN (NaN - inf); attnkit never reads such pairs. One bound, from the largest entries of
-    query, key and value (NaN and inf propagate into it), says no score can be non-finite."""
-    if not can_read(call.query, call.key, call.value):
-        return True  # under compile SDPA's own rule applies (NaN may spread, never hides)
-    largest = torch.stack([torch.linalg.vector_norm(t, ord=float("inf")).float()
-                           for t in (call.query, call.key, call.value)])
-    bound = largest[0] * largest[1] * call.query.shape[-1] * abs(call.scale)
-    return bool(torch.isfinite(largest[2]) & (bound < _SCORE_LIMIT))
-
 
 def torch_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     if call.return_weights or call.dropout > 0:
@@ -53,7 +37,8 @@ def torch_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         attn_mask, is_causal = None, True
     else:
         attn_mask, is_causal = call.dense_mask(), False
-    if attn_mask is not None and not _masked_pairs_are_safe(call):
+    if attn_mask is not None and needs_pairwise(query, key, value, call.scale):
+        # SDPA adds the mask to the scores: a masked-out NaN or inf score would turn its row NaN
         return reference_attention(call)
 
     no_key = None

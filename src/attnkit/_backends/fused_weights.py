@@ -13,7 +13,8 @@ value are never repeated. Rows with no allowed key get a harmless key before the
 and are zeroed after it: the softmax never sees an all ``-inf`` row, so neither the weights
 nor the gradients can become NaN. That costs one extra pass over the weights, taken only
 when a row can be empty (an explicit mask, or causal with ``Lq > Lk``). A masked call whose
-inputs hold NaN or inf runs the reference formula's pairwise products instead, which never
+inputs hold NaN or inf (or whose scores could overflow) runs the reference formula's pairwise
+products instead, which never
 multiply a masked-out pair (:mod:`.numerics`).
 """
 
@@ -26,7 +27,7 @@ from torch import Tensor
 
 from .._call import AttentionCall
 from .empty_rows import give_empty_rows_a_key
-from .numerics import all_finite
+from .numerics import needs_pairwise
 from .reference import drop_weights, reference_attention
 
 
@@ -39,7 +40,7 @@ def _needs_grad(call: AttentionCall) -> bool:
 
 def fused_weights_attention(call: AttentionCall) -> tuple[Tensor, Tensor]:
     query, key, value = call.query, call.key, call.value
-    if (call.mask is not None or call.causal) and not all_finite(query, key, value):
+    if (call.mask is not None or call.causal) and needs_pairwise(query, key, value, call.scale):
         # a masked-out pair's NaN would enter the products (0 * NaN): the exact pairwise formula
         output, weights = reference_attention(call)
         return output, weights

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from . import blockwise, native, policy
-from .numerics import all_finite, work_dtype
+from .numerics import all_finite, can_read, needs_pairwise, work_dtype
 
 __all__ = ["interval_attention", "IntervalAttention"]
 
@@ -102,8 +102,10 @@ def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     grads = None
-    if torch.is_grad_enabled():  # create_graph=True: this backward must be differentiable too
-        grads = _differentiable_backward(ctx, grad_out, grad_lse, query, key, value, lo, hi, bias, seed)
+    create_graph = torch.is_grad_enabled()  # create_graph=True: this backward must be differentiable too
+    if create_graph or (can_read(query, grad_out) and _kernel(ctx, query, key, value, lo, hi, bias) != "native"
+                        and (needs_pairwise(query, key, value, ctx.scale) or not all_finite(grad_out))):
+        grads = _dense_backward(ctx, grad_out, grad_lse, query, key, value, lo, hi, bias, seed, create_graph)
     if grads is None:
         grads = torch.ops.attnkit.interval_attention_backward(
             grad_out, grad_lse, query, key, value, out, lse, lo, hi, bias, ctx.scale, ctx.dropout, seed,
@@ -112,28 +114,43 @@ def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
     return dq, dk, dv, None, None, dbias if bias_grad else None, None, None, None, None, None
 
 
-def _differentiable_backward(ctx, grad_out, grad_lse, query, key, value, lo, hi, bias, seed):
-    """The gradients as a graph (for gradient penalties and other second-order uses): the call
-    recomputed densely in plain ops (pairwise products where an input is not finite), then
-    differentiated with ``create_graph=True``. None where the recomputation has no graph to
+def _kernel(ctx, query, key, value, lo, hi, bias) -> str:
+    """The kernel the op's backward will run (the native one keeps masked-out pairs out itself)."""
+    return policy.kernel_for(query, key, value, lo, hi, bias, ctx.dropout, ctx.causal_only, ctx.sparse_only)
+
+
+def _dense_backward(ctx, grad_out, grad_lse, query, key, value, lo, hi, bias, seed, create_graph):
+    """The gradients by autograd through the call recomputed densely in plain ops (pairwise products
+    where an input is not finite, so masked-out pairs stay out): for second-order uses
+    (``create_graph``, the gradients then form a graph) and for inputs holding NaN or inf (the
+    kernels' products would let a masked-out NaN in). None where there is no graph to
     differentiate (inside ``torch.func`` transforms, which differentiate on their own levels)."""
     wants = ctx.needs_input_grad
     candidates = [(0, query), (1, key), (2, value)] + ([(5, bias)] if bias is not None else [])
+    if not create_graph:
+        candidates = [(index, t.detach().requires_grad_(wants[index])) for index, t in candidates]
     chosen = [(index, t) for index, t in candidates if wants[index] and t.requires_grad]
     if not chosen:
         return None
-    exact = not all_finite(query, key, value)
-    out, lse, _ = blockwise.dense_attention(query, key, value, lo, hi, bias, ctx.scale, ctx.dropout, seed,
-                                            exact=exact)
+    inputs = dict(candidates)
+    exact = needs_pairwise(query, key, value, ctx.scale)
+    with torch.enable_grad():
+        out, lse, _ = blockwise.dense_attention(inputs[0], inputs[1], inputs[2], lo, hi, inputs.get(5), ctx.scale,
+                                                ctx.dropout, seed, exact=exact)
     if not out.requires_grad:
         return None
     outputs, grads = [out], [grad_out]
     if grad_lse is not None:
         outputs.append(lse.masked_fill(torch.isneginf(lse), 0.0))  # rows with no key: a constant
         grads.append(grad_lse)
-    found = torch.autograd.grad(outputs, [t for _, t in chosen], grads, create_graph=True, allow_unused=True)
+    found = torch.autograd.grad(outputs, [t for _, t in chosen], grads, create_graph=create_graph, allow_unused=True)
     result: dict[int, Tensor | None] = {index: g for (index, _), g in zip(chosen, found)}
-    return result.get(0), result.get(1), result.get(2), result.get(5)
+    return tuple(_zeros_if_none(result.get(index), like) for index, like in
+                 ((0, query), (1, key), (2, value), (5, bias)))
+
+
+def _zeros_if_none(grad: Tensor | None, like: Tensor | None) -> Tensor | None:
+    return None if like is None else grad if grad is not None else torch.zeros_like(like)
 
 
 interval_attention.register_autograd(_backward, setup_context=_setup_context)

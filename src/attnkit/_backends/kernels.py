@@ -70,7 +70,7 @@ def math_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, o
     d_probs = d_out @ v.transpose(-2, -1)
     applied = probs
     if dropout > 0:
-        factor = keep / (1.0 - dropout)
+        factor = keep.to(probs.dtype) / (1.0 - dropout)
         applied = probs * factor
         d_probs = d_probs * factor
     row_dot = (d_out * out.to(work)).sum(-1)

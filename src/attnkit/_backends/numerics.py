@@ -7,7 +7,8 @@ may contain anything, even NaN); NaN and inf in attended pairs propagate as IEEE
 (an attended NaN or +inf score makes the row NaN; -inf scores weigh 0). Matrix products compute
 ``0 * NaN = NaN`` for masked pairs, so when an input holds a non-finite value the plain-ops paths
 switch to pairwise products (:func:`pairwise_scores`, :func:`pairwise_values`) that never multiply
-a masked pair: O(Lq x Lk x D) memory, taken only then. Under ``torch.compile`` the check would
+a masked pair: O(Lq x Lk x D) memory, taken only then (:func:`needs_pairwise`: also when scores
+could overflow, which makes rows NaN whose masked-out weights would then spread it). Under ``torch.compile`` the check would
 break the graph and is skipped: masked-out NaN may then spread into rows (never hidden).
 """
 
@@ -16,7 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["work_dtype", "softmax_rows", "softmax_with_lse", "can_read", "all_finite", "pairwise_scores", "pairwise_values"]
+from .. import _torch_private
+
+__all__ = ["work_dtype", "softmax_rows", "softmax_with_lse", "can_read", "all_finite", "needs_pairwise", "pairwise_scores", "pairwise_values"]
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -53,9 +56,9 @@ def softmax_rows(scores: Tensor) -> Tensor:
 
 
 def can_read(*tensors: Tensor) -> bool:
-    """Whether values may be looked at now: not while ``torch.compile`` traces (a data-dependent
-    branch would break the graph), not on the meta device (no values)."""
-    return not torch.compiler.is_compiling() and all(t.device.type != "meta" for t in tensors)
+    """Whether values may steer control flow now: not while ``torch.compile`` traces (a branch would
+    break the graph), not inside ``torch.func`` transforms or on fake or meta tensors (no values)."""
+    return not torch.compiler.is_compiling() and not any(_torch_private.without_values(t) for t in tensors)
 
 
 def all_finite(*tensors: Tensor) -> bool:
@@ -63,6 +66,24 @@ def all_finite(*tensors: Tensor) -> bool:
     if not can_read(*tensors):
         return True
     return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+#: float32's largest value, with a margin: scores below it in magnitude cannot overflow.
+SCORE_LIMIT = 1e38
+
+
+def needs_pairwise(query: Tensor, key: Tensor, value: Tensor, scale: float) -> bool:
+    """Whether a masked call must run pairwise products: an input holds NaN or inf, or a score could
+    overflow (``|q.k| * scale <= D * max|q| * max|k| * |scale|``; NaN and inf propagate into the
+    bound). Either could put a non-finite number into a masked-out pair, which matrix products and
+    additive masks would let into the row. False when :func:`can_read` says no."""
+    if not can_read(query, key, value) or 0 in (query.numel(), key.numel()):
+        return False
+    if value.numel() == 0:
+        value = value.new_zeros(1)
+    largest = torch.stack([torch.linalg.vector_norm(t, ord=float("inf")).float() for t in (query, key, value)])
+    bound = largest[0] * largest[1] * query.shape[-1] * abs(scale)
+    return not bool(torch.isfinite(largest[2]) & (bound < SCORE_LIMIT))
 
 
 def pairwise_scores(query: Tensor, key: Tensor, allowed: Tensor) -> Tensor:

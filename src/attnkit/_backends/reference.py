@@ -9,8 +9,8 @@
 
 It materialises the ``[..., Lq, Lk]`` score matrix, so it is the backend that returns
 weights, and each step is reported to :mod:`attnkit._steps` for the explainer. When a masked
-input holds NaN or inf, the two products run pairwise so that masked-out pairs are never
-multiplied (:mod:`.numerics`): the definition every backend follows.
+input holds NaN or inf, or scores could overflow, the two products run pairwise so that
+masked-out pairs are never multiplied (:mod:`.numerics`): the definition every backend follows.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .._call import AttentionCall
 from .._steps import record
 from . import dropout as _dropout
 from . import layout
-from .numerics import all_finite, pairwise_scores, pairwise_values, softmax_rows
+from .numerics import needs_pairwise, pairwise_scores, pairwise_values, softmax_rows
 
 __all__ = ["reference_attention", "drop_weights", "softmax_rows"]
 
@@ -41,7 +41,7 @@ def reference_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
 
     mask = call.dense_mask()
     allowed = None if mask is None else mask if mask.dtype == torch.bool else mask != float("-inf")
-    pairwise = allowed is not None and not all_finite(query, key, value)
+    pairwise = allowed is not None and needs_pairwise(query, key, value, call.scale)
 
     scores = pairwise_scores(query, key, allowed) if pairwise else query @ key.transpose(-2, -1)
     record("scores", scores)

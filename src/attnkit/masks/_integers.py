@@ -84,7 +84,9 @@ def _from_sequence(name: str, value: object, expected: str, minimum: int | None,
 def integers(name: str, value: object, *, ndims: tuple[int, ...] = (1,), minimum: int | None = 0,
              maximum: int | None = LIMIT, expected: str = "a 1-D sequence of ints [B]") -> Tensor:
     """``value`` as a new int64 tensor with one of ``ndims`` dims, every entry in ``[minimum,
-    maximum]`` (``None``: unbounded). Tensors keep their device; everything else lands on the CPU."""
+    maximum]`` (``None``: unbounded). Tensors keep their device; everything else lands on the CPU.
+    While ``torch.compile`` traces, a tensor's values are not checked (only its dtype and shape):
+    reading them would break the graph."""
     if isinstance(value, Tensor):
         if value.dtype not in _INTEGER_DTYPES:
             raise TypeError(f"{name} must be {expected}, got {_describe(value)}")
@@ -93,7 +95,7 @@ def integers(name: str, value: object, *, ndims: tuple[int, ...] = (1,), minimum
         tensor = _from_sequence(name, value, expected, minimum, maximum)
     if tensor.dim() not in ndims:
         raise TypeError(f"{name} must be {expected}, got {_describe(value)}")
-    if tensor.numel():
+    if tensor.numel() and not torch.compiler.is_compiling():  # reading values would break a compiled graph
         low, high = int(tensor.min()), int(tensor.max())
         shown = tensor.tolist() if tensor.numel() <= 16 else f"values from {low} to {high}"
         _check_range(name, low, high, minimum, maximum, shown)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,26 +40,12 @@ from .dense import to_string as _draw_dense
 
 __all__ = [
     "StructuredMask",
-    "KeyRange",
     "causal",
     "sliding_window",
     "document",
     "prefix_lm",
     "padding",
-    "plan_blocks",
 ]
-
-
-class KeyRange(NamedTuple):
-    """Keys ``start <= j < stop`` that a block of queries may attend.
-
-    ``full``: every query of the block may attend every key of the range (no mask needed);
-    otherwise some (query, key) pairs inside are masked and a dense mask must be applied.
-    """
-
-    start: int
-    stop: int
-    full: bool
 
 
 class StructuredMask:
@@ -112,15 +97,6 @@ class StructuredMask:
             )
         return allowed.reshape(allowed.shape[0], *([1] * (ndim - 3)), q_len, k_len)
 
-    def key_ranges(self, q_start: int, q_stop: int, q_len: int, k_len: int | None = None) -> list[KeyRange]:
-        """Which keys the queries ``q_start <= i < q_stop`` may attend, as sorted disjoint ranges;
-        keys outside them are masked for every query of the block (and every sequence)."""
-        if not 0 <= q_start <= q_stop <= q_len:
-            raise ValueError(f"need 0 <= q_start <= q_stop <= q_len, got {q_start}, {q_stop}, {q_len}")
-        lo, hi = self.row_bounds(q_len, k_len)
-        block = max(q_stop - q_start, 1)
-        return plan_blocks(lo[..., q_start:q_stop], hi[..., q_start:q_stop], block)[0] if q_stop > q_start else []
-
     def to_string(self, q_len: int, k_len: int | None = None, *, block_size: int | None = None) -> str:
         """Draw the mask as text, one line per query (``#`` may attend, ``.`` may not), or with
         ``block_size`` one character per block: ``#`` all allowed, ``+`` partly, ``.`` skipped.
@@ -158,44 +134,6 @@ def _draw(lo: Tensor, hi: Tensor, k_len: int, block_size: int | None) -> str:
         area = (k1 - k0) * rows_lo.shape[0]
         lines.append(" ".join("#" if c == a else "." if c == 0 else "+" for c, a in zip(count.tolist(), area.tolist())))
     return "\n".join(lines)
-
-
-def plan_blocks(lo: Tensor, hi: Tensor, block_size: int) -> list[list[KeyRange]]:
-    """Cut the rows of ``lo, hi`` (``[..., Lq]``, clipped) into blocks of ``block_size`` queries
-    and give each block its key ranges: ``[union start, full start)`` partial, ``[full start,
-    full stop)`` full, ``[full stop, union stop)`` partial, leaving out empty ones. Leading dims
-    (sequences) count as more rows of the same block. Vectorised: a few tensor ops for any Lq."""
-    q_len = lo.shape[-1]
-    if q_len == 0:
-        return []
-    blocks = -(-q_len // block_size)
-    pad = blocks * block_size - q_len
-    lo2 = lo.reshape(-1, q_len)
-    hi2 = hi.reshape(-1, q_len)
-    nonempty = lo2 < hi2
-    big = 2**62
-
-    def per_block(t: Tensor, fill: int) -> Tensor:
-        # The last block's missing rows get a neutral fill: they neither widen the union nor
-        # shrink the range attended by all rows.
-        t = torch.cat([t, t.new_full((t.shape[0], pad), fill)], dim=1)
-        return t.reshape(t.shape[0], blocks, block_size).transpose(0, 1).reshape(blocks, -1)
-
-    any_lo = per_block(torch.where(nonempty, lo2, big), big).amin(1)
-    any_hi = per_block(torch.where(nonempty, hi2, -1), -1).amax(1)
-    # A key is attended by every row of the block iff it is inside every row's interval.
-    all_lo = per_block(lo2, -big).amax(1)
-    all_hi = per_block(hi2, big).amin(1)
-    plan = []
-    for u0, u1, f0, f1 in zip(any_lo.tolist(), any_hi.tolist(), all_lo.tolist(), all_hi.tolist()):
-        if u0 >= u1:
-            plan.append([])
-        elif f0 >= f1:
-            plan.append([KeyRange(u0, u1, False)])
-        else:
-            ranges = [KeyRange(u0, f0, False), KeyRange(f0, f1, True), KeyRange(f1, u1, False)]
-            plan.append([r for r in ranges if r.start < r.stop])
-    return plan
 
 
 # -- the masks -----------------------------------------------------------------------------------

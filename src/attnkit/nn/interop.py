@@ -24,6 +24,8 @@ from typing import Self
 import torch
 from torch import Tensor, nn
 
+from .. import _torch_private
+
 
 class TorchConversions:
     """Weights to and from ``torch.nn.MultiheadAttention`` (``from_torch``, ``to_torch``)."""
@@ -56,7 +58,7 @@ class TorchConversions:
             raise TypeError(f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}")
         if module.bias_k is not None or module.bias_v is not None or module.add_zero_attn:
             raise ValueError("add_bias_kv=True and add_zero_attn=True have no attnkit counterpart")
-        if module._qkv_same_embed_dim:
+        if _torch_private.packs_in_projections(module):
             w_query, w_key, w_value = module.in_proj_weight.chunk(3)
         else:
             w_query, w_key, w_value = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
@@ -107,7 +109,7 @@ class TorchConversions:
 
         weights = (self.q_proj.weight, every_query_head(self.k_proj.weight), every_query_head(self.v_proj.weight))
         with torch.no_grad():
-            if module._qkv_same_embed_dim:
+            if _torch_private.packs_in_projections(module):
                 module.in_proj_weight.copy_(torch.cat(weights))
             else:
                 for target, source in zip((module.q_proj_weight, module.k_proj_weight, module.v_proj_weight), weights):

@@ -1,0 +1,265 @@
+"""The tiled backend as one PyTorch custom op (``attnkit::interval_attention``): traced by
+``torch.compile`` without graph breaks or a dense mask, transformed by ``torch.func``, right under
+second-order autograd and ``saved_tensors_hooks``, for any rank, with bias gradients; checked
+against the reference backend (and, through it, the float64 oracle the other files use)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import grad, jacrev, vmap
+
+import attnkit
+from attnkit import masks
+from attnkit._backends import auto_runs, native, tiled_plan
+from attnkit._call import make_call
+
+MASKS = {
+    "window": masks.sliding_window(5),
+    "documents & causal": masks.document([7, 9, 8]) & masks.causal(),
+    "causal & padding": masks.causal() & masks.padding([24, 13]),
+}
+# fp32 against fp32: every path sums the same few O(1) products in another order
+CLOSE = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(params=["native", "pytorch"])
+def kernel(request):
+    """Each test runs on attnkit's native kernel (where built) and on PyTorch's kernels per block."""
+    if request.param == "native":
+        if not native.available():
+            pytest.skip(f"native kernel: {native.why_unavailable()}")
+        yield request.param
+    else:
+        with native.turned_off():
+            yield request.param
+
+
+def _qkv(batch=2, heads=4, kv_heads=2, length=24, dim=8, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, heads, length, dim, generator=g, dtype=dtype),
+            torch.randn(batch, kv_heads, length, dim, generator=g, dtype=dtype),
+            torch.randn(batch, kv_heads, length, dim, generator=g, dtype=dtype))
+
+
+# -- torch.compile ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_compile_traces_one_op_and_no_dense_mask(name, kernel):
+    """fullgraph: no graph break; the graph holds the op and nothing of size Lq x Lk."""
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    mask = MASKS[name]
+    explanation = torch._dynamo.explain(lambda q, k, v: attnkit.attention(q, k, v, mask=mask))(q, k, v)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    nodes = list(explanation.graphs[0].graph.nodes)
+    assert any("autograd_function_apply" in str(n.target) for n in nodes)
+    for node in nodes:
+        values = node.meta.get("example_value")
+        for value in values if isinstance(values, tuple) else (values,):
+            if isinstance(value, torch.Tensor):
+                assert value.shape[-2:] != (24, 24), f"{node.target} builds an Lq x Lk tensor"
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_compiled_runs_the_eager_kernels_forward_and_backward(name, kernel, monkeypatch):
+    """The op picks its kernel at run time from the data, so compiled and eager run the same ones,
+    forward and backward: the forward equal to the last bit, the gradients to rounding (the
+    compiled graph computes the upstream gradient in its own order)."""
+    from attnkit._backends import policy
+
+    chosen = []
+    real = policy.kernel_for
+    monkeypatch.setattr(policy, "kernel_for", lambda *a, **k: chosen.append(real(*a, **k)) or chosen[-1])
+    mask = MASKS[name]
+
+    def loss(q, k, v):
+        return attnkit.attention(q, k, v, mask=mask).square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    inputs = [t.requires_grad_() for t in _qkv()]
+    eager_loss = loss(*inputs)
+    eager_grads = torch.autograd.grad(eager_loss, inputs)
+    eager_kernels, chosen[:] = list(chosen), []
+    compiled_loss = compiled(*inputs)
+    compiled_grads = torch.autograd.grad(compiled_loss, inputs)
+    # eager asks once more, in the backward, whether a non-native kernel must see the inputs first
+    assert (eager_kernels[0], eager_kernels[-1]) == (chosen[0], chosen[-1]) and len(chosen) == 2
+    assert torch.equal(eager_loss, compiled_loss)
+    for a, b in zip(eager_grads, compiled_grads):
+        torch.testing.assert_close(a, b, **CLOSE)
+
+
+def test_auto_makes_the_same_kernel_choice_compiled_and_eager():
+    """A short mask runs the fused kernel densely, a long sparse one stays sparse: in both cases
+    the compiled result is the eager one bit for bit (inductor this time)."""
+    chosen = []
+    for length, mask in ((32, masks.sliding_window(4)), (512, masks.sliding_window(16))):
+        q, k, v = _qkv(batch=1, length=length)
+        chosen.append(auto_runs(make_call(q, k, v, mask=mask, causal=False, scale=None, dropout=0.0,
+                                          generator=None, return_weights=False)))
+        compiled = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, mask=mask), fullgraph=True)
+        assert torch.equal(compiled(q, k, v), attnkit.attention(q, k, v, mask=mask)), chosen[-1]
+    assert chosen[0] == "tiled:dense" and chosen[1] != "tiled:dense"
+
+
+def test_opcheck_schema_fake_kernel_and_autograd_registration():
+    """PyTorch's own checker for custom ops: schema, fake (meta) kernel, autograd registration,
+    dynamic shapes under AOT dispatch."""
+    q, k, v = _qkv(batch=1, length=8)
+    lo, hi = torch.zeros(1, 8, dtype=torch.long), torch.arange(1, 9)[None]
+    bias = torch.randn(1, 1, 8, 8, requires_grad=True)
+    for args in ((q.requires_grad_(), k, v, lo, hi, None, 0.5, 0.0, None, True, False),
+                 (q, k, v, lo, hi, bias, 0.5, 0.0, None, False, True)):
+        results = torch.library.opcheck(torch.ops.attnkit.interval_attention.default, args)
+        assert set(results.values()) == {"SUCCESS"}, results
+
+
+# -- autograd ---------------------------------------------------------------------------------------
+
+
+def _reference(q, k, v, mask, **kwargs):
+    return attnkit.attention(q, k, v, mask=mask, backend="reference", **kwargs)
+
+
+def test_torch_func_grad_vmap_and_jacrev_match_the_reference(kernel):
+    mask = masks.sliding_window(4) & masks.padding([20, 11])
+    q, k, v = _qkv()
+
+    def loss(backend):
+        return lambda q: attnkit.attention(q, k, v, mask=mask, backend=backend).square().sum()
+
+    torch.testing.assert_close(grad(loss("tiled"))(q), grad(loss("reference"))(q), **CLOSE)
+    stacked = torch.stack([q, q * 0.5, -q])
+    run = lambda backend: vmap(lambda x: attnkit.attention(x, k, v, mask=mask, backend=backend))(stacked)  # noqa: E731
+    torch.testing.assert_close(run("tiled"), run("reference"), **CLOSE)
+    small = q[:, :, :5]
+    window = masks.sliding_window(3)
+    jacobian = jacrev(lambda x: attnkit.attention(x, x, x, mask=window, backend="tiled"))(small)
+    expected = jacrev(lambda x: attnkit.attention(x, x, x, mask=window, backend="reference"))(small)
+    torch.testing.assert_close(jacobian, expected, **CLOSE)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_gradient_penalties_get_the_reference_second_order_gradients(kernel, dropout):
+    """create_graph=True then a second backward (a gradient penalty): the tiled backend's
+    second-order gradients equal the reference's, dropout included (same pattern); never zero."""
+    mask = masks.sliding_window(6) & masks.causal()
+
+    def second_order(backend):
+        q, k, v = (t.double().requires_grad_() for t in _qkv(length=16))
+        out = attnkit.attention(q, k, v, mask=mask, backend=backend, dropout=dropout,
+                                generator=torch.Generator().manual_seed(4))
+        first = torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=True)
+        sum(g.square().sum() for g in first).backward()
+        return q.grad, k.grad, v.grad
+
+    for got, want in zip(second_order("tiled"), second_order("reference")):
+        assert want.abs().max() > 0
+        torch.testing.assert_close(got, want)
+
+
+def test_a_learned_bias_gets_the_reference_gradient(kernel):
+    """A dense float mask is a differentiable input of the tiled op, explicit or under "auto" with
+    return_lse, with the structured mask on top."""
+    q, k, v = _qkv()
+    for shape in ((24, 24), (1, 4, 24, 24), (2, 1, 24, 24)):
+        bias = torch.randn(shape, requires_grad=True)
+        out, lse = attnkit.attention(q, k, v, mask=bias, causal=True, backend="tiled", return_lse=True)
+        (tiled_grad,) = torch.autograd.grad(out.square().sum() + lse.sum(), bias)
+        _, auto_lse = attnkit.attention(q, k, v, mask=bias, causal=True, return_lse=True)
+        (auto_grad,) = torch.autograd.grad(auto_lse.sum(), bias)
+        expected_out = _reference(q, k, v, bias, causal=True)
+        (expected,) = torch.autograd.grad(expected_out.square().sum(), bias)
+        assert tiled_grad is not None and auto_grad is not None
+        # lse = logsumexp of the scores: its gradient with respect to the bias is the weights
+        _, weights = attnkit.attention(q, k, v, mask=bias.detach(), causal=True, backend="reference",
+                                       return_weights=True)
+        torch.testing.assert_close(tiled_grad, expected + _summed_like(weights, shape), **CLOSE)
+        torch.testing.assert_close(auto_grad, _summed_like(weights, shape), **CLOSE)
+
+
+def _summed_like(weights, shape):
+    return weights.sum_to_size(shape)
+
+
+def test_saved_tensors_go_through_saved_tensors_hooks(kernel):
+    """Everything the backward needs is saved through save_for_backward: hooks that copy on pack
+    see query, key and value, and an in-place change to the inputs after the forward does not
+    reach the backward."""
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    mask = masks.sliding_window(5)
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t.detach().clone()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        a, b, c = (t * 1.0 for t in (q, k, v))  # non-leaf inputs, so they can be changed in place
+        out = attnkit.attention(a, b, c, mask=mask, backend="tiled")
+    assert q.shape in packed and k.shape in packed
+    with torch.no_grad():
+        for t in (a, b, c):
+            t.add_(1.0)
+    got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected = torch.autograd.grad(_reference(q, k, v, mask).square().sum(), (q, k, v))
+    for x, y in zip(got, expected):
+        torch.testing.assert_close(x, y, **CLOSE)
+
+
+# -- any rank ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", [2, 3, 4, 5, 6])
+def test_every_rank_runs_tiled_with_lse_and_dropout(rank, kernel):
+    """[..., L, D] with 0 to 4 leading dims: the tiled backend, its lse and dropout (the same
+    pattern as the reference's) agree with the reference backend, forward and backward."""
+    lead = (2, 3, 2, 1)[:rank - 2]
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(*lead, 12, 8, generator=g, requires_grad=True) for _ in range(3))
+    mask = masks.sliding_window(4)
+    for dropout in (0.0, 0.25):
+        kwargs = dict(mask=mask, dropout=dropout)
+        out, lse = attnkit.attention(q, k, v, backend="tiled", return_lse=True,
+                                     generator=torch.Generator().manual_seed(9), **kwargs)
+        expected = _reference(q, k, v, generator=torch.Generator().manual_seed(9), **kwargs)
+        assert out.shape == (*lead, 12, 8) and lse.shape == (*lead, 12)
+        torch.testing.assert_close(out, expected, **CLOSE)
+        got = torch.autograd.grad(out.sum(), (q, k, v))
+        want = torch.autograd.grad(expected.sum(), (q, k, v))
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, **CLOSE)
+    weights_lse = torch.logsumexp((q @ k.transpose(-1, -2) / 8**0.5).masked_fill(~mask.dense(12, 12), float("-inf")), -1)
+    torch.testing.assert_close(lse, weights_lse, **CLOSE)
+
+
+# -- state ------------------------------------------------------------------------------------------
+
+
+def test_tuning_is_local_to_a_thread():
+    """tiled_plan.tuning changes the settings of this thread only."""
+    import threading
+
+    seen = {}
+    entered, release = threading.Event(), threading.Event()
+
+    def other():
+        entered.wait()
+        seen["other"] = tiled_plan.settings().block_size
+        release.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with tiled_plan.tuning(block_size=3):
+        entered.set()
+        release.wait()
+        seen["inside"] = tiled_plan.settings().block_size
+    thread.join()
+    assert seen == {"other": tiled_plan.Settings().block_size, "inside": 3}
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        with tiled_plan.tuning(block_size=0):
+            pass
+    with pytest.raises(TypeError, match="unknown setting 'blocks'"):
+        with tiled_plan.tuning(blocks=4):
+            pass

@@ -1,0 +1,108 @@
+"""NaN and inf are never hidden, and masked-out pairs are never read, on every backend alike.
+
+The definition (``attnkit._backends.numerics``): a (query, key) pair the mask removes contributes
+nothing, forward or backward, whatever its query, key or value hold; NaN and inf in attended
+pairs propagate as IEEE arithmetic does (an attended NaN or +inf score makes its row NaN, -inf
+scores weigh 0). The float64 oracle below follows it pair by pair, written from the definition:
+every backend must give its NaN / +inf / -inf pattern exactly, in the output, the lse and the
+gradients, and its finite values to rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks
+from attnkit._backends import native
+
+LENGTH, HEADS, DIM = 12, 2, 4
+MASK = masks.sliding_window(4) & masks.padding([10, 12])  # sequence 0: keys 10, 11 are padding
+ALLOWED = MASK.dense(LENGTH, LENGTH, ndim=4)  # [2, 1, L, L]
+
+
+def _oracle(q, k, v, scale):
+    """Pair by pair (in float64, or in the inputs' dtype when the scores are meant to overflow it):
+    a masked pair is replaced before any product, so it never enters one (not even as 0 * NaN), and
+    autograd sees no path through it."""
+    pair = ALLOWED[..., None]
+    scores = (torch.where(pair, q[..., :, None, :], 0.0) * torch.where(pair, k[..., None, :, :], 0.0)).sum(-1) * scale
+    scores = scores.masked_fill(~ALLOWED, float("-inf"))
+    peak = scores.detach().amax(-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    exp = torch.exp(scores - peak)
+    total = exp.sum(-1, keepdim=True)
+    broken = ~torch.isfinite(total)  # a NaN or +inf score: the row is NaN (softmax's inf / inf)
+    divisor = torch.where(broken, torch.full_like(total, float("nan")), torch.where(total > 0, total, 1.0))
+    weights = exp / divisor
+    out = (torch.where(pair, weights[..., None], 0.0) * torch.where(pair, v[..., None, :, :], 0.0)).sum(-2)
+    lse = torch.where(broken, float("nan"), torch.where(total > 0, torch.log(divisor) + peak, float("-inf")))
+    return out, lse[..., 0]
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(2, HEADS, LENGTH, DIM, generator=g) for _ in range(3)]
+
+
+def _plant(where):
+    q, k, v = _inputs()
+    scale = DIM**-0.5
+    nan, inf = float("nan"), float("inf")
+    if where == "attended query":
+        q[0, 0, 5, 1] = nan
+    elif where == "attended key":
+        k[1, 1, 6, 0] = nan  # rows 6..9 attend key 6, the others do not
+    elif where == "attended value inf":
+        v[0, 1, 3, 2] = inf
+    elif where == "values of both signs":
+        v[1, 0, 7, 0], v[1, 0, 8, 0] = inf, -inf
+    elif where == "padding key and value":
+        k[0, :, 10:, :], v[0, :, 10:, :] = nan, nan  # never attended
+    elif where == "masked for some rows":
+        k[0, 0, 2, :], v[0, 0, 2, 3] = nan, nan  # row 9 no longer sees key 2 (window), rows 2..5 do
+    elif where == "key of -inf":
+        k[0, 0, 4, 0] = -inf  # scores +inf or -inf by the sign of q
+    elif where == "overflowing scale":
+        scale = 1e38  # every score overflows to +-inf
+    return q, k, v, scale
+
+
+CASES = ["attended query", "attended key", "attended value inf", "values of both signs", "padding key and value",
+         "masked for some rows", "key of -inf", "overflowing scale"]
+
+
+def _same_pattern(got, want, what):
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(test(got), test(want)), f"{what}: {test.__name__} pattern differs"
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got.double()[finite], want.double()[finite], atol=1e-4, rtol=1e-4, msg=what)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "tiled", "tiled on PyTorch's kernels", "auto"])
+@pytest.mark.parametrize("where", CASES)
+def test_nan_and_inf_propagate_as_the_definition_says(backend, where):
+    if backend == "tiled" and not native.available():
+        pytest.skip(f"native kernel: {native.why_unavailable()}")
+    q, k, v, scale = _plant(where)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    name = "tiled" if backend.startswith("tiled") else backend
+    with native.turned_off() if backend == "tiled on PyTorch's kernels" else contextlib.nullcontext():
+        out = attnkit.attention(*inputs, mask=MASK, scale=scale, backend=name)
+        up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        grads = torch.autograd.grad(out, inputs, up)
+        lse = attnkit.attention(q, k, v, mask=MASK, scale=scale, backend="tiled", return_lse=True)[1] \
+            if name == "tiled" else None
+    dtype = torch.float32 if where == "overflowing scale" else torch.float64  # overflow is float32's
+    oracle_inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    want_out, want_lse = _oracle(*oracle_inputs, scale)
+    want_grads = torch.autograd.grad(want_out, oracle_inputs, up.to(dtype))
+    _same_pattern(out, want_out, "output")
+    if lse is not None:
+        _same_pattern(lse, want_lse, "lse")
+    for got, want, letter in zip(grads, want_grads, "qkv"):
+        _same_pattern(got, want, f"d{letter}")
+
