@@ -5,6 +5,7 @@ the test suite runs on.
   behind ``F.scaled_dot_product_attention``, which also returns the log-sum-exp; the tiled backend
   runs it per block where attnkit's native kernel does not run.
 - ``torch._C._GLIBCXX_USE_CXX11_ABI``: the C++ ABI the native kernel must be compiled with.
+- ``OpOverload._schema``: the schema an op was registered with (the native kernel's are checked).
 - ``nn.MultiheadAttention._qkv_same_embed_dim``: whether a module packs its in-projections
   (``in_proj_weight``) or keeps three (``attnkit.nn.interop``).
 - ``torch._C._functorch.is_functorch_wrapped_tensor``, ``torch._subclasses``' fake and functional
@@ -64,3 +65,8 @@ def without_values(tensor: torch.Tensor) -> bool:
 
     return (tensor.device.type == "meta" or bool(torch._C._functorch.is_functorch_wrapped_tensor(tensor))
             or is_fake(tensor) or isinstance(tensor, FunctionalTensor))
+
+
+def schema_of(op) -> str:
+    """The registered schema of an op overload, e.g. ``torch.ops.attnkit_native.interval_forward.default``."""
+    return str(op._schema)

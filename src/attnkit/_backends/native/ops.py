@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ... import _torch_private
+
 from .tile_tables import backward_parts, backward_tiles, tiles
 
 #: The schemas the library must register (checked by the probe and after loading).
@@ -25,7 +27,7 @@ def registered_schemas() -> dict[str, str]:
     found = {}
     for name in EXPECTED_SCHEMAS:
         try:
-            found[name] = str(getattr(torch.ops.attnkit_native, name).default._schema)
+            found[name] = _torch_private.schema_of(getattr(torch.ops.attnkit_native, name).default)
         except (AttributeError, RuntimeError):
             pass
     return found

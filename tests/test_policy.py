@@ -1,0 +1,64 @@
+"""What "auto" runs (``attnkit._backends.policy``): device first, a backend's declared support
+respected, an explicit backend never silently replaced (its two documented exceptions hold)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks, trace
+from attnkit._backends import Backend, auto_runs, backends, choose, register_backend, _REGISTRY
+from attnkit._call import make_call
+
+
+def _call(device="cpu", mask=None, dropout=0.0, **kwargs):
+    q = torch.empty(1, 8, 4096, 64, device=device)
+    return make_call(q, q, q, mask=mask, causal=False, scale=None, dropout=dropout, generator=None,
+                     return_weights=False, **kwargs)
+
+
+def test_on_a_device_where_attnkit_was_not_measured_auto_runs_pytorchs_kernels():
+    """The meta device stands for any device but the CPU: structured masks and dropout, which go
+    to attnkit's kernels on the CPU, go to "torch" there."""
+    for kwargs in (dict(mask=masks.sliding_window(256)), dict(dropout=0.1), dict(mask=masks.document([2048] * 2))):
+        assert choose(_call(**kwargs)).name == "tiled", kwargs
+        assert choose(_call("meta", **kwargs)).name == "torch", kwargs
+    assert choose(_call("meta", return_lse=True)).name == "tiled"  # the one backend with an lse
+    out = attnkit.attention(*(torch.empty(1, 2, 64, 8, device="meta") for _ in range(3)), mask=masks.causal())
+    assert out.device.type == "meta" and out.shape == (1, 2, 64, 8)
+
+
+def test_a_backend_runs_only_on_the_devices_it_declares():
+    register_backend(Backend("cuda-only", lambda call: (call.query, None), "test backend", devices=frozenset({"cuda"})))
+    try:
+        assert "cuda-only" in backends()
+        q = torch.randn(2, 3, 4)
+        with pytest.raises(ValueError, match=r"backend 'cuda-only' runs on \['cuda'\], the inputs are on 'cpu'"):
+            attnkit.attention(q, q, q, backend="cuda-only")
+    finally:
+        del _REGISTRY["cuda-only"]
+
+
+def test_explicit_backends_are_kept_and_the_two_documented_exceptions_change_nothing():
+    """A named backend runs, or the call fails saying why; it is replaced only where that cannot
+    change the result: no keys at all (every row is zeros), and while a trace records (the
+    reference formula, the one that reports its steps, gives the same numbers)."""
+    q = torch.randn(1, 2, 5, 4)
+    empty = q[:, :, :0]
+    for name in ("reference", "torch", "tiled"):
+        assert torch.equal(attnkit.attention(q, empty, empty, backend=name), torch.zeros(1, 2, 5, 4))
+    k = torch.randn(1, 2, 7, 4)
+    with pytest.raises(ValueError, match="backend 'torch' cannot return the log-sum-exp"):
+        attnkit.attention(q, k, k, backend="torch", return_lse=True)
+    expected = attnkit.attention(q, k, k, mask=masks.causal(), backend="tiled")
+    with trace.record() as recording:
+        traced = attnkit.attention(q, k, k, mask=masks.causal(), backend="tiled")
+    assert "weights" in recording.calls[0].names
+    torch.testing.assert_close(traced, expected)
+
+
+def test_auto_runs_names_the_kernel_the_op_picks():
+    assert auto_runs(_call(mask=masks.sliding_window(256))) in ("tiled:native", "tiled:blocks")
+    assert auto_runs(_call(mask=masks.padding([4096]))) == "tiled:dense"  # nothing to skip
+    assert auto_runs(_call()) == "torch"
