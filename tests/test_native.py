@@ -15,12 +15,12 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit
 from attnkit import masks
-from attnkit._backends import native
+from attnkit._backends import dropout, native
 from oracle import oracle_attention, oracle_lse
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.why_unavailable()}")
@@ -308,3 +308,307 @@ def test_a_failed_build_is_reported_and_does_not_fail_the_install(tmp_path):
     probe = subprocess.run([sys.executable, "-c", "from attnkit._backends import native; print(native.why_unavailable())"],
                            capture_output=True, text=True, env=env, check=False)
     assert probe.returncode == 0 and ("not built" in probe.stdout or "needs" in probe.stdout)
+
+
+# -- IEEE semantics: non-finite inputs and scores ---------------------------------------------------
+#
+# Row i attends A_i = [lo_i, hi_i) & [0, Lk). A pair outside A_i contributes nothing, whatever its
+# q, k, v or dO hold; within A_i arithmetic is IEEE: a NaN or +inf score makes the row's output
+# and lse NaN, scores of -inf weigh exactly 0 (times an infinite value: NaN), a row whose scores
+# are all -inf (or that has no key) is zeros with lse -inf and takes no part in the gradients, and
+# the gradients are autograd's of that definition (dropped weights included: 0 * NaN is NaN).
+
+_UNDERFLOW = -87.0  # the kernel's exp is exactly 0 below this (expf turns subnormal at -87.3)
+_EPS32 = torch.finfo(torch.float32).eps
+
+
+def _ieee_oracle(q, k, v, lo, hi, scale, keep=None, p=0.0):
+    """float64 ``(out, lse, weights before dropout)`` of the definition above, written pair by pair: every product
+    takes both operands through ``torch.where`` on the pair's mask, so that a pair outside A_i
+    enters no product, forward or backward (autograd of ``0 * x`` is NaN for a NaN x). Scores are
+    rounded to float32 (where the kernel's overflow to inf happens) with a float64 gradient, and a
+    weight exp(s - max) is 0 below the kernel's underflow cut; the tests keep scores away from
+    both edges, so only patterns that any float32 kernel must give are checked."""
+    heads, kv_heads, lk = q.shape[1], k.shape[1], k.shape[2]
+    k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+    keys = torch.arange(lk)
+    attended = ((keys >= lo[..., None]) & (keys < hi[..., None]))[:, None].expand(q.shape[0], heads, -1, -1)
+
+    def scores(pairs):
+        both = pairs[..., None]
+        exact = scale * (torch.where(both, q[:, :, :, None], 0.0) * torch.where(both, k[:, :, None], 0.0)).sum(-1)
+        rounding = torch.where(torch.isfinite(exact), exact.float().double() - exact, 0.0).detach()
+        return torch.where(pairs, exact + rounding, float("-inf"))
+
+    with torch.no_grad():  # rows whose scores are all -inf count as rows with no key
+        has_key = ~(scores(attended).amax(-1) == float("-inf"))  # NaN rows have one
+    attended = attended & has_key[..., None]
+    s = scores(attended)
+    row_max = s.amax(-1, keepdim=True).detach()  # NaN for a NaN score, +inf for an infinite one
+    shifted = s - torch.where(has_key[..., None], row_max, 0.0)
+    # the cut multiplies (0 * a non-finite gradient is NaN, as the kernel's 0 weight times it); a
+    # where would drop that gradient
+    e = torch.where(attended, torch.exp(shifted) * ~(shifted.detach() < _UNDERFLOW), 0.0)
+    total = e.sum(-1, keepdim=True)
+    weights = torch.where(has_key[..., None], e / torch.where(has_key[..., None], total, 1.0), 0.0)
+    kept = weights if keep is None else weights * keep / (1.0 - p)  # a dropped NaN stays NaN
+    both = attended[..., None]
+    out = (torch.where(both, kept[..., None], 0.0) * torch.where(both, v[:, :, None], 0.0)).sum(-2)
+    safe_total = torch.where(has_key, total[..., 0], 1.0)
+    lse = torch.where(has_key, row_max[..., 0] + torch.log(safe_total), float("-inf"))
+    return out, lse, weights.detach()
+
+
+def _finite_or_zero(t):
+    return torch.where(torch.isfinite(t), t.double(), 0.0).abs()
+
+
+def _gradient_bounds(q, k, v, grad_out, grad_lse, weights, factors, out, lo, hi, scale):
+    """Per entry of dq, dk, dv, the sum of the magnitudes that float32 rounding acts on: with |.|
+    of the finite parts, P the weights, f the dropout factors and
+    G_ij = scale P_ij (f_ij |dO_i| . |v_j| + |dO_i| . |O_i| + |dlse_i|) over attended pairs,
+    dq_i <- sum_j G_ij |k_j|, dk_j <- sum_i G_ij |q_i|, dv_j <- sum_i f_ij P_ij |dO_i|. Where the
+    weights are one-hot (huge scores), dS = P (f dP - delta) cancels to 0 in exact arithmetic and to
+    ~eps * scale * |dP| in float32: a bound relative to the largest gradient would call that wrong."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    qa, ka, va, ga, oa, pa = (_finite_or_zero(t) for t in (q, k, v, grad_out, out, weights))
+    ka, va = ka.repeat_interleave(heads // kv_heads, 1), va.repeat_interleave(heads // kv_heads, 1)
+    gla = 0.0 if grad_lse is None else _finite_or_zero(grad_lse)[..., None]
+    keys = torch.arange(k.shape[2])
+    attended = ((keys >= lo[..., None]) & (keys < hi[..., None]))[:, None]
+    pa = torch.where(attended, pa, 0.0)
+    g = scale * pa * (factors * (ga @ va.transpose(-1, -2)) + (ga * oa).sum(-1, keepdim=True) + gla)
+
+    def per_kv_head(t):
+        return t.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
+
+    return g @ ka, per_kv_head(g.transpose(-1, -2) @ qa), per_kv_head((pa * factors).transpose(-1, -2) @ ga)
+
+
+def _score_magnitudes(q, k, lo, hi, scale):
+    """scale * sum_d |q_d k_d| of each attended pair (finite parts), 0 elsewhere: what a score's
+    rounding acts on. ``[B, H, Lq, Lk]``."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    ka = _finite_or_zero(k).repeat_interleave(heads // kv_heads, 1)
+    keys = torch.arange(k.shape[2])
+    attended = ((keys >= lo[..., None]) & (keys < hi[..., None]))[:, None]
+    return torch.where(attended, scale * _finite_or_zero(q) @ ka.transpose(-1, -2), 0.0)
+
+
+def _unsure_gradients(q, k, lse, lo, hi, scale):
+    """Which entries of dq, dk, dv sum over a pair whose weight no float32 backward can recompute:
+    P = exp(s - lse) from a score recomputed with other rounding than the forward's (another
+    product shape) is off by a factor exp(+-ds), ds ~ eps * (scale * sum_d |q_d k_d| + |lse|),
+    which for scores of ~1e20 (the huge scale and rows) is anything from 0 to 1. PyTorch's
+    flash backward recomputes the same way. Rows whose lse is not finite have no such weight."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    magnitudes = _score_magnitudes(q, k, lo, hi, scale)
+    rounding = 4 * q.shape[-1] * _EPS32 * (magnitudes + _finite_or_zero(lse)[..., None])
+    keys = torch.arange(k.shape[2])
+    attended = ((keys >= lo[..., None]) & (keys < hi[..., None]))[:, None]
+    pairs = attended & torch.isfinite(lse)[..., None] & (rounding > 1.0)
+    keys_hit = pairs.any(-2).unflatten(1, (kv_heads, heads // kv_heads)).any(2)[..., None]
+    return pairs.any(-1, keepdim=True), keys_hit, keys_hit  # [..., 1]: for any feature
+
+
+def _non_finite(t):
+    return ~torch.isfinite(t)
+
+
+def _assert_ieee_close(got, want, atol, rtol, what, kinds=(torch.isnan, torch.isposinf, torch.isneginf)):
+    """Same NaN, +inf and -inf positions (or the ``kinds`` given); finite entries within
+    ``atol + rtol * |want|`` (``atol`` may be a tensor of per-entry bounds)."""
+    got = got.double()
+    assert got.shape == want.shape, what
+    for kind in kinds:
+        differ = kind(got) != kind(want)
+        assert not differ.any(), (f"{what}: {kind.__name__} differs at {differ.nonzero()[:5].tolist()}: "
+                                  f"got {got[differ][:5].tolist()}, want {want[differ][:5].tolist()}")
+    finite = torch.isfinite(want)
+    atol = torch.as_tensor(atol, dtype=torch.float64).expand(want.shape)
+    error = (got - want).abs()
+    bad = finite & ~(error <= atol + rtol * want.abs())
+    assert not bad.any(), (f"{what}: off at {bad.nonzero()[:5].tolist()}: got {got[bad][:5].tolist()}, "
+                           f"want {want[bad][:5].tolist()}")
+
+
+_SPECIALS = (float("nan"), float("inf"), float("-inf"))
+
+
+@st.composite
+def ieee_cases(draw):
+    """interval_cases with non-finite values planted in q, k, v and dO (anywhere: attended pairs,
+    masked keys inside a block's span, keys outside every span), and either a scale of 1e30 or
+    rows of +-1e20 (scores of ~1e20 to 1e31, one-hot weights; 1e20 * 1e20 overflows to +inf).
+    Ordinary scores stay within +-30 (scale <= 1, 16 features): far from the exp cut at -87."""
+    c = draw(interval_cases())
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    huge_scale = draw(st.booleans())
+    c["scale"] = 1e30 if huge_scale else draw(st.floats(0.05, 1.0))
+    q, k, v = c["query"], c["key"], c["value"]
+    batch, heads, lq, dk = q.shape
+    kv_heads, lk, dv = k.shape[1], k.shape[2], v.shape[3]
+    c["grad_out"] = torch.randn(batch, heads, lq, dv, generator=g)
+    c["grad_lse"] = torch.randn(batch, heads, lq, generator=g) if draw(st.booleans()) else None
+    if draw(st.booleans()):  # feature 0 of every key positive: an infinite q_0 makes a whole row +-inf
+        k[..., 0] = k[..., 0].abs() + 0.5
+    for _ in range(draw(st.integers(1, 6))):
+        target = draw(st.sampled_from(["query", "key", "value", "grad_out"] + ["huge"] * (not huge_scale)))
+
+        def pick(n):
+            return int(torch.randint(0, n, (), generator=g))
+
+        if target == "huge":
+            # A whole row of one sign: products never cancel, overflow is certain. Random sizes keep
+            # two huge keys from tying (a tie of scores of 1e20 is broken by their rounding).
+            size = 1e20 * (1 + float(torch.rand((), generator=g)))
+            if draw(st.booleans()):
+                q[pick(batch), pick(heads), pick(lq)] = draw(st.sampled_from([size, -size]))
+            else:
+                k[pick(batch), pick(kv_heads), pick(lk)] = size
+            continue
+        special = draw(st.sampled_from(_SPECIALS))
+        if target == "query":
+            q[pick(batch), pick(heads), pick(lq), pick(dk)] = special
+        elif target == "key":
+            k[pick(batch), pick(kv_heads), pick(lk), pick(dk)] = special
+        elif target == "value":
+            v[pick(batch), pick(kv_heads), pick(lk), pick(dv)] = special
+        else:
+            c["grad_out"][pick(batch), pick(heads), pick(lq), pick(dv)] = special
+    c["dropout"] = draw(st.sampled_from([0.0, 0.0, 0.5]))
+    c["seed"] = draw(st.integers(0, 2**62))
+    c["backward_tiles"] = (draw(st.integers(1, 9)), draw(st.integers(1, 17)), draw(st.integers(1, 3)))
+    return c
+
+
+@needs_native
+@settings(max_examples=150)
+@given(c=ieee_cases())
+def test_non_finite_values_follow_the_ieee_definition(c):
+    """Output, lse and the three gradients against the pairwise float64 definition: the same NaN,
+    +inf and -inf positions, finite values within the tolerances of the tests above (gradients:
+    also within 64 eps of what float32 rounding acts on, see _gradient_bounds)."""
+    q, k, v, lo, hi, scale, p = c["query"], c["key"], c["value"], c["lo"], c["hi"], c["scale"], c["dropout"]
+    out, lse = native.interval_forward(q, k, v, lo, hi, scale, block=c["block"], chunk=c["chunk"], dropout=p,
+                                       seed=c["seed"])
+    block, chunk, parts = c["backward_tiles"]
+    grads = native.interval_backward(c["grad_out"], q, k, v, out, lse, lo, hi, scale, c["grad_lse"], block=block,
+                                     chunk=chunk, parts=parts, dropout=p, seed=c["seed"])
+
+    keep = None
+    if p > 0:
+        keep = dropout.keep_mask(torch.tensor(c["seed"]), q.shape[0], q.shape[1], q.shape[2], k.shape[2], p)
+    inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    want_out, want_lse, weights = _ieee_oracle(*inputs, lo, hi, scale, keep, p)
+    _assert_ieee_close(out, want_out.detach(), FP32["atol"] / (1 - p), FP32["rtol"], "out")
+    # a score's own float32 rounding (D products) enters the lse: ~1e20 for scores of 1e27 that
+    # cancel from terms of 1e30
+    score_error = q.shape[-1] * _EPS32 * _score_magnitudes(q, k, lo, hi, scale).amax(-1)
+    _assert_ieee_close(lse, want_lse.detach(), FP32["atol"] + score_error, FP32["rtol"], "lse")
+
+    grad_lse = torch.zeros_like(lse) if c["grad_lse"] is None else c["grad_lse"]
+    expected = torch.autograd.grad((want_out, want_lse), inputs, (c["grad_out"].double(), grad_lse.double()),
+                                   allow_unused=True)
+    factors = 1.0 if keep is None else keep / (1 - p)
+    bounds = _gradient_bounds(q, k, v, c["grad_out"], c["grad_lse"], weights, factors, want_out.detach(), lo, hi,
+                              scale)
+    unsure = _unsure_gradients(q, k, lse, lo, hi, scale)
+    # With an infinite dO the kernel's delta = dO . O (FlashAttention's) and autograd's
+    # sum_j P_j (dO . v_j) are both non-finite but may differ in kind (inf * (a finite sum) against
+    # a sum of +-inf): the same entries of dq, dk, dv are non-finite, NaN or inf may differ.
+    kinds = (_non_finite,) if torch.isinf(c["grad_out"]).any() else (torch.isnan, torch.isposinf, torch.isneginf)
+    for name, grad, want, bound, skip in zip("qkv", grads, expected, bounds, unsure):
+        finite = want[(torch.isfinite(want) & ~skip).expand(want.shape)]
+        size = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+        # the bound of the tests without non-finite values, or 64 eps of the magnitudes rounding acts
+        # on (a sum of <= 40 terms, plus the scores' and dP's own rounding)
+        tolerance = 5e-5 * size / (1 - p) + 64 * _EPS32 * bound
+        _assert_ieee_close(grad.double().masked_fill(skip, 0.0), want.masked_fill(skip, 0.0), tolerance, 0.0,
+                           f"d{name}", kinds)
+
+
+def _forward_and_backward(q, k, v, lo, hi, grad_out, block=4, chunk=8, p=0.0):
+    out, lse = native.interval_forward(q, k, v, lo, hi, 0.5, block=block, chunk=chunk, dropout=p, seed=7)
+    grads = native.interval_backward(grad_out, q, k, v, out, lse, lo, hi, 0.5, block=block, chunk=chunk, dropout=p,
+                                     seed=7)
+    return (out, lse, *grads)
+
+
+@needs_native
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_non_finite_values_of_pairs_not_attended_change_nothing(p):
+    """Rows 0-9 attend keys [0, 10), rows 10-19 keys [11, 20): key 10 belongs to no row but lies in
+    every block's span (the products multiply its score and value by a weight of 0), and row 20 has
+    no key. NaN and inf there (key, value, the empty row's query and dO) leave every result as
+    it is without them, forward and backward."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad_out = (torch.randn(1, 2, 21, 16, generator=g) for _ in range(4))
+    k, v = k[:, :, :20], v[:, :, :20]
+    lo = torch.tensor([[0] * 10 + [11] * 10 + [5]])
+    hi = torch.tensor([[10] * 10 + [20] * 10 + [5]])
+    clean = _forward_and_backward(q, k, v, lo, hi, grad_out, p=p)
+    for special in _SPECIALS:
+        q2, k2, v2, g2 = q.clone(), k.clone(), v.clone(), grad_out.clone()
+        k2[:, :, 10, 3] = special
+        v2[:, :, 10, 5] = special
+        q2[:, :, 20, 0] = special
+        g2[:, :, 20, 1] = special
+        poisoned = _forward_and_backward(q2, k2, v2, lo, hi, g2, p=p)
+        for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], poisoned, clean):
+            finite = torch.isfinite(b)
+            assert torch.equal(torch.isfinite(a), finite), f"{name} with {special}"
+            torch.testing.assert_close(a[finite], b[finite], **FP32, msg=f"{name} with {special}")
+
+
+@needs_native
+@pytest.mark.parametrize("keys", [1, 13])  # a row tail, and 8-lane steps
+@pytest.mark.parametrize("special", ["nan", "inf"])
+def test_a_nan_or_infinite_score_makes_the_whole_row_nan(keys, special):
+    """A NaN query (NaN scores) or a key that makes a score +inf: that row's output and lse are
+    NaN (softmax gives inf / inf), never zeros with lse -inf; its query's gradient and those of the
+    keys and values it attends are NaN; every other row is untouched."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v, grad_out = (torch.randn(1, 1, 16, 8, generator=g) for _ in range(4))
+    lo = torch.zeros(1, 16, dtype=torch.long)
+    hi = torch.full((1, 16), 16)
+    hi[0, 2] = keys  # row 2 attends the first `keys` keys, the others all 16
+    if special == "nan":
+        q[0, 0, 2, 0] = float("nan")
+    else:
+        k[0, 0, 0, 0] = float("inf")  # every row's score with key 0 is +-inf: row 2's +inf,
+        q[0, 0, :, 0] = -1.0  # the other rows' -inf (weight 0)
+        q[0, 0, 2] = 1.0
+    out, lse, dq, dk, dv = _forward_and_backward(q, k, v, lo, hi, grad_out, chunk=32)
+    assert out[0, 0, 2].isnan().all() and lse[0, 0, 2].isnan()
+    assert dq[0, 0, 2].isnan().all()
+    for grad in (dk, dv):
+        assert grad[0, 0, :keys].isnan().any(-1).all()
+    others = [i for i in range(16) if i != 2]
+    assert torch.isfinite(out[0, 0, others]).all() and torch.isfinite(lse[0, 0, others]).all()
+    if special == "nan":
+        assert torch.isfinite(dk[0, 0, keys:]).all() and torch.isfinite(dv[0, 0, keys:]).all()
+
+
+@needs_native
+@pytest.mark.parametrize("keys", [2, 13])
+def test_scores_of_minus_inf_weigh_exactly_zero(keys):
+    """Key 0's score is 0, the others' -inf (their keys hold -inf, the query 1) with values of
+    1e38: the weights are exactly (1, 0, ...) (an exp of -inf that is 1e-38 instead shows as ~1 in
+    the output). A row whose scores are all -inf is zeros with lse -inf, and adds nothing to any
+    gradient."""
+    q = torch.ones(1, 1, 2, 4)
+    k = torch.full((1, 1, keys, 4), float("-inf"))
+    k[0, 0, 0] = 0.0
+    v = torch.full((1, 1, keys, 4), 1e38)
+    v[0, 0, 0] = 0.5
+    lo = torch.tensor([[0, 1]])
+    hi = torch.tensor([[keys, keys]])  # row 1 attends only keys of score -inf
+    grad_out = torch.ones(1, 1, 2, 4)
+    out, lse, dq, dk, dv = _forward_and_backward(q, k, v, lo, hi, grad_out, chunk=16)
+    assert torch.equal(out[0, 0, 0], torch.full((4,), 0.5)) and lse[0, 0, 0] == 0.0
+    assert torch.equal(out[0, 0, 1], torch.zeros(4)) and lse[0, 0, 1] == float("-inf")
+    # row 0: dq_0 = sum_j dS_0j k_j, with dS_0j = 0 for the keys of -inf: 0 * -inf is NaN (IEEE,
+    # as autograd gives); dV of those keys is 0 * dO = 0; row 1 adds nothing, not even 0 * -inf
+    assert dq[0, 0, 0].isnan().all() == (keys > 1) and torch.equal(dq[0, 0, 1], torch.zeros(4))
+    assert torch.equal(dv[0, 0, 0], torch.ones(4)) and torch.equal(dv[0, 0, 1:], torch.zeros(keys - 1, 4))

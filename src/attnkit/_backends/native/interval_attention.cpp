@@ -51,10 +51,14 @@ void gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha
 }
 
 // exp(x) for x <= 0, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by the classic
-// degree-6 single-precision polynomial, 2^n put in the exponent bits; below -87 the result
-// flushes to 0 as expf underflows. The same steps on 8 lanes and on one float (row tails).
+// degree-6 single-precision polynomial, 2^n put in the exponent bits. Below -87 (where expf turns
+// subnormal) and at -inf the result is exactly 0; a NaN stays NaN, so a NaN score reaches the
+// row's sum and output instead of passing for a weight of 0. The same steps on 8 lanes and on one
+// float (row tails).
 inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 cut = _mm256_set1_ps(-87.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, cut, _CMP_LT_OQ);  // false for NaN
+  x = _mm256_max_ps(cut, x);  // maxps returns its second operand, x, when x is NaN
   const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
   r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
@@ -65,12 +69,13 @@ inline __m256 exp_nonpositive(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // a NaN lane converts to INT_MIN, whose exponent bits give 2^0: p (NaN) passes unchanged
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
 inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
+  if (!(x >= -87.0f)) return x < -87.0f ? 0.0f : x;  // underflow (and -inf) to 0; NaN stays
   const float n = std::floor(std::fma(x, 1.44269504088896341f, 0.5f));
   float r = std::fma(-n, 0.693359375f, x);
   r = std::fma(n, 2.12194440e-4f, r);
@@ -178,7 +183,10 @@ inline __m256 dropout_factor8(const Dropout& d, DropoutRow r, int64_t key) {
 // Softmax numerators of one row over its keys [lo, hi) of a chunk (scores elsewhere become 0),
 // folded into the row's running max and sum, then dropped out (the sum is taken before: dropout
 // acts on the normalised weights); returns the factor that rescales its accumulator. `key0` is the
-// chunk's first key.
+// chunk's first key. A NaN or +inf score makes the sum NaN (exp(NaN) and exp(inf - inf)), which
+// the caller turns into a NaN row; scores of -inf weigh 0, and a chunk whose scores are all -inf
+// adds nothing (rather than exp(-inf + inf)). The max may skip a NaN (maxps returns its second
+// operand): the NaN's own exp still reaches the sum.
 inline float softmax_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi, float& row_max, float& row_sum,
                                const Dropout& dropout, DropoutRow dropout_keys, int64_t key0) {
   if (lo >= hi) {
@@ -191,6 +199,13 @@ inline float softmax_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi
   float chunk_max = horizontal_max(max8);
   for (; t < hi; ++t) chunk_max = std::max(chunk_max, row[t]);
   const float new_max = std::max(row_max, chunk_max);
+  if (new_max == kNegInf) {  // the max passes over NaN: only -inf and NaN scores come here
+    if (std::any_of(row + lo, row + hi, [](float x) { return std::isnan(x); })) {
+      row_sum = std::numeric_limits<float>::quiet_NaN();
+    }
+    std::fill(row, row + width, 0.0f);
+    return 1.0f;
+  }
   const float rescale = row_max == kNegInf ? 0.0f : exp_nonpositive(row_max - new_max);
   std::fill(row, row + lo, 0.0f);
   const __m256 shift = _mm256_set1_ps(new_max);
@@ -210,6 +225,97 @@ inline float softmax_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi
   row_sum = row_sum * rescale + sum;
   row_max = new_max;
   return rescale;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 s8 = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) s8 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s8);
+  float s = horizontal_sum(s8);
+  for (; d < n; ++d) s = std::fma(a[d], b[d], s);
+  return s;
+}
+
+// y += a x (IEEE: a = 0 times an infinite x gives NaN).
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+  const __m256 a8 = _mm256_set1_ps(a);
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) _mm256_storeu_ps(y + d, _mm256_fmadd_ps(a8, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
+  for (; d < n; ++d) y[d] = std::fma(a, x[d], y[d]);
+}
+
+inline bool any_bits(__m256 x) { return _mm256_testz_si256(_mm256_castps_si256(x), _mm256_castps_si256(x)) == 0; }
+
+// Scales x by `factor` in place; true when every x was finite before. The test ORs x - x, which
+// is +0 for a finite x and NaN otherwise, so the check adds no dependency chain to the loop.
+inline bool scale_and_check(float* x, int64_t n, float factor) {
+  const __m256 f8 = _mm256_set1_ps(factor);
+  __m256 bad = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) {
+    const __m256 v = _mm256_loadu_ps(x + d);
+    bad = _mm256_or_ps(bad, _mm256_sub_ps(v, v));
+    _mm256_storeu_ps(x + d, _mm256_mul_ps(v, f8));
+  }
+  bool finite = !any_bits(bad);
+  for (; d < n; ++d) {
+    finite = finite && std::isfinite(x[d]);
+    x[d] *= factor;
+  }
+  return finite;
+}
+
+// Zeroes x[0, n); ORs into `bad` what tells whether every x was finite before (see scale_and_check).
+inline void zero_and_check(float* x, int64_t n, __m256& bad) {
+  const __m256 zero = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 v = _mm256_loadu_ps(x + t);
+    bad = _mm256_or_ps(bad, _mm256_sub_ps(v, v));
+    _mm256_storeu_ps(x + t, zero);
+  }
+  for (; t < n; ++t) {
+    bad = _mm256_or_ps(bad, _mm256_set1_ps(x[t] - x[t]));
+    x[t] = 0.0f;
+  }
+}
+
+// One query row by its attended pairs only, for rows where the block's products met a non-finite
+// value: scores s_t = scale q . k_t for t in [lo, hi), weights exp(s_t - max) / sum, output
+// sum_t w_t f_t v_t in IEEE arithmetic (a weight of 0 times an infinite value is NaN), lse. A NaN
+// or +inf score makes the row NaN; all scores -inf (or none) make it zeros with lse -inf. `s` is
+// scratch for the row's scores.
+void exact_forward_row(const float* q_row, const float* k_head, int64_t k2s, const float* v_head, int64_t v2s,
+                       int64_t D, int64_t Dv, int64_t lo, int64_t hi, float scale, const Dropout& dropout,
+                       DropoutRow dropout_keys, std::vector<float>& s, float* out, float* lse) {
+  float row_max = kNegInf;
+  bool nan_row = false;
+  if (static_cast<int64_t>(s.size()) < hi - lo) s.resize(hi - lo);
+  for (int64_t t = lo; t < hi; ++t) {
+    const float x = scale * dot(q_row, k_head + t * k2s, D);
+    s[t - lo] = x;
+    nan_row = nan_row || std::isnan(x) || x == std::numeric_limits<float>::infinity();
+    row_max = std::max(row_max, x);
+  }
+  if (nan_row) {
+    std::fill(out, out + Dv, std::numeric_limits<float>::quiet_NaN());
+    *lse = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  std::fill(out, out + Dv, 0.0f);
+  if (row_max == kNegInf) {
+    *lse = kNegInf;
+    return;
+  }
+  float sum = 0.0f;
+  for (int64_t t = lo; t < hi; ++t) {
+    const float e = exp_nonpositive(s[t - lo] - row_max);
+    sum += e;
+    axpy(out, dropout.active ? e * dropout_factor(dropout, dropout_keys, t) : e, v_head + t * v2s, Dv);
+  }
+  const float inverse = 1.0f / sum;
+  for (int64_t d = 0; d < Dv; ++d) out[d] *= inverse;
+  *lse = row_max + std::log(sum);
 }
 
 // The sizes of a call, from inputs checked alike for both directions: query [B, H, Lq, D], key
@@ -238,8 +344,9 @@ Sizes check_inputs(const char* op, const at::Tensor& query, const at::Tensor& ke
 }
 
 // The intervals of a block's `rows` rows clipped to the keys [0, Lk) into row_lo, row_hi (a row
-// whose lse is -inf, when `lse` is given, gets none); returns the span [first, last) of the
-// non-empty ones, empty (first >= last) when there are none.
+// whose lse is -inf, when `lse` is given, gets none: it has no weights, and takes no part in the
+// gradients); returns the span [first, last) of the non-empty ones, empty (first >= last) when
+// there are none.
 std::pair<int64_t, int64_t> block_span(const int64_t* lo, const int64_t* hi, int64_t rows, int64_t Lk,
                                        const float* lse, int64_t* row_lo, int64_t* row_hi) {
   int64_t first = Lk, last = 0;
@@ -287,6 +394,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
     std::vector<float> scores(block * chunk), row_max(block), row_sum(block), rescale(block);
     std::vector<int64_t> row_lo(block), row_hi(block);
     std::vector<DropoutRow> row_keys(block);
+    std::vector<float> exact_scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (H * blocks), h = (task / blocks) % H, first = (task % blocks) * block;
       const int64_t rows = std::min(block, Lq - first);
@@ -334,13 +442,23 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
                o_block, Dv);
         }
       }
+      // A non-finite value in an accumulator came from a value the block multiplied by a weight:
+      // a masked key's (weight 0, which must not count) or an attended one's, where the running
+      // rescaling may have turned a weight into 0 early; such rows are redone by attended pairs.
       for (int64_t j = 0; j < rows; ++j) {
         float* acc = o_block + j * Dv;
-        if (row_sum[j] > 0.0f) {
-          const float inverse = 1.0f / row_sum[j];
-          for (int64_t d = 0; d < Dv; ++d) acc[d] *= inverse;
-          l_block[j] = row_max[j] + std::log(row_sum[j]);
-        } else {
+        const float sum = row_sum[j];
+        if (std::isnan(sum)) {  // a NaN or +inf score among the attended ones
+          std::fill(acc, acc + Dv, std::numeric_limits<float>::quiet_NaN());
+          l_block[j] = std::numeric_limits<float>::quiet_NaN();
+        } else if (sum > 0.0f) {
+          if (scale_and_check(acc, Dv, 1.0f / sum)) {
+            l_block[j] = row_max[j] + std::log(sum);
+          } else {
+            exact_forward_row(q_block + j * q2s, k_head, k2s, v_head, v2s, D, Dv, row_lo[j], row_hi[j],
+                              static_cast<float>(scale), dropout, row_keys[j], exact_scores, acc, l_block + j);
+          }
+        } else {  // no key, or only scores of -inf
           std::fill(acc, acc + Dv, 0.0f);
           l_block[j] = kNegInf;
         }
@@ -351,26 +469,30 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
 }
 
 // P = exp(row - lse) on the row's keys [lo, hi) of a chunk, 0 elsewhere (the softmax weights,
-// recomputed from the forward's log-sum-exp: no running max is needed).
-inline void weights_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi, float lse) {
-  std::fill(row, row + std::max<int64_t>(lo, 0), 0.0f);
-  const __m256 shift = _mm256_set1_ps(lse);
+// recomputed from the forward's log-sum-exp: no running max is needed). The scores it zeroes are
+// checked into `bad` first: a non-finite one there would reach dQ or dK through a weight of 0.
+inline void weights_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi, float lse, __m256& bad) {
+  zero_and_check(row, lo, bad);
+  const __m256 shift = _mm256_set1_ps(lse), zero = _mm256_setzero_ps();
   int64_t t = lo;
   for (; t + 8 <= hi; t += 8) {
-    // min(., 0): a recomputed score may exceed the forward's lse by a rounding error
-    const __m256 x = _mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(row + t), shift), _mm256_setzero_ps());
+    // min(0, .): a recomputed score may exceed the forward's lse by a rounding error (minps
+    // returns its second operand, a NaN, when there is one)
+    const __m256 x = _mm256_min_ps(zero, _mm256_sub_ps(_mm256_loadu_ps(row + t), shift));
     _mm256_storeu_ps(row + t, exp_nonpositive(x));
   }
-  for (; t < hi; ++t) row[t] = exp_nonpositive(std::min(row[t] - lse, 0.0f));
-  std::fill(row + std::max(hi, lo), row + width, 0.0f);
+  for (; t < hi; ++t) row[t] = exp_nonpositive(std::min(row[t] - lse, 0.0f));  // std::min keeps a NaN first argument
+  zero_and_check(row + hi, width - hi, bad);
 }
 
 // dS = scale * P * (f * dP - delta) in place of dP, for one row of a chunk, f the dropout factor
 // of each key (0 or 1 / (1 - p); 1 without dropout): the output used f * P. With dropout P also
-// becomes f * P, for dV. Outside the row's keys [lo, hi), P is 0 and so is dS.
+// becomes f * P, for dV. Outside the row's keys [lo, hi), P is 0 and so is dS; the dP it zeroes
+// are checked into `bad` first (a non-finite one means a non-finite dO, which would reach dV
+// through a weight of 0).
 inline void score_grad_row(float* p, float* dp, int64_t width, int64_t lo, int64_t hi, float delta, float scale,
-                           const Dropout& dropout, DropoutRow keys, int64_t key0) {
-  std::fill(dp, dp + lo, 0.0f);
+                           const Dropout& dropout, DropoutRow keys, int64_t key0, __m256& bad) {
+  zero_and_check(dp, lo, bad);
   const __m256 d8 = _mm256_set1_ps(delta), s8 = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f);
   int64_t t = lo;
   for (; t + 8 <= hi; t += 8) {
@@ -385,7 +507,32 @@ inline void score_grad_row(float* p, float* dp, int64_t width, int64_t lo, int64
     dp[t] = scale * (p[t] * (f * dp[t] - delta));
     p[t] *= f;
   }
-  std::fill(dp + std::max(hi, lo), dp + width, 0.0f);
+  zero_and_check(dp + hi, width - hi, bad);
+}
+
+// One chunk's share of dQ, dK and dV by attended pairs only, from its P (with dropout f * P) and
+// dS: for a chunk whose zeroed scores or dP held a non-finite value, which the three products
+// would have multiplied by 0 into NaN. Within the attended pairs it is IEEE arithmetic like the
+// products (0 * inf is NaN). `row_lo`, `row_hi` as block_span gives them (empty for rows whose lse
+// is -inf).
+void exact_backward_chunk(int64_t rows, int64_t width, int64_t c0, const int64_t* row_lo, const int64_t* row_hi,
+                          const float* p, const float* ds, const float* q_block, int64_t q2s,
+                          const float* go_block, int64_t g2s, const float* k_head, int64_t k2s, float* dq_block,
+                          float* dk_head, float* dv_head, int64_t D, int64_t Dv, bool first_chunk) {
+  if (first_chunk) std::fill(dq_block, dq_block + rows * D, 0.0f);
+  for (int64_t j = 0; j < rows; ++j) {
+    const int64_t a = std::clamp<int64_t>(row_lo[j] - c0, 0, width), z = std::clamp<int64_t>(row_hi[j] - c0, 0, width);
+    const float* q_row = q_block + j * q2s;
+    const float* go_row = go_block + j * g2s;
+    float* dq_row = dq_block + j * D;
+    for (int64_t t = a; t < z; ++t) {
+      const float g = ds[j * width + t];
+      const int64_t key = c0 + t;
+      axpy(dq_row, g, k_head + key * k2s, D);
+      axpy(dk_head + key * D, g, q_row, D);
+      axpy(dv_head + key * Dv, p[j * width + t], go_row, Dv);
+    }
+  }
 }
 
 // Gradients of interval_forward: given grad_out [B, H, Lq, Dv], the forward's lse [B, H, Lq] and
@@ -456,7 +603,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
           for (int64_t index = part * blocks_per_part; index < block_end; ++index) {
             const int64_t first = index * block, rows = std::min(block, Lq - first);
             const float* l_block = l + (b * H + h) * Lq + first;
-            // a row with no key (lse -inf) has no weights
             const auto [span_lo, span_hi] = block_span(lo_seq + first, hi_seq + first, rows, Lk, l_block,
                                                        row_lo.data(), row_hi.data());
             for (int64_t j = 0; j < rows && dropout.active; ++j) {
@@ -474,12 +620,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               const int64_t width = std::min(chunk, span_hi - c0);
               float* p = weights.data();
               float* ds = grads.data();
+              __m256 bad = _mm256_setzero_ps();
               // Row-major [rows][width] buffers are column-major (width x rows) for BLAS.
               gemm('T', 'N', width, rows, D, static_cast<float>(scale), k_head + c0 * k2s, k2s, q_block, q2s, 0.0f,
                    p, width);
               for (int64_t j = 0; j < rows; ++j) {
-                weights_chunk_row(p + j * width, width, std::clamp<int64_t>(row_lo[j] - c0, 0, width),
-                                  std::clamp<int64_t>(row_hi[j] - c0, 0, width), l_block[j]);
+                const int64_t a = std::clamp<int64_t>(row_lo[j] - c0, 0, width);
+                weights_chunk_row(p + j * width, width, a, std::clamp<int64_t>(row_hi[j] - c0, a, width), l_block[j],
+                                  bad);
               }
               if (Dv > 0) {  // BLAS rejects a leading dimension of 0
                 // dP^T (width x rows) = V_chunk (width x Dv) dO^T (Dv x rows)
@@ -488,9 +636,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 std::fill(ds, ds + rows * width, 0.0f);
               }
               for (int64_t j = 0; j < rows; ++j) {  // with dropout, also turns P into the weights the output used
-                score_grad_row(p + j * width, ds + j * width, width, std::clamp<int64_t>(row_lo[j] - c0, 0, width),
-                               std::clamp<int64_t>(row_hi[j] - c0, 0, width), delta_block[j],
-                               static_cast<float>(scale), dropout, row_keys[j], c0);
+                const int64_t a = std::clamp<int64_t>(row_lo[j] - c0, 0, width);
+                score_grad_row(p + j * width, ds + j * width, width, a, std::clamp<int64_t>(row_hi[j] - c0, a, width),
+                               delta_block[j], static_cast<float>(scale), dropout, row_keys[j], c0, bad);
+              }
+              const bool first_chunk = c0 == span_lo;
+              if (any_bits(bad)) {
+                exact_backward_chunk(rows, width, c0, row_lo.data(), row_hi.data(), p, ds, q_block, q2s,
+                                     go_block, g2s, k_head, k2s, dq_block, dk_head, dv_head, D, Dv, first_chunk);
+                continue;
               }
               if (Dv > 0) {
                 // dV_chunk^T (Dv x width) += dO^T (Dv x rows) P (rows x width)
@@ -498,7 +652,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               }
               if (D > 0) {
                 // dQ^T (D x rows) (+)= K_chunk^T (D x width) dS^T (width x rows)
-                gemm('N', 'N', D, rows, width, 1.0f, k_head + c0 * k2s, k2s, ds, width, c0 == span_lo ? 0.0f : 1.0f,
+                gemm('N', 'N', D, rows, width, 1.0f, k_head + c0 * k2s, k2s, ds, width, first_chunk ? 0.0f : 1.0f,
                      dq_block, D);
                 // dK_chunk^T (D x width) += Q^T (D x rows) dS (rows x width)
                 gemm('N', 'T', D, width, rows, 1.0f, q_block, q2s, ds, width, 1.0f, dk_head + c0 * D, D);
