@@ -23,6 +23,7 @@ quarter of the keys is padding). For each contender it prints:
     python benchmarks/masks.py --long          # L = 131072, window 512: ours only, memory check
     python benchmarks/masks.py --threshold     # tiled vs the fused dense path at short lengths
     python benchmarks/masks.py --train         # forward + backward, each mask
+    python benchmarks/masks.py --compile       # torch.compile(fullgraph=True) vs eager, each mask
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 import attnkit  # noqa: E402
 from attnkit import masks  # noqa: E402
-from attnkit._backends import choose, native, tiled  # noqa: E402
+from attnkit._backends import auto_runs, native, tiled, tiled_plan  # noqa: E402
 from attnkit._call import make_call  # noqa: E402
 from common import describe_machine, median_times  # noqa: E402
 
@@ -348,6 +349,47 @@ def training(args: argparse.Namespace) -> None:
             print(f"| {label} | {result['seconds']:.2f} | {result['extra_bytes'] / MIB:,.0f} |")
 
 
+def compile_table(args: argparse.Namespace) -> None:
+    """Eager ``attention(backend="auto")`` against the same call compiled with
+    ``torch.compile(fullgraph=True)`` (inductor), forward and forward + backward, each mask, plus
+    the shape of issue 11's example (L = 4096, H = 4, window 256); steady times, interleaved."""
+    length, window = args.length, args.window
+    print(f"# torch.compile(fullgraph=True) vs eager, B=1, D={HEAD_DIM}, fp32 ({describe_machine()})")
+    print(f"# steady: median of {args.repeats} interleaved runs after a compiling call\n")
+    print("| mask | L | H | pass | eager (ms) | compiled (ms) | compiled speed / eager | auto runs |")
+    print("|---|---:|---:|---|---:|---:|---:|---|")
+    shapes = [(f"sliding window {window // 2}", masks.sliding_window(window // 2), 4096, 4)]
+    shapes += [(name, mask, length, HEADS) for name, (mask, _) in mask_set(length, window).items()]
+    for name, structured, size, heads in shapes:
+        g = torch.Generator().manual_seed(0)
+        query, key, value = (torch.randn(1, heads, size, HEAD_DIM, generator=g) for _ in range(3))
+        call = make_call(query, key, value, mask=structured, causal=False, scale=None, dropout=0.0, generator=None,
+                         return_weights=False)
+        for train in (False, True):
+            def run(q, k, v, structured=structured, train=train):
+                out = attnkit.attention(q, k, v, mask=structured)
+                return out.square().sum() if train else out
+
+            compiled = torch.compile(run, fullgraph=True)
+            inputs = [t.requires_grad_(train) for t in (query, key, value)]
+
+            def step(fn):
+                def go():
+                    result = fn(*inputs)
+                    if train:
+                        result.backward()
+                        for t in inputs:
+                            t.grad = None
+                return go
+
+            step(compiled)()  # compile outside the timing
+            times = median_times({"eager": step(run), "compiled": step(compiled)}, repeats=args.repeats)
+            print(f"| {name} | {size} | {heads} | {'fwd+bwd' if train else 'forward'} | {_fmt_ms(times['eager'])} "
+                  f"| {_fmt_ms(times['compiled'])} | {times['eager'] / times['compiled']:.2f}x | {auto_runs(call)} |",
+                  flush=True)
+    print("\nGoal (issue 11): compiled speed / eager >= 1.0.")
+
+
 def threshold_sweep(args: argparse.Namespace) -> None:
     """Tiled vs the fused dense path (what auto would run otherwise) for short lengths; ``visited``
     is the share of pairs the block plan computes (PyTorch's kernel per block), ``computed`` the
@@ -381,11 +423,11 @@ def threshold_sweep(args: argparse.Namespace) -> None:
             times = median_times(fns, repeats=args.repeats, warmup=2)
             call = make_call(q, key, value, mask=mask, causal=False, scale=None, dropout=args.dropout,
                              generator=None, return_weights=False)
-            lo, hi = tiled.row_bounds(call)
+            lo, hi = tiled_plan.row_bounds(call)
             computed = native.computed_fraction(lo, hi, length)
             print(f"| {length} | {name} | {tiled.visited_fraction(call):.2f} | {computed:.2f} "
                   f"| {times['tiled'] * 1e3:.2f} | {times['torch'] * 1e3:.2f} | {times['tiled'] / times['torch']:.2f} "
-                  f"| {choose(call).name} |", flush=True)
+                  f"| {auto_runs(call)} |", flush=True)
 
 
 def main() -> None:
@@ -397,6 +439,7 @@ def main() -> None:
     parser.add_argument("--long", action="store_true", help="L = 131072 with the window: memory check")
     parser.add_argument("--threshold", action="store_true", help="tiled vs fused at short lengths")
     parser.add_argument("--train", action="store_true", help="forward + backward, each mask")
+    parser.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) vs eager, each mask")
     parser.add_argument("--sweep", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument("--dropout", type=float, default=0.0, help="with --threshold: dropout on the weights")
     parser.add_argument("--dense-side", action="store_true",
@@ -412,6 +455,8 @@ def main() -> None:
         threshold_sweep(args)
     elif args.train:
         training(args)
+    elif args.compile:
+        compile_table(args)
     else:
         main_table(args)
 
