@@ -91,9 +91,19 @@ def test_a_library_without_a_record_is_probed_in_another_process_first(tmp_path)
     assert (loaded, right, warnings) == (False, True, 1) and "probe" in message
 
 
-def test_no_build_is_silent_and_falls_back(tmp_path):
+def test_no_build_falls_back_and_says_once_how_to_build(tmp_path):
+    """A pip install without make: the first structured-mask call the kernel would serve says, in
+    one line, how to build it; loading itself warns of nothing."""
     loaded, right, warnings, _ = _child(tmp_path / "empty")
     assert (loaded, right, warnings) == (False, True, 0)
+    script = ("import warnings, torch, attnkit\nfrom attnkit import masks\nq = torch.randn(1, 2, 64, 8)\n"
+              "with warnings.catch_warnings(record=True) as caught:\n    warnings.simplefilter('always')\n"
+              "    for _ in range(3): attnkit.attention(q, q, q, mask=masks.sliding_window(8), backend='tiled')\n"
+              "print(len(caught), caught[0].message)")
+    env = {**os.environ, "ATTNKIT_NATIVE_DIR": str(tmp_path / "empty")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
+    count, message = result.stdout.strip().split(" ", 1)
+    assert count == "1" and "build it once with: attnkit build-kernel" in message
 
 
 @needs_native

@@ -40,6 +40,8 @@ class _Library:
         self.loaded: bool | None = None
         self.why_not = ""
         self.path: Path | None = None
+        self.not_built = False  # it would run here: only the build step is missing
+        self.hinted = False
 
     def load(self) -> bool:
         if self.loaded is None:
@@ -57,6 +59,7 @@ class _Library:
             return False, f"built for torch 2.13, this is torch {torch.__version__}"
         path = self.path = _build.library_path()
         if not path.exists():
+            self.not_built = True
             return False, f"not built (run: {REBUILD})"
         if why := _verify(path):
             warnings.warn(f"attnkit native kernel not loaded: {why}; structured masks run on PyTorch's kernels "
@@ -116,6 +119,16 @@ def available() -> bool:
 def why_unavailable() -> str:
     """Why :func:`available` is False (empty when it is True)."""
     return "" if available() else _library.why_not
+
+
+def hint_if_not_built() -> None:
+    """Once per process, when a call the kernel would serve runs without it only because it was
+    never built (a ``pip install`` without ``make``): one line saying how to build it."""
+    if available() or not _library.not_built or _library.hinted:
+        return
+    _library.hinted = True
+    warnings.warn(f"attnkit: the native CPU kernel for structured masks is not built, so they run on "
+                  f"PyTorch's kernels (slower); build it once with: {REBUILD}", UserWarning, stacklevel=3)
 
 
 def loaded_from() -> Path | None:
