@@ -102,6 +102,6 @@ for call in (lambda: viz.render_report(record), lambda: viz.save_grid(record, "x
 """
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True)
     assert result.stdout.splitlines() == [
-        "the HTML report needs numpy: pip install 'attnkit[viz]'",
-        "image export needs matplotlib: pip install 'attnkit[viz]'",
+        "the HTML report needs the 'numpy' package: pip install 'attnkit[viz]'",
+        "image export needs the 'matplotlib' package: pip install 'attnkit[viz]'",
     ]

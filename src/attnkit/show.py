@@ -84,7 +84,7 @@ def show(texts: Sequence[str] | None, *, model: str = "minilm", out: str | Path 
     work); files of the same names in it are replaced.
     """
     from .viz import save_grid, save_head, write_report
-    from .viz._optional import require
+    from ._optional import require
     from .viz.report import DEFAULT_NAME
 
     # A missing optional package is reported before the model runs, not after minutes of it.

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from torch import Tensor
 
+from .._optional import require
+
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 # Short names for checkpoints that ship inside a Python package, and how to get them.
@@ -36,13 +38,6 @@ _RENAMES = [
 ]
 # Present in BERT checkpoints but not used by an encoder that returns hidden states.
 _UNUSED = re.compile(r"^(pooler\.|embeddings\.position_ids$|cls\.)")
-
-
-def _optional(module: str, feature: str):
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ImportError(f"{feature} needs the '{module}' package: pip install 'attnkit[models]'") from None
 
 
 def model_directory(name_or_path: str | Path) -> Path:
@@ -84,7 +79,7 @@ def hf_name_to_attnkit(name: str) -> str | None:
 
 def read_weights(directory: Path) -> dict[str, Tensor]:
     """``model.safetensors`` renamed to attnkit's parameter names."""
-    safetensors_torch = _optional("safetensors.torch", "loading model.safetensors")
+    safetensors_torch = require("safetensors.torch", "loading model.safetensors", extra="models")
     path = directory / "model.safetensors"
     try:
         raw = safetensors_torch.load_file(str(path))
@@ -101,7 +96,7 @@ def read_weights(directory: Path) -> dict[str, Tensor]:
 def read_tokenizer(directory: Path):
     """The fast tokenizer from ``tokenizer.json``, with its own padding and truncation switched off
     (MiniLM's file pads every input to 128 tokens and cuts longer ones; we pad per batch)."""
-    tokenizers = _optional("tokenizers", "tokenizing text")
+    tokenizers = require("tokenizers", "tokenizing text", extra="models")
     path = directory / "tokenizer.json"
     try:
         tokenizer = tokenizers.Tokenizer.from_file(str(path))

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ._optional import require
+from .._optional import require
 
 Precision = Literal["auto", "float32", "float16"]
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._optional import require
+from .._optional import require
 from .record import AttentionRecord
 
 Scale = Literal["head", "absolute"]
