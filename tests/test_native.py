@@ -281,6 +281,18 @@ def test_computed_fraction_counts_each_block_over_its_span(lq, lk, seed, shared)
     assert native.computed_fraction(lo, hi, lk) == pytest.approx(computed / (lo.shape[0] * lq * lk))
 
 
+# -- IEEE semantics: non-finite inputs and scores ---------------------------------------------------
+#
+# Row i attends A_i = [lo_i, hi_i) & [0, Lk). A pair outside A_i contributes nothing, whatever its
+# q, k, v or dO hold; within A_i arithmetic is IEEE: a NaN or +inf score makes the row's output
+# and lse NaN, scores of -inf weigh exactly 0 (times an infinite value: NaN), a row whose scores
+# are all -inf (or that has no key) is zeros with lse -inf and takes no part in the gradients, and
+# the gradients are autograd's of that definition (dropped weights included: 0 * NaN is NaN).
+
+_UNDERFLOW = -87.0  # the kernel's exp is exactly 0 below this (expf turns subnormal at -87.3)
+_EPS32 = torch.finfo(torch.float32).eps
+
+
 def _ieee_oracle(q, k, v, lo, hi, scale, keep=None, p=0.0):
     """float64 ``(out, lse, weights before dropout)`` of the definition above, written pair by pair: every product
     takes both operands through ``torch.where`` on the pair's mask, so that a pair outside A_i
