@@ -16,7 +16,8 @@ output and lse (FlashAttention's split-key backward), so memory stays O(L).
 Layout (see :mod:`.interval_op`): ``query [N, H, Lq, D]``, ``key/value [N, Hkv, Lk, D/Dv]``,
 ``lo, hi [S, Lq]`` (S = 1 or N), an optional additive ``bias`` broadcastable to ``[N, H, Lq, Lk]``
 as ``[Nm, Hm, Lq, Lk]``, dropout from ``seed`` (:mod:`.dropout`: the same pattern as every path).
-A forward whose inputs hold NaN or inf, or whose scores could overflow, runs :func:`dense_attention` instead (pairwise products: a
+A forward whose output comes out non-finite because an input holds NaN or inf, or a score
+overflows, is redone by :func:`dense_attention` (pairwise products: a
 masked pair never enters one, :mod:`.numerics`); the op's autograd does the same for the backward
 (:mod:`.interval_op`), where autograd can run.
 """
@@ -74,7 +75,6 @@ class _Call:
         self.scale, self.dropout, self.seed = scale, dropout, seed
         self.group = query.shape[1] // key.shape[1]
         self.flash = kernels.flash_applies(query, value, dropout)
-        self.pairwise = numerics.needs_pairwise(query, key, value, scale)
         self.problem = Problem(lo.cpu(), hi.cpu(), query.shape[2], key.shape[2], query.shape[0], bias is not None)
 
     def queries(self, g: Group, b: int, t: Tensor | None = None) -> Tensor:
@@ -173,9 +173,6 @@ def forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, b
     one call per sequence over every key with the mask as a tensor (what PyTorch's fused kernel
     runs on a dense mask; its causal path when ``causal_only``), instead of the block plan."""
     call = _Call(query, key, value, lo, hi, bias, scale, dropout, seed)
-    if call.pairwise:
-        with torch.no_grad():
-            return dense_attention(query, key, value, lo, hi, bias, scale, dropout, seed, exact=True)[:2]
     group = call.group
     work = numerics.work_dtype(query.dtype)
     out = torch.empty(*query.shape[:-1], value.shape[-1], dtype=work, device=query.device)
@@ -207,6 +204,10 @@ def forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, b
     if not covered.all():  # rows with no key at all: zeros, lse -inf
         out.masked_fill_(~covered[:, None, :, None].to(out.device), 0.0)
         lse.masked_fill_(~covered[:, None, :].to(lse.device), float("-inf"))
+    if not numerics.all_finite(out) and numerics.needs_pairwise(query, key, value, scale):
+        # a non-finite value met a product: redo it pairwise, so that a masked-out one stays out
+        with torch.no_grad():
+            return dense_attention(query, key, value, lo, hi, bias, scale, dropout, seed, exact=True)[:2]
     return out.to(query.dtype), lse
 
 

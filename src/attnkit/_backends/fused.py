@@ -5,8 +5,8 @@ attnkit's bottom-right one (``Lq == Lk`` and no other mask), a dense mask otherw
 ``enable_gqa``; the explicit ``scale``. SDPA returns no weights, and its dropout draws its own
 pattern from the global RNG: calls that ask for weights or dropout take the materialised path of
 :mod:`.fused_weights` instead (attnkit's dropout pattern, the same on every backend). A masked call
-whose inputs could make a masked-out score NaN or inf runs the reference formula (SDPA would let
-it spread into the row).
+whose output came out non-finite is redone by the reference formula when an input holds NaN or inf
+or a score could overflow (SDPA lets a masked-out one spread into the row).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import Tensor
 from .._call import AttentionCall
 from .empty_rows import give_empty_rows_a_key
 from .fused_weights import fused_weights_attention
-from .numerics import needs_pairwise
+from .numerics import all_finite, needs_pairwise
 from .reference import reference_attention
 
 # Device types whose SDPA kernels already return zeros (and finite gradients) for query rows
@@ -37,9 +37,6 @@ def torch_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         attn_mask, is_causal = None, True
     else:
         attn_mask, is_causal = call.dense_mask(), False
-    if attn_mask is not None and needs_pairwise(query, key, value, call.scale):
-        # SDPA adds the mask to the scores: a masked-out NaN or inf score would turn its row NaN
-        return reference_attention(call)
 
     no_key = None
     if attn_mask is not None and query.device.type not in EMPTY_ROWS_GIVE_ZEROS:
@@ -54,4 +51,8 @@ def torch_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     )
     if no_key is not None:
         output = output.masked_fill(no_key, 0.0)
+    if attn_mask is not None and not all_finite(output) and needs_pairwise(query, key, value, call.scale):
+        # SDPA adds the mask to the scores: a masked-out NaN or inf score turned its row NaN. Any
+        # non-finite input or overflowing score reaches the output, so a finite one needs no redo.
+        return reference_attention(call)
     return output, None

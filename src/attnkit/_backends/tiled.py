@@ -96,7 +96,7 @@ def _with_weights(call: AttentionCall, query: Tensor, key: Tensor, value: Tensor
     ranges, in differentiable plain ops (the whole matrix at once when an input is not finite)."""
     pieces = blockwise._Call(query, key, value, lo, hi, bias, call.scale, call.dropout, call.seed)
     group, value_dim, k_len = pieces.group, value.shape[-1], call.k_len
-    if pieces.pairwise:
+    if numerics.needs_pairwise(query, key, value, call.scale):
         return _dense_weights(call, query, key, value, lo, hi, bias)
     work = numerics.work_dtype(query.dtype)
     size = settings().block_size
