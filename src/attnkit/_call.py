@@ -24,7 +24,8 @@ class AttentionCall:
     Shapes: ``query [..., Lq, Dk]``, ``key [..., Lk, Dk]``, ``value [..., Lk, Dv]``. With 4-D
     inputs ``[B, H, L, D]`` the key/value head count may divide the query head count (GQA).
     ``mask`` is ``None``, a boolean tensor (True = may attend) or a floating additive bias
-    already in the query's dtype, broadcastable to ``[..., Lq, Lk]``. A structured mask
+    (in the query's dtype, float32 for half-precision queries: :func:`bias_dtype`), broadcastable
+    to ``[..., Lq, Lk]``. A structured mask
     (:class:`attnkit.masks.StructuredMask`) arrives as ``structure`` with ``mask=None``; backends
     that do not declare ``structured`` receive the call :meth:`densified` instead. With dropout,
     ``seed`` fixes the pattern (:mod:`attnkit._backends.dropout`: the same on every backend).
@@ -70,13 +71,13 @@ class AttentionCall:
     def dense_mask(self) -> Tensor | None:
         """The explicit mask combined with ``causal`` (bottom-right), or None if neither is set.
 
-        Boolean when ``mask`` is boolean or absent, additive (query dtype) when ``mask`` is floating.
+        Boolean when ``mask`` is boolean or absent, additive (:func:`bias_dtype`) when ``mask`` is floating.
         Broadcastable to ``scores_shape``; not expanded, so no ``Lq x Lk`` copy per batch/head.
         """
         if not self.causal:
             return self.mask
         causal = _masks.causal_mask(self.q_len, self.k_len, device=self.query.device)
-        return _masks.combine(self.mask, causal, dtype=self.query.dtype)
+        return _masks.combine(self.mask, causal, dtype=bias_dtype(self.query.dtype))
 
     def densified(self) -> AttentionCall:
         """The same call with a structured mask replaced by its dense boolean form: what backends
@@ -200,9 +201,16 @@ def _check_mask(mask: object, query: Tensor, scores_shape: torch.Size) -> Tensor
         raise ValueError(
             f"mask of shape {got} does not broadcast to the scores' shape [..., Lq, Lk] = {expected}"
         )
-    if mask.is_floating_point() and mask.dtype != query.dtype:
-        mask = mask.to(query.dtype)
+    if mask.is_floating_point() and mask.dtype != bias_dtype(query.dtype):
+        mask = mask.to(bias_dtype(query.dtype))
     return mask
+
+
+def bias_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an additive mask is kept in: the inputs' own, but float32 for half-precision
+    inputs, whose scores are biased in float32 (as SDPA and FlashAttention do: a bf16 ALiBi-style
+    bias rounds logits by up to 0.25 at L = 256)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _check_scale(scale: object, head_dim: int) -> float:

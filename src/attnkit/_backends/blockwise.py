@@ -30,6 +30,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from .._call import bias_dtype
 from . import dropout as _dropout
 from . import kernels, numerics
 from .tiled_plan import Group, Problem, dense_plan, plans, settings
@@ -101,8 +102,8 @@ class _Call:
             bias = dense if allowed is None else dense.masked_fill(~allowed, float("-inf"))
         if bias is None and allowed is None:
             return None, None
-        if bias is None:
-            bias = torch.zeros(allowed.shape, dtype=self.query.dtype, device=self.query.device)
+        if bias is None:  # float32 for half precision, where the fused kernel takes it so
+            bias = torch.zeros(allowed.shape, dtype=bias_dtype(self.query.dtype), device=self.query.device)
             bias = bias.masked_fill_(~allowed, float("-inf"))
         has_key = (bias != float("-inf")).any(-1, keepdim=True)
         return _group_heads(bias, self.group), _group_heads(has_key, self.group)[..., 0]

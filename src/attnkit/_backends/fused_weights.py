@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .._call import AttentionCall
 from .empty_rows import give_empty_rows_a_key
-from .numerics import needs_pairwise
+from .numerics import needs_pairwise, work_dtype
 from .reference import drop_weights, reference_attention
 
 
@@ -44,14 +44,16 @@ def fused_weights_attention(call: AttentionCall) -> tuple[Tensor, Tensor]:
         # a masked-out pair's NaN would enter the products (0 * NaN): the exact pairwise formula
         output, weights = reference_attention(call)
         return output, weights
-    lead = query.shape[:-2]
+    lead, dtype = query.shape[:-2], query.dtype
     # [groups, rows, D]: with GQA a group is one key/value head and its rows are the query
     # rows of every query head that reads it (head h reads key/value head h // group_size).
+    # Half precision runs in float32 (scores, bias, softmax), rounded once at the end.
+    work = work_dtype(dtype)
     groups = math.prod(key.shape[:-2])
     rows = call.group_size * call.q_len
-    query3 = query.reshape(groups, rows, query.shape[-1])
-    key3 = key.reshape(groups, call.k_len, key.shape[-1])
-    value3 = value.reshape(groups, call.k_len, value.shape[-1])
+    query3 = query.reshape(groups, rows, query.shape[-1]).to(work)
+    key3 = key.reshape(groups, call.k_len, key.shape[-1]).to(work)
+    value3 = value.reshape(groups, call.k_len, value.shape[-1]).to(work)
 
     scores = torch.baddbmm(query3.new_zeros(()), query3, key3.transpose(1, 2), beta=0.0, alpha=call.scale)
     scores = scores.view(call.scores_shape)
@@ -79,4 +81,4 @@ def fused_weights_attention(call: AttentionCall) -> tuple[Tensor, Tensor]:
         weights = drop_weights(weights, call.dropout, call.seed)
 
     output = torch.bmm(weights.view(groups, rows, call.k_len), value3)
-    return output.view(*lead, call.q_len, value.shape[-1]), weights
+    return output.view(*lead, call.q_len, value.shape[-1]).to(dtype), weights.to(dtype)

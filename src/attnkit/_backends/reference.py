@@ -8,7 +8,8 @@
     output  = weights @ value              (each query's weighted average of the values)
 
 It materialises the ``[..., Lq, Lk]`` score matrix, so it is the backend that returns
-weights, and each step is reported to :mod:`attnkit._steps` for the explainer. When a masked
+weights, and each step is reported to :mod:`attnkit._steps` for the explainer. Half-precision
+inputs are computed in float32 throughout and the results rounded once. When a masked
 input holds NaN or inf, or scores could overflow, the two products run pairwise so that
 masked-out pairs are never multiplied (:mod:`.numerics`): the definition every backend follows.
 """
@@ -22,7 +23,7 @@ from .._call import AttentionCall
 from .._steps import record
 from . import dropout as _dropout
 from . import layout
-from .numerics import needs_pairwise, pairwise_scores, pairwise_values, softmax_rows
+from .numerics import needs_pairwise, pairwise_scores, pairwise_values, softmax_rows, work_dtype
 
 __all__ = ["reference_attention", "drop_weights", "softmax_rows"]
 
@@ -33,7 +34,9 @@ def drop_weights(weights: Tensor, p: float, seed: Tensor) -> Tensor:
 
 
 def reference_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-    query, key, value = call.query, call.key, call.value
+    # Half-precision inputs are computed in float32, scores, bias and softmax included (as SDPA does)
+    work = work_dtype(call.query.dtype)
+    query, key, value = (t.to(work) for t in (call.query, call.key, call.value))
     if call.is_gqa:
         # Query head h reads key/value head h // group_size.
         key = key.repeat_interleave(call.group_size, dim=1)
@@ -50,7 +53,7 @@ def reference_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
 
     if mask is not None:
         if mask.dtype != torch.bool:
-            scores = scores + mask.masked_fill(~allowed, 0.0)
+            scores = scores + mask.to(work).masked_fill(~allowed, 0.0)
         scores = scores.masked_fill(~allowed, float("-inf"))
         record("masked_scores", scores)
 
@@ -63,4 +66,5 @@ def reference_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
 
     output = pairwise_values(weights, value, allowed) if pairwise else weights @ value
     record("output", output)
-    return output, (weights if call.return_weights else None)
+    dtype = call.query.dtype
+    return output.to(dtype), (weights.to(dtype) if call.return_weights else None)

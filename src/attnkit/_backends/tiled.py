@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._call import AttentionCall
+from .._call import AttentionCall, bias_dtype
 from . import blockwise, kernels, layout, numerics
 from .interval_op import IntervalAttention
 from . import tiled_plan
@@ -43,7 +43,9 @@ def interval_inputs(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor, Tensor
     if call.mask is not None:
         bias = layout.fold_mask(call.mask, tuple(call.scores_shape))
         if bias.dtype == torch.bool:
-            bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill_(~bias, float("-inf"))
+            allowed = bias
+            bias = torch.zeros(allowed.shape, dtype=bias_dtype(query.dtype), device=query.device)
+            bias = bias.masked_fill_(~allowed, float("-inf"))
     return query, key, value, lo, hi, bias
 
 
