@@ -109,8 +109,10 @@ def test_opcheck_schema_fake_kernel_and_autograd_registration():
     q, k, v = _qkv(batch=1, length=8)
     lo, hi = torch.zeros(1, 8, dtype=torch.long), torch.arange(1, 9)[None]
     bias = torch.randn(1, 1, 8, 8, requires_grad=True)
-    for args in ((q.requires_grad_(), k, v, lo, hi, None, 0.5, 0.0, None, True, False),
-                 (q, k, v, lo, hi, bias, 0.5, 0.0, None, False, True)):
+    slopes, sinks = torch.tensor([0.5]), torch.tensor([0.3], requires_grad=True)
+    for args in ((q.requires_grad_(), k, v, lo, hi, None, None, None, 0.5, None, 0.0, None, True, False),
+                 (q, k, v, lo, hi, bias, None, None, 0.5, None, 0.0, None, False, True),
+                 (q, k, v, lo, hi, None, slopes, sinks, 0.5, 3.0, 0.0, None, False, False)):
         results = torch.library.opcheck(torch.ops.attnkit.interval_attention.default, args)
         assert set(results.values()) == {"SUCCESS"}, results
 

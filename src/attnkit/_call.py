@@ -44,6 +44,13 @@ class AttentionCall:
     return_lse: bool = False
     #: The dropout seed (int64 scalar tensor), drawn once per call after validation (None without dropout).
     seed: Tensor | None = None
+    #: Score modifiers, applied in this order after the scale: ``softcap * tanh(s / softcap)``, then
+    #: ALiBi ``-slope * |p - j|`` (``alibi_slopes`` float32 ``[H]`` or ``[N, H]`` of the folded
+    #: ``[N, H, L, D]`` layout), then the mask. ``sinks`` (``[H]``, the bias dtype): one logit per
+    #: head in every row's softmax normaliser, with no value.
+    softcap: float | None = None
+    alibi_slopes: Tensor | None = None
+    sinks: Tensor | None = None
 
     @property
     def q_len(self) -> int:
@@ -62,6 +69,11 @@ class AttentionCall:
     def group_size(self) -> int:
         """How many query heads share one key/value head (1 without GQA)."""
         return self.query.shape[1] // self.key.shape[1] if self.is_gqa else 1
+
+    @property
+    def modifies_scores(self) -> bool:
+        """Soft-capping, ALiBi or sinks are asked for (SDPA has none of them fused)."""
+        return self.softcap is not None or self.alibi_slopes is not None or self.sinks is not None
 
     @property
     def scores_shape(self) -> torch.Size:
@@ -240,6 +252,38 @@ def _check_dropout(dropout: object, generator: object, device: torch.device) -> 
     return dropout
 
 
+def _check_softcap(softcap: object) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a positive real number or None, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be positive and finite, got {softcap}")
+    return softcap
+
+
+def _check_per_head(name: str, values: object, query: Tensor, allow_batch: bool) -> Tensor | None:
+    """``[H]`` (or ``[N, H]`` when ``allow_batch``) float values of the query's folded heads, on its
+    device, in :func:`bias_dtype`."""
+    if values is None:
+        return None
+    if not isinstance(values, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(values).__name__}")
+    if not values.is_floating_point():
+        raise TypeError(f"{name} must be floating, got {values.dtype}")
+    if values.device != query.device:
+        raise ValueError(f"{name} must be on the query's device {query.device}, got {values.device}")
+    lead = tuple(query.shape[:-2])
+    batch, heads = (lead[0] if lead else 1), math.prod(lead[1:])
+    shapes = [(heads,)] + ([(batch, heads)] if allow_batch else [])
+    if tuple(values.shape) not in shapes:
+        expected = " or ".join(str(list(shape)) for shape in shapes)
+        raise ValueError(
+            f"{name} must be {expected} (one value per head of query {_shape(query)}), got {_shape(values)}")
+    return values.to(bias_dtype(query.dtype))
+
+
 def make_call(
     query: object,
     key: object,
@@ -252,6 +296,9 @@ def make_call(
     generator: object,
     return_weights: object,
     return_lse: object = False,
+    softcap: object = None,
+    alibi_slopes: object = None,
+    sinks: object = None,
 ) -> AttentionCall:
     """Validate the arguments of ``attention()`` and return the normalised call."""
     query = _check_tensor("query", query)
@@ -282,4 +329,7 @@ def make_call(
         dropout=_check_dropout(dropout, generator, query.device),
         generator=generator,  # type: ignore[arg-type]
         return_weights=return_weights,
+        softcap=_check_softcap(softcap),
+        alibi_slopes=_check_per_head("alibi_slopes", alibi_slopes, query, allow_batch=True),
+        sinks=_check_per_head("sinks", sinks, query, allow_batch=False),
     )

@@ -26,6 +26,9 @@ def attention(
     return_weights: bool = False,
     backend: str = "auto",
     return_lse: bool = False,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     r"""Scaled dot-product attention: ``softmax(query @ key^T * scale + mask) @ value``.
 
@@ -75,7 +78,16 @@ def attention(
         return_lse: also return the log-sum-exp of each row, ``[..., Lq]``: the natural log of
             ``sum_j exp(scale * q.k_j + bias_j)`` over the keys the row may attend, before dropout;
             ``-inf`` for a row with no key; float32 for half-precision inputs. Differentiable.
-            It lets partial results over disjoint keys be merged exactly.
+            It lets partial results over disjoint keys be merged exactly. With ``sinks`` it counts
+            the sink too (a row with no key then has lse = its sink).
+        softcap: attention-logit soft-capping (Gemma 2): each score becomes
+            ``softcap * tanh(score / softcap)``, after the scale and before ALiBi and the mask.
+        alibi_slopes: ALiBi (BLOOM, MPT; FlashAttention's ``alibi_slopes``): float ``[H]`` or
+            ``[B, H]`` slopes; adds ``-slope * |i + Lk - Lq - j|`` to the score of query ``i`` and key
+            ``j``, computed per block, never as an ``Lq x Lk`` tensor on the tiled path.
+        sinks: attention sinks (GPT-OSS): a learned logit per query head, float ``[H]``, that joins
+            every row's softmax normaliser with no value: it takes probability mass, so the weights
+            of a row's keys sum to less than 1. Differentiable.
 
     Returns:
         ``output [..., Lq, Dv]``; with ``return_weights`` and/or ``return_lse``, a tuple
@@ -92,6 +104,7 @@ def attention(
         query, key, value,
         mask=mask, causal=causal, scale=scale, dropout=dropout,
         generator=generator, return_weights=return_weights, return_lse=return_lse,
+        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
     )
     chosen = _backends.resolve(backend, call)
     if call.dropout > 0:  # drawn only once the call is valid: a failed call leaves the generator alone

@@ -70,13 +70,16 @@ class _Call:
     """One call's tensors and what every piece needs from them."""
 
     def __init__(self, query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None,
-                 scale: float, dropout: float, seed: Tensor | None) -> None:
+                 scale: float, dropout: float, seed: Tensor | None, softcap: float | None = None,
+                 alibi: Tensor | None = None) -> None:
         self.query, self.key, self.value = query, key, value
         self.lo, self.hi, self.mask = lo, hi, bias
-        self.scale, self.dropout, self.seed = scale, dropout, seed
+        self.scale, self.dropout, self.seed, self.softcap, self.alibi = scale, dropout, seed, softcap, alibi
         self.group = query.shape[1] // key.shape[1]
-        self.flash = kernels.flash_applies(query, value, dropout)
-        self.problem = Problem(lo.cpu(), hi.cpu(), query.shape[2], key.shape[2], query.shape[0], bias is not None)
+        self.flash = softcap is None and kernels.flash_applies(query, value, dropout)
+        # ALiBi differs from block to block like a dense mask: no batched blocks, no coarse levels
+        self.problem = Problem(lo.cpu(), hi.cpu(), query.shape[2], key.shape[2], query.shape[0],
+                               bias is not None or alibi is not None)
 
     def queries(self, g: Group, b: int, t: Tensor | None = None) -> Tensor:
         """Rows of ``g`` from ``t`` (default: the query) for sequence ``b``, grouped by kv head."""
@@ -100,6 +103,13 @@ class _Call:
         if self.mask is not None:
             dense = self.mask[b if self.mask.shape[0] > 1 else 0, None, :, q0:q1, k0:k1]
             bias = dense if allowed is None else dense.masked_fill(~allowed, float("-inf"))
+        if self.alibi is not None:
+            slopes = self.alibi if self.alibi.dim() == 1 else self.alibi[b]
+            rows = torch.arange(q0, q1, device=self.query.device)[:, None] + (self.key.shape[2] - self.query.shape[2])
+            alibi = numerics.alibi_bias(slopes.view(1, -1, 1, 1), rows, torch.arange(k0, k1, device=self.query.device))
+            bias = alibi if bias is None else bias + alibi
+            if allowed is not None:
+                bias = bias.masked_fill(~allowed, float("-inf"))
         if bias is None and allowed is None:
             return None, None
         if bias is None:  # float32 for half precision, where the fused kernel takes it so
@@ -168,12 +178,12 @@ def _plan(call: _Call, dense: bool, causal_only: bool) -> list[Group]:
 
 
 def forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None, scale: float,
-            dropout: float, seed: Tensor | None, dense: bool = False,
-            causal_only: bool = False) -> tuple[Tensor, Tensor]:
+            dropout: float, seed: Tensor | None, *, softcap: float | None = None, alibi: Tensor | None = None,
+            dense: bool = False, causal_only: bool = False) -> tuple[Tensor, Tensor]:
     """``(output [N, H, Lq, Dv], lse [N, H, Lq])``; lse float32 for half-precision inputs. ``dense``:
     one call per sequence over every key with the mask as a tensor (what PyTorch's fused kernel
     runs on a dense mask; its causal path when ``causal_only``), instead of the block plan."""
-    call = _Call(query, key, value, lo, hi, bias, scale, dropout, seed)
+    call = _Call(query, key, value, lo, hi, bias, scale, dropout, seed, softcap, alibi)
     group = call.group
     work = numerics.work_dtype(query.dtype)
     out = torch.empty(*query.shape[:-1], value.shape[-1], dtype=work, device=query.device)
@@ -187,7 +197,7 @@ def forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, b
             if has_key is not None:
                 part_lse = part_lse.masked_fill(~has_key, float("-inf"))
         else:
-            part, part_lse, _ = kernels.math_forward(rows, k, v, bias_piece, scale, dropout, call.keep(g, b))
+            part, part_lse, _ = kernels.math_forward(rows, k, v, bias_piece, scale, dropout, call.keep(g, b), softcap)
         out_view = _blocks_of(out, b, g.q0, g.rows, g.count, g.rows)
         lse_view = _blocks_of(lse, b, g.q0, g.rows, g.count, g.rows)
         part, part_lse = _ungroup_heads(part, group), _ungroup_heads(part_lse, group)
@@ -208,17 +218,18 @@ def forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, b
     if not numerics.all_finite(out) and numerics.needs_pairwise(query, key, value, scale):
         # a non-finite value met a product: redo it pairwise, so that a masked-out one stays out
         with torch.no_grad():
-            return dense_attention(query, key, value, lo, hi, bias, scale, dropout, seed, exact=True)[:2]
+            return dense_attention(query, key, value, lo, hi, bias, scale, dropout, seed, exact=True, softcap=softcap,
+                                   alibi=alibi)[:2]
     return out.to(query.dtype), lse
 
 
 def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
              lse: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None, scale: float, dropout: float,
-             seed: Tensor | None, bias_grad: bool, dense: bool = False,
-             causal_only: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+             seed: Tensor | None, bias_grad: bool, *, softcap: float | None = None, alibi: Tensor | None = None,
+             dense: bool = False, causal_only: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """``(dq, dk, dv, dbias)`` of :func:`forward` from the gradients of its output and lse (``dbias``,
     shaped like ``bias``, only when ``bias_grad``); ``dense`` and ``causal_only`` as the forward's."""
-    call = _Call(query, key, value, lo, hi, bias, scale, dropout, seed)
+    call = _Call(query, key, value, lo, hi, bias, scale, dropout, seed, softcap, alibi)
     use_flash = call.flash and grad_lse is None and not bias_grad
     work = numerics.work_dtype(query.dtype)
     grads = [torch.zeros(t.shape, dtype=work, device=t.device) for t in (query, key, value)]
@@ -235,7 +246,7 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
         else:
             d_lse = None if grad_lse is None else call.queries(g, b, grad_lse[..., None])[..., 0]
             dq, dk, dv, d_scores = kernels.math_backward(d_out, rows, k, v, o, row_lse, bias_piece, scale,
-                                                         call.keep(g, b), dropout, d_lse)
+                                                         call.keep(g, b), dropout, d_lse, softcap)
             if grad_bias is not None:
                 _add_to_bias(grad_bias, b, g, _ungroup_heads(d_scores, call.group))
         _blocks_of(grads[0], b, g.q0, g.rows, g.count, g.rows).add_(_ungroup_heads(dq, call.group))
@@ -275,7 +286,8 @@ def allowed_pairs(lo: Tensor, hi: Tensor, k_len: int) -> Tensor:
 
 
 def dense_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None,
-                    scale: float, dropout: float, seed: Tensor | None, exact: bool) -> tuple[Tensor, Tensor, Tensor]:
+                    scale: float, dropout: float, seed: Tensor | None, exact: bool, *, softcap: float | None = None,
+                    alibi: Tensor | None = None, sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(output, lse, weights)`` of the same call in plain differentiable ops over the whole
     ``Lq x Lk`` score matrix: for inputs holding NaN or inf (``exact``: pairwise products, a masked
     pair never multiplied), for second-order gradients (autograd through this) and for weights
@@ -288,10 +300,15 @@ def dense_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: T
     work = numerics.work_dtype(query.dtype)
     q, k, v = query.to(work), key.to(work), value.to(work)
     scores = numerics.pairwise_scores(q, k, allowed) if exact else q @ k.transpose(-1, -2)
-    scores = scores * scale
+    scores = numerics.soft_cap(scores * scale, softcap)
+    if alibi is not None:
+        slopes = alibi.view(1, -1, 1, 1) if alibi.dim() == 1 else alibi[:, :, None, None]
+        rows = torch.arange(q.shape[2], device=q.device)[:, None] + (k.shape[2] - q.shape[2])
+        scores = scores + numerics.alibi_bias(slopes, rows, torch.arange(k.shape[2], device=q.device))
     if bias is not None:
         scores = scores + bias.to(work).masked_fill(~allowed, 0.0)
-    weights, lse = numerics.softmax_with_lse(scores.masked_fill(~allowed, float("-inf")))
+    sink = None if sinks is None else sinks.view(1, -1, 1, 1)
+    weights, lse = numerics.softmax_with_lse(scores.masked_fill(~allowed, float("-inf")), sink)
     if dropout > 0:
         weights = _dropout.apply(weights, seed, dropout)
     out = numerics.pairwise_values(weights, v, allowed) if exact else weights @ v

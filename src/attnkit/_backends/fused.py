@@ -26,7 +26,30 @@ from .reference import reference_attention
 # rows are given a harmless key to attend and their output is zeroed afterwards.
 EMPTY_ROWS_GIVE_ZEROS = {"cpu"}
 
+def _with_alibi_as_mask(call: AttentionCall) -> AttentionCall:
+    """The call with its ALiBi bias ``[N, H, Lq, Lk]`` (float32 for half precision) folded into the
+    mask, causal included."""
+    from dataclasses import replace
+
+    from .._call import bias_dtype
+    from . import layout
+    from .reference import alibi_of
+
+    alibi = alibi_of(call).to(bias_dtype(call.query.dtype))
+    alibi = alibi.expand(*layout.batch_heads(tuple(call.query.shape)), call.q_len, call.k_len).reshape(call.scores_shape)
+    mask = call.dense_mask()
+    if mask is not None:
+        alibi = alibi.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else alibi + mask
+    return replace(call, mask=alibi, causal=False, alibi_slopes=None)
+
+
 def torch_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    if call.softcap is not None or call.sinks is not None:
+        # no fused PyTorch kernel soft-caps scores or takes sinks: the materialised formula
+        output, weights = reference_attention(call)
+        return output, weights if call.return_weights else None
+    if call.alibi_slopes is not None:  # SDPA takes ALiBi as a dense float32 bias
+        call = _with_alibi_as_mask(call)
     if call.return_weights or call.dropout > 0:
         # SDPA draws its dropout from the global RNG with its own pattern: attnkit's pattern
         # (the same on every backend) runs on the materialised path

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .. import _torch_private
-from .numerics import softmax_with_lse, work_dtype
+from .numerics import soft_cap, softmax_with_lse, work_dtype
 
 _FLASH = _torch_private.flash_cpu_ops()
 
@@ -36,17 +36,23 @@ def flash_applies(query: Tensor, value: Tensor, dropout: float) -> bool:
             and query.shape[-1] == value.shape[-1])
 
 
-def _scores(query: Tensor, key: Tensor, bias: Tensor | None, scale: float) -> Tensor:
+def _raw_scores(query: Tensor, key: Tensor, scale: float) -> Tensor:
     work = work_dtype(query.dtype)
-    scores = (query.to(work) @ key.to(work).transpose(-2, -1)) * scale
-    return scores if bias is None else scores + bias.to(work)
+    return (query.to(work) @ key.to(work).transpose(-2, -1)) * scale
+
+
+def _scores(raw: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
+    """Soft-capped (Gemma 2) raw scores plus the bias (ALiBi and mask, -inf where masked)."""
+    scores = soft_cap(raw, softcap)
+    return scores if bias is None else scores + bias.to(scores.dtype)
 
 
 def math_forward(query: Tensor, key: Tensor, value: Tensor, bias: Tensor | None, scale: float,
-                 dropout: float = 0.0, keep: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                 dropout: float = 0.0, keep: Tensor | None = None,
+                 softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(output, lse, weights)`` of one piece in plain ops (differentiable as written); weights
     are the probabilities applied to ``value``, after dropout (``keep``: the piece's pattern)."""
-    weights, lse = softmax_with_lse(_scores(query, key, bias, scale))
+    weights, lse = softmax_with_lse(_scores(_raw_scores(query, key, scale), bias, softcap))
     if dropout > 0:
         weights = weights * keep / (1.0 - dropout)
     output = weights @ value.to(weights.dtype)
@@ -55,16 +61,18 @@ def math_forward(query: Tensor, key: Tensor, value: Tensor, bias: Tensor | None,
 
 def math_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
                   bias: Tensor | None, scale: float, keep: Tensor | None, dropout: float,
-                  grad_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  grad_lse: Tensor | None, softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of one piece given the merged ``out`` and ``lse`` of its rows (float32 for half
-    types): ``(dq, dk, dv, d_bias)``, ``d_bias`` the gradient of the additive scores.
+    types): ``(dq, dk, dv, d_bias)``, ``d_bias`` the gradient of the additive scores (after the
+    soft cap, whose derivative ``1 - tanh^2`` reaches dq and dk).
 
     With P = exp(S - lse): dV = P'^T dO (P' after dropout), dS = P * (dP - D) where
     dP = dO V^T (times the dropout pattern) and D = rowsum(dO * out) - grad_lse."""
     work = work_dtype(query.dtype)
     q, k, v = query.to(work), key.to(work), value.to(work)
     d_out = grad_out.to(work)
-    scores = _scores(query, key, bias, scale)
+    raw = _raw_scores(query, key, scale)
+    scores = _scores(raw, bias, softcap)
     finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).to(work)
     probs = torch.exp(scores - finite_lse[..., None])  # masked scores are -inf: exactly 0 there
     d_probs = d_out @ v.transpose(-2, -1)
@@ -78,6 +86,8 @@ def math_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, o
         row_dot = row_dot - grad_lse.to(work)
     d_bias = probs * (d_probs - row_dot[..., None])
     d_scores = d_bias * scale
+    if softcap is not None:  # d/ds cap * tanh(s / cap) = 1 - tanh^2
+        d_scores = d_scores * (1 - torch.tanh(raw / softcap).square())
     return d_scores @ k, d_scores.transpose(-2, -1) @ q, applied.transpose(-2, -1) @ d_out, d_bias
 
 

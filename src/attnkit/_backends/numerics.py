@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .. import _torch_private
 
-__all__ = ["work_dtype", "softmax_rows", "softmax_with_lse", "can_read", "all_finite", "needs_pairwise", "pairwise_fits", "pairwise_scores", "pairwise_values"]
+__all__ = ["work_dtype", "softmax_rows", "softmax_with_lse", "soft_cap", "alibi_bias", "can_read", "all_finite", "needs_pairwise", "pairwise_fits", "pairwise_scores", "pairwise_values"]
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -29,17 +29,24 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def softmax_with_lse(scores: Tensor) -> tuple[Tensor, Tensor]:
+def softmax_with_lse(scores: Tensor, sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Row softmax and log-sum-exp in :func:`work_dtype`. A row whose scores are all ``-inf`` (no
     key to attend) gives zero weights and lse ``-inf``, with finite gradients: the row maximum is
     detached (softmax is shift-invariant) and replaced by 0 where it is not finite, and the sum is
     divided out only where it is positive. A NaN or +inf score makes the row's weights and lse NaN
-    (as ``torch.softmax``: +inf / +inf)."""
+    (as ``torch.softmax``: +inf / +inf). ``sink`` (broadcastable to ``[..., Lq, 1]``) is one more
+    logit in every row's normaliser with no value (attention sinks): it takes probability mass,
+    the weights of the keys then sum to less than 1, and the lse counts it."""
     work = work_dtype(scores.dtype)
     row_max = scores.detach().amax(dim=-1, keepdim=True)
+    if sink is not None:
+        sink = sink.to(work)
+        row_max = torch.maximum(row_max.to(work), sink.detach().expand_as(row_max))
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     exp = torch.exp((scores - row_max).to(work))
     total = exp.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        total = total + torch.exp(sink - row_max)
     # each exp is <= 1 after the shift, so the sum is infinite only through a +inf score
     broken = ~torch.isfinite(total)
     has_key = total > 0
@@ -50,11 +57,23 @@ def softmax_with_lse(scores: Tensor) -> tuple[Tensor, Tensor]:
     return exp / divisor, lse.squeeze(-1)
 
 
-def softmax_rows(scores: Tensor) -> Tensor:
+def soft_cap(scores: Tensor, cap: float | None) -> Tensor:
+    """``cap * tanh(scores / cap)`` (Gemma 2's attention-logit soft-capping), or ``scores`` for None."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
+def alibi_bias(slopes: Tensor, rows: Tensor, keys: Tensor) -> Tensor:
+    """ALiBi as FlashAttention defines it: ``-slope * |p - j|`` for a query at key position ``p``
+    (``i + Lk - Lq``, bottom-right) and key ``j``. ``slopes`` broadcasts against the head dims of
+    ``rows [..., n, 1]`` and ``keys [..., 1, m]`` (all already in the caller's layout)."""
+    return -slopes * (rows - keys).abs().to(slopes.dtype)
+
+
+def softmax_rows(scores: Tensor, sink: Tensor | None = None) -> Tensor:
     """:func:`softmax_with_lse`'s weights, in the scores' dtype."""
     if scores.shape[-1] == 0:
         return scores
-    return softmax_with_lse(scores)[0].to(scores.dtype)
+    return softmax_with_lse(scores, sink)[0].to(scores.dtype)
 
 
 def can_read(*tensors: Tensor) -> bool:

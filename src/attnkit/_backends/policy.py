@@ -59,8 +59,8 @@ def choose(call: AttentionCall) -> str:
         return "tiled"
     if call.query.device.type not in MEASURED_DEVICES or call.return_weights:
         return "torch"
-    if call.structure is not None:
-        return "interval"
+    if call.structure is not None or call.modifies_scores:
+        return "interval"  # soft-capping, ALiBi and sinks: SDPA has none of them
     if call.dropout > 0 and _native_serves(call.query.device.type, call.query.dtype, call.mask is not None):
         # SDPA has no fused CPU kernel with dropout (its math path materialises every weight): the
         # native kernel took 0.64-0.77x its time at 32 x 32 pairs, 0.35-0.44x at 64 x 64 and
@@ -77,11 +77,13 @@ def _native_serves(device_type: str, dtype: torch.dtype, has_mask: bool) -> bool
 
 
 def kernel_for(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None,
-               dropout: float, causal_only: bool, sparse_only: bool) -> str:
+               dropout: float, causal_only: bool, sparse_only: bool, softcap: float | None = None,
+               alibi: Tensor | None = None) -> str:
     """Which kernel the interval op runs: ``"native"``, ``"blocks"`` (PyTorch's kernel block by
     block) or ``"dense"`` (PyTorch's fused kernel over every key, the mask as a tensor).
-    ``sparse_only`` (an explicit ``backend="tiled"``) leaves out the dense kernel."""
-    if native.applies(query, key, value, bias is not None):
+    ``sparse_only`` (an explicit ``backend="tiled"``) leaves out the dense kernel. Soft-capping and
+    ALiBi run on plain ops per block (``"blocks"``; dense, per sequence, where short or dense)."""
+    if softcap is None and alibi is None and native.applies(query, key, value, bias is not None):
         if sparse_only or dropout > 0:
             return "native"
         pairs = query.shape[2] * key.shape[2]
@@ -92,7 +94,7 @@ def kernel_for(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor
         return "native" if native.computed_fraction(lo, hi, key.shape[2]) <= NATIVE_MAX_COMPUTED else "dense"
     if query.device.type == "cpu" and query.dtype == torch.float32 and bias is None:
         native.hint_if_not_built()
-    if sparse_only or dropout > 0:
+    if sparse_only or dropout > 0 or softcap is not None or alibi is not None:
         return "blocks"
     pairs = query.shape[2] * key.shape[2]
     if pairs < AUTO_MIN_PAIRS or (causal_only and bias is None and query.shape[2] == key.shape[2]):

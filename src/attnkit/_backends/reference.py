@@ -2,8 +2,10 @@
 
     scores  = query @ key^T                (how well each query matches each key)
     scores *= scale                        (1/sqrt(Dk) by default: keeps the softmax soft)
+    scores  = softcap(scores)              (cap * tanh(s / cap), when asked: Gemma 2)
+    scores += alibi                        (-slope * distance, when asked: BLOOM, MPT)
     scores  = mask(scores)                 (-inf where a query may not attend)
-    weights = softmax(scores, dim=-1)      (each row sums to 1; rows with no key are zeros)
+    weights = softmax(scores, dim=-1)      (each row sums to 1, less with sinks; no key: zeros)
     weights = dropout(weights)             (training only; rescaled by 1/(1-p))
     output  = weights @ value              (each query's weighted average of the values)
 
@@ -23,7 +25,7 @@ from .._call import AttentionCall
 from .._steps import record
 from . import dropout as _dropout
 from . import layout
-from .numerics import needs_pairwise, pairwise_scores, pairwise_values, softmax_rows, work_dtype
+from .numerics import alibi_bias, needs_pairwise, pairwise_scores, pairwise_values, soft_cap, softmax_rows, work_dtype
 
 __all__ = ["reference_attention", "drop_weights", "softmax_rows"]
 
@@ -31,6 +33,15 @@ __all__ = ["reference_attention", "drop_weights", "softmax_rows"]
 def drop_weights(weights: Tensor, p: float, seed: Tensor) -> Tensor:
     """``weights [..., Lq, Lk]`` with dropout ``p`` applied by attnkit's pattern for ``seed``."""
     return _dropout.apply(layout.fold(weights), seed, p).reshape(weights.shape)
+
+
+def alibi_of(call: AttentionCall) -> Tensor:
+    """The ALiBi bias of the call, ``[N or 1, H, Lq, Lk]`` in the folded layout."""
+    slopes = call.alibi_slopes
+    slopes = slopes.view(1, -1, 1, 1) if slopes.dim() == 1 else slopes[:, :, None, None]
+    device = call.query.device
+    rows = torch.arange(call.q_len, device=device)[:, None] + (call.k_len - call.q_len)
+    return alibi_bias(slopes, rows, torch.arange(call.k_len, device=device))
 
 
 def reference_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
@@ -50,6 +61,12 @@ def reference_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     record("scores", scores)
     scores = scores * call.scale
     record("scaled_scores", scores)
+    if call.softcap is not None:
+        scores = soft_cap(scores, call.softcap)
+        record("capped_scores", scores)
+    if call.alibi_slopes is not None:
+        scores = (layout.fold(scores) + alibi_of(call)).reshape(scores.shape)
+        record("alibi_scores", scores)
 
     if mask is not None:
         if mask.dtype != torch.bool:
@@ -57,7 +74,10 @@ def reference_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         scores = scores.masked_fill(~allowed, float("-inf"))
         record("masked_scores", scores)
 
-    weights = softmax_rows(scores)
+    if call.sinks is None:
+        weights = softmax_rows(scores)
+    else:  # one more logit per head in every row's normaliser
+        weights = softmax_rows(layout.fold(scores), call.sinks.view(1, -1, 1, 1)).reshape(scores.shape)
     record("weights", weights)
 
     if call.dropout > 0:

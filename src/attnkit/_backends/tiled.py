@@ -15,8 +15,8 @@ row ``i`` may attend, before dropout (float32 for half-precision inputs), and ``
 with no key, whose output is zeros. Dropout follows :mod:`.dropout` (one pattern on every path).
 
 ``return_weights=True`` computes each block over the span of its key ranges in differentiable
-plain ops (the weights are ``Lq x Lk`` anyway); while ``torch.compile`` traces, the whole score
-matrix at once (the same numbers to rounding: the block plan cannot be traced).
+plain ops (the weights are ``Lq x Lk`` anyway); while ``torch.compile`` traces, or with
+soft-capping, ALiBi or sinks, the whole score matrix at once (the same numbers to rounding).
 """
 
 from __future__ import annotations
@@ -59,15 +59,15 @@ def tiled_attention(call: AttentionCall, sparse_only: bool = True) -> tuple[Tens
     """Run ``call``; returns ``(output, weights or None, lse)`` in the call's layout."""
     query, key, value, lo, hi, bias = interval_inputs(call)
     weights = None
-    if call.return_weights and torch.compiler.is_compiling():
+    if call.return_weights and (torch.compiler.is_compiling() or call.modifies_scores):
         out, weights, lse = _dense_weights(call, query, key, value, lo, hi, bias)
     elif call.return_weights:
         out, weights, lse = _with_weights(call, query, key, value, lo, hi, bias)
     else:
         structure = combined(call.structure, call.causal)
         causal_only = structure is not None and structure.is_causal
-        out, lse = IntervalAttention.apply(query, key, value, lo, hi, bias, call.scale, call.dropout, call.seed,
-                                           causal_only, sparse_only)
+        out, lse = IntervalAttention.apply(query, key, value, lo, hi, bias, call.alibi_slopes, call.sinks, call.scale,
+                                           call.softcap, call.dropout, call.seed, causal_only, sparse_only)
     lead = tuple(call.query.shape[:-2])
     if weights is not None:
         weights = layout.unfold(weights, lead)
@@ -133,5 +133,6 @@ def _dense_weights(call: AttentionCall, query: Tensor, key: Tensor, value: Tenso
                    bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Output, weights and lse over the whole score matrix (see the module docstring)."""
     out, lse, weights = blockwise.dense_attention(query, key, value, lo, hi, bias, call.scale, call.dropout, call.seed,
-                                                  exact=numerics.needs_pairwise(query, key, value, call.scale))
+                                                  exact=numerics.needs_pairwise(query, key, value, call.scale),
+                                                  softcap=call.softcap, alibi=call.alibi_slopes, sinks=call.sinks)
     return out, weights, lse
