@@ -107,7 +107,7 @@ def test_opcheck_schema_fake_kernel_and_autograd_registration():
     """PyTorch's own checker for custom ops: schema, fake (meta) kernel, autograd registration,
     dynamic shapes under AOT dispatch."""
     q, k, v = _qkv(batch=1, length=8)
-    lo, hi = torch.zeros(1, 8, dtype=torch.long), torch.arange(1, 9)[None]
+    lo, hi = torch.zeros(1, 1, 8, dtype=torch.long), torch.arange(1, 9)[None, None]  # [S, R, Lq]
     bias = torch.randn(1, 1, 8, 8, requires_grad=True)
     slopes, sinks = torch.tensor([0.5]), torch.tensor([0.3], requires_grad=True)
     for args in ((q.requires_grad_(), k, v, lo, hi, None, None, None, 0.5, None, 0.0, None, True, False),

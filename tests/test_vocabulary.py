@@ -174,3 +174,129 @@ def test_the_vocabulary_in_half_precision_within_twice_the_plain_error(backend, 
         ours = attnkit.attention(*low, causal=True, scale=0.2, backend=backend, **kwargs)
         assert ours.dtype == dtype
         assert (ours.double() - exact).abs().max().item() <= 2 * plain_error, name
+
+
+# -- windows, variable-length batches, explicit ranges, sink keys: masks against their definitions ------
+
+
+def _allowed_by(rule, lq, lk, batch=1):
+    """The boolean mask [B, 1, Lq, Lk] of ``rule(b, i, j)`` written out pair by pair."""
+    allowed = torch.zeros(batch, 1, lq, lk, dtype=torch.bool)
+    for b in range(batch):
+        for i in range(lq):
+            for j in range(lk):
+                allowed[b, 0, i, j] = bool(rule(b, i, j))
+    return allowed
+
+
+def _oracle(q, k, v, allowed):
+    """float64 attention over the allowed pairs (rows with none: zeros), differentiable."""
+    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    scores = (q @ k.transpose(2, 3) / q.shape[-1] ** 0.5).masked_fill(~allowed, float("-inf"))
+    has_key = allowed.any(-1, keepdim=True)
+    return torch.softmax(scores.masked_fill(~has_key, 0.0), -1).masked_fill(~has_key, 0.0) @ v
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("left, right", [(3, 0), (2, 5), (-1, 1), (4, -1), (0, 0), (-1, -1)])
+@pytest.mark.parametrize("lq, lk", [(20, 20), (6, 20), (20, 9)])
+def test_sliding_window_left_right_is_flashattentions_window_size(backend, left, right, lq, lk):
+    """Keys p - left <= j <= p + right, p = i + Lk - Lq, -1 unbounded: FlashAttention's definition."""
+    q, k, v = _inputs(lq=lq, lk=lk)
+
+    def rule(b, i, j):
+        p = i + lk - lq
+        return (left == -1 or j >= p - left) and (right == -1 or j <= p + right)
+
+    allowed = _allowed_by(rule, lq, lk)
+    mask = attnkit.masks.sliding_window(left, right)
+    _compare(lambda q, k, v: attnkit.attention(q, k, v, mask=mask, backend=backend),
+             lambda q, k, v: _oracle(q, k, v, allowed), [q, k, v])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_aligns_each_sequence_to_its_own_lengths(backend):
+    """A right-padded batch equals each sequence run alone on its real tokens (FlashAttention's
+    cu_seqlens semantics), causal and windowed, with fewer queries than keys; padding rows are zeros."""
+    q_lengths, k_lengths = [5, 9, 2], [7, 12, 12]
+    q, k, v = _inputs(batch=3, lq=9, lk=12)
+    for rule in (attnkit.masks.causal(), attnkit.masks.sliding_window(3), attnkit.masks.sliding_window(2, 1)):
+        mask = attnkit.masks.varlen(q_lengths, k_lengths) & rule
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attnkit.attention(*inputs, mask=mask, backend=backend)
+        up = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+        grads = torch.autograd.grad(out, inputs, up)
+        for b, (lq, lk) in enumerate(zip(q_lengths, k_lengths)):
+            alone = [t[b:b + 1, :, :n].clone().requires_grad_() for t, n in zip((q, k, v), (lq, lk, lk))]
+            allowed = rule.dense(lq, lk)  # the rule on this sequence alone, bottom-right aligned
+            expected = _oracle(*alone, allowed)
+            torch.testing.assert_close(out[b:b + 1, :, :lq], expected, atol=1e-9, rtol=1e-7)
+            assert (out[b, :, lq:] == 0).all()
+            want = torch.autograd.grad(expected, alone, up[b:b + 1, :, :lq])
+            for got, w, n in zip(grads, want, (lq, lk, lk)):
+                torch.testing.assert_close(got[b:b + 1, :, :n], w, atol=1e-9, rtol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_first_keys_with_a_window_is_streaming_llms_mask(backend):
+    """StreamingLLM: the first n keys and the w most recent, causal: two ranges a row."""
+    q, k, v = _inputs(lq=30, lk=30)
+    allowed = _allowed_by(lambda b, i, j: j <= i and (j < 4 or i - j < 6), 30, 30)
+    mask = (attnkit.masks.sliding_window(6) | attnkit.masks.first_keys(4)) & attnkit.masks.causal()
+    assert mask.row_ranges(30)[0].shape == (1, 2, 30)
+    _compare(lambda q, k, v: attnkit.attention(q, k, v, mask=mask, backend=backend),
+             lambda q, k, v: _oracle(q, k, v, allowed), [q, k, v])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_key_ranges_give_each_row_its_own_keys(backend):
+    g = torch.Generator().manual_seed(5)
+    lo1 = torch.randint(-2, 20, (2, 16), generator=g)
+    hi1 = lo1 + torch.randint(0, 8, (2, 16), generator=g)
+    lo2 = torch.randint(0, 22, (2, 16), generator=g)
+    hi2 = lo2 + torch.randint(0, 5, (2, 16), generator=g)
+    q, k, v = _inputs(lq=16, lk=20)
+    for mask, rule in ((attnkit.masks.key_ranges(lo1, hi1), lambda b, i, j: lo1[b, i] <= j < hi1[b, i]),
+                       (attnkit.masks.key_ranges([lo1, lo2], [hi1, hi2]),
+                        lambda b, i, j: lo1[b, i] <= j < hi1[b, i] or lo2[b, i] <= j < hi2[b, i])):
+        allowed = _allowed_by(rule, 16, 20, batch=2)
+        _compare(lambda q, k, v: attnkit.attention(q, k, v, mask=mask, backend=backend),
+                 lambda q, k, v: _oracle(q, k, v, allowed), [q, k, v])
+
+
+def test_the_new_masks_stay_on_the_native_kernel_without_a_dense_mask():
+    """Long enough, they run on attnkit's own kernel (two ranges: one call each, merged), and no
+    Lq x Lk tensor appears in a compiled graph."""
+    from attnkit._backends import auto_runs, native
+    from attnkit._call import make_call
+
+    if not native.available():
+        pytest.skip(f"native kernel: {native.why_unavailable()}")
+    q = torch.randn(2, 4, 1024, 16)
+    masks_ = attnkit.masks
+    for mask in ((masks_.sliding_window(32) | masks_.first_keys(4)) & masks_.causal(),
+                 masks_.varlen([700, 1024]) & masks_.sliding_window(64), masks_.sliding_window(16, 16)):
+        call = make_call(q, q, q, mask=mask, causal=False, scale=None, dropout=0.0, generator=None,
+                         return_weights=False)
+        assert auto_runs(call) == "tiled:native", mask
+        explanation = torch._dynamo.explain(lambda q: attnkit.attention(q, q, q, mask=mask))(q)
+        assert explanation.graph_break_count == 0
+        for node in explanation.graphs[0].graph.nodes:
+            value = node.meta.get("example_value")
+            assert not (isinstance(value, torch.Tensor) and value.shape[-2:] == (1024, 1024)), node.target
+
+
+def test_mask_arguments_are_checked():
+    masks_ = attnkit.masks
+    with pytest.raises(ValueError, match="left must be >= -1"):
+        masks_.sliding_window(-2, 3)
+    with pytest.raises(TypeError, match="takes no causal="):
+        masks_.sliding_window(3, 0, causal=True)
+    with pytest.raises(ValueError, match="more than 2 key ranges"):
+        (masks_.first_keys(2) | masks_.causal()) & (masks_.first_keys(3) | masks_.causal())
+    with pytest.raises(ValueError, match="describes 3 query rows, the call has 4"):
+        masks_.key_ranges(torch.tensor([0, 0, 0]), torch.tensor([1, 1, 1])).row_ranges(4)
+    with pytest.raises(ValueError, match="q_lengths and k_lengths must have one entry per sequence"):
+        masks_.varlen([2, 3], [4])
+    with pytest.raises(ValueError, match="intersect it"):
+        masks_.varlen([2]) | masks_.causal()

@@ -14,7 +14,8 @@ device, a gradient for the lse or the bias). The backward recomputes each piece 
 output and lse (FlashAttention's split-key backward), so memory stays O(L).
 
 Layout (see :mod:`.interval_op`): ``query [N, H, Lq, D]``, ``key/value [N, Hkv, Lk, D/Dv]``,
-``lo, hi [S, Lq]`` (S = 1 or N), an optional additive ``bias`` broadcastable to ``[N, H, Lq, Lk]``
+``lo, hi [S, R, Lq]`` (S = 1 or N; R = 1 or 2 disjoint ranges a row, each planned apart and
+merged like any other pieces), an optional additive ``bias`` broadcastable to ``[N, H, Lq, Lk]``
 as ``[Nm, Hm, Lq, Lk]``, dropout from ``seed`` (:mod:`.dropout`: the same pattern as every path).
 A forward whose output comes out non-finite because an input holds NaN or inf, or a score
 overflows, is redone by :func:`dense_attention` (pairwise products: a
@@ -97,8 +98,10 @@ class _Call:
         allowed = None
         if not g.full:
             s = b if self.lo.shape[0] > 1 else 0
+            slots = slice(None) if g.slot is None else slice(g.slot, g.slot + 1)  # None: every range
             keys = torch.arange(k0, k1, device=self.query.device)
-            allowed = ((keys >= self.lo[s, q0:q1, None]) & (keys < self.hi[s, q0:q1, None]))[None, None]
+            lo, hi = self.lo[s, slots, q0:q1, None], self.hi[s, slots, q0:q1, None]
+            allowed = ((keys >= lo) & (keys < hi)).any(0)[None, None]
         bias = None
         if self.mask is not None:
             dense = self.mask[b if self.mask.shape[0] > 1 else 0, None, :, q0:q1, k0:k1]
@@ -280,9 +283,9 @@ def _add_to_bias(target: Tensor, b: int, g: Group, grad: Tensor) -> None:
 
 
 def allowed_pairs(lo: Tensor, hi: Tensor, k_len: int) -> Tensor:
-    """The boolean mask ``[S, 1, Lq, Lk]`` of the rows' key intervals (True = may attend)."""
+    """The boolean mask ``[S, 1, Lq, Lk]`` of the rows' key ranges ``[S, R, Lq]`` (True = may attend)."""
     keys = torch.arange(k_len, device=lo.device)
-    return ((keys >= lo[..., None]) & (keys < hi[..., None]))[:, None]
+    return ((keys >= lo[..., None]) & (keys < hi[..., None])).any(1)[:, None]
 
 
 def dense_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None,

@@ -4,8 +4,8 @@ backward, so that ``torch.compile``, ``torch.func`` and autograd hooks see one o
     torch.ops.attnkit.interval_attention(query, key, value, lo, hi, bias, alibi_slopes, sinks,
         scale, softcap, dropout, seed, causal_only, sparse_only) -> (output [N, H, Lq, Dv], lse [N, H, Lq])
 
-Row ``i`` of sequence ``n`` attends keys ``lo[s, i] <= j < hi[s, i]`` (``lo, hi [S, Lq]``, int64,
-``s = n`` or 0 when S = 1), plus an optional additive ``bias`` broadcastable to ``[N, H, Lq, Lk]``
+Row ``i`` of sequence ``n`` attends keys ``lo[s, r, i] <= j < hi[s, r, i]`` for each of its R
+ranges (``lo, hi [S, R, Lq]``, int64, disjoint, ``s = n`` or 0 when S = 1), plus an optional additive ``bias`` broadcastable to ``[N, H, Lq, Lk]``
 (as ``[Nm, Hm, Lq, Lk]``); ``query [N, H, Lq, D]``, ``key [N, Hkv, Lk, D]``, ``value [N, Hkv, Lk,
 Dv]`` with ``H % Hkv == 0`` (GQA). Scores are ``scale * q.k``, soft-capped (``softcap * tanh(s /
 softcap)``), plus ALiBi (``-slope * |p - j|``, ``alibi_slopes [H]`` or ``[N, H]``), plus the bias;
@@ -68,6 +68,30 @@ def _sink_gradient(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: 
     return (p_sink * row).sum((0, 2)).to(sinks.dtype)
 
 
+def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Results over disjoint key ranges merged by their lse (a row with no key anywhere: zeros, -inf)."""
+    out, lse = parts[0]
+    for part, part_lse in parts[1:]:
+        merged = torch.logaddexp(lse, part_lse)
+        finite = torch.where(torch.isfinite(merged), merged, torch.zeros_like(merged))
+        out = out * torch.exp(lse - finite)[..., None] + part * torch.exp(part_lse - finite)[..., None]
+        lse = merged
+    return out, lse
+
+
+def _native_forward(query, key, value, lo, hi, scale, dropout, seed) -> tuple[Tensor, Tensor]:
+    """The native kernel over each of the rows' ranges (one call each), merged."""
+    return _merge([native.interval_forward(query, key, value, lo[:, r], hi[:, r], scale, dropout=dropout,
+                                           seed=_seed_value(seed)) for r in range(lo.shape[1])])
+
+
+def _native_backward(grad_out, grad_lse, query, key, value, out, lse, lo, hi, scale, dropout, seed):
+    """Its gradients: each range's, from the merged output and lse (split-key), summed."""
+    grads = [native.interval_backward(grad_out, query, key, value, out, lse, lo[:, r], hi[:, r], scale, grad_lse,
+                                      dropout=dropout, seed=_seed_value(seed)) for r in range(lo.shape[1])]
+    return tuple(sum(parts[1:], parts[0]) for parts in zip(*grads))
+
+
 @torch.library.custom_op("attnkit::interval_attention", mutates_args=())
 def interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None,
                        alibi_slopes: Tensor | None, sinks: Tensor | None, scale: float, softcap: float | None,
@@ -76,7 +100,7 @@ def interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi
     kernel = policy.kernel_for(query, key, value, lo, hi, bias, dropout, causal_only, sparse_only, softcap,
                                alibi_slopes)
     if kernel == "native":
-        out, lse = native.interval_forward(query, key, value, lo, hi, scale, dropout=dropout, seed=_seed_value(seed))
+        out, lse = _native_forward(query, key, value, lo, hi, scale, dropout, seed)
     else:
         out, lse = blockwise.forward(query, key, value, lo, hi, bias, scale, dropout, seed, softcap=softcap,
                                      alibi=alibi_slopes, dense=kernel == "dense", causal_only=causal_only)
@@ -101,8 +125,7 @@ def interval_attention_backward(grad_out: Tensor, grad_lse: Tensor | None, query
     kernel = policy.kernel_for(query, key, value, lo, hi, bias, dropout, causal_only, sparse_only, softcap,
                                alibi_slopes)
     if kernel == "native":
-        dq, dk, dv = native.interval_backward(grad_out, query, key, value, out, lse, lo, hi, scale, grad_lse,
-                                              dropout=dropout, seed=_seed_value(seed))
+        dq, dk, dv = _native_backward(grad_out, grad_lse, query, key, value, out, lse, lo, hi, scale, dropout, seed)
         dbias = None
     else:
         dq, dk, dv, dbias = blockwise.backward(grad_out, grad_lse, query, key, value, out, lse, lo, hi, bias, scale,

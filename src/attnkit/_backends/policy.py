@@ -91,7 +91,8 @@ def kernel_for(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor
             return "dense"
         if causal_only and query.shape[2] == key.shape[2]:
             return "native" if pairs < NATIVE_CAUSAL_MAX_PAIRS else "dense"
-        return "native" if native.computed_fraction(lo, hi, key.shape[2]) <= NATIVE_MAX_COMPUTED else "dense"
+        computed = sum(native.computed_fraction(lo[:, r], hi[:, r], key.shape[2]) for r in range(lo.shape[1]))
+        return "native" if computed <= NATIVE_MAX_COMPUTED else "dense"
     if query.device.type == "cpu" and query.dtype == torch.float32 and bias is None:
         native.hint_if_not_built()
     if sparse_only or dropout > 0 or softcap is not None or alibi is not None:

@@ -35,7 +35,7 @@ __all__ = ["tiled_attention", "auto_tiled_attention", "visited_fraction", "plan_
 
 def interval_inputs(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """The call in the op's layout: ``query, key, value [N, H(kv), L, D]``, the rows' key intervals
-    ``lo, hi [S, Lq]`` on the inputs' device, and the dense mask as an additive bias
+    ``lo, hi [S, R, Lq]`` on the inputs' device, and the dense mask as an additive bias
     ``[Nm, Hm, Lq, Lk]`` (None without one)."""
     query, key, value = (layout.fold(t) for t in (call.query, call.key, call.value))
     lo, hi = (t.to(query.device) for t in row_bounds(call))
@@ -106,7 +106,9 @@ def _with_weights(call: AttentionCall, query: Tensor, key: Tensor, value: Tensor
     for b in range(query.shape[0]):
         s = b if lo.shape[0] > 1 else 0
         out_rows, weight_rows, lse_rows = [], [], []
-        for index, ranges in enumerate(block_ranges(lo[s].cpu(), hi[s].cpu(), size, settings().merge_span)):
+        per_slot = [block_ranges(lo[s, r].cpu(), hi[s, r].cpu(), size, settings().merge_span)
+                    for r in range(lo.shape[1])]
+        for index, ranges in enumerate(sorted(sum(slots, []), key=lambda r: r.start) for slots in zip(*per_slot)):
             q0 = index * size
             rows = min(size, call.q_len - q0)
             if not ranges:
@@ -114,7 +116,8 @@ def _with_weights(call: AttentionCall, query: Tensor, key: Tensor, value: Tensor
                 weight_rows.append(query.new_zeros(1, query.shape[1], rows, k_len))
                 lse_rows.append(torch.full((1, query.shape[1], rows), float("-inf"), dtype=work, device=query.device))
                 continue
-            span = Group(slice(b, b + 1), q0, rows, 1, ranges[0].start, 0, ranges[-1].stop - ranges[0].start, False)
+            start, stop = ranges[0].start, max(r.stop for r in ranges)  # one span over every range: slot None
+            span = Group(slice(b, b + 1), q0, rows, 1, start, 0, stop - start, False, slot=None)
             bias_piece, _ = pieces.bias(span, b)
             output, lse, weight = kernels.math_forward(
                 pieces.queries(span, b), pieces.keys(span, b, key), pieces.keys(span, b, value),

@@ -137,9 +137,21 @@ def key_ranges(mask: StructuredMask, q_start: int, q_stop: int, q_len: int, k_le
     ranges; keys outside them are masked for every query of the block (and every sequence)."""
     if not 0 <= q_start <= q_stop <= q_len:
         raise ValueError(f"need 0 <= q_start <= q_stop <= q_len, got {q_start}, {q_stop}, {q_len}")
-    lo, hi = mask.row_bounds(q_len, k_len)
-    block = max(q_stop - q_start, 1)
-    return plan_blocks(lo[..., q_start:q_stop], hi[..., q_start:q_stop], block)[0] if q_stop > q_start else []
+    if q_stop == q_start:
+        return []
+    lo, hi = mask.row_ranges(q_len, k_len)
+    block = q_stop - q_start
+    found = [r for slot in range(lo.shape[1])
+             for r in plan_blocks(lo[:, slot, q_start:q_stop], hi[:, slot, q_start:q_stop], block)[0]]
+    found.sort(key=lambda r: r.start)
+    merged: list[KeyRange] = []
+    for r in found:  # ranges of different slots may touch or overlap across rows: join those
+        if merged and r.start < merged[-1].stop:
+            last = merged.pop()
+            merged.append(KeyRange(last.start, max(last.stop, r.stop), False))
+        else:
+            merged.append(r)
+    return merged
 
 
 # -- planning ------------------------------------------------------------------------------------
@@ -162,6 +174,8 @@ class Group:
     #: The blocks' rows and keys are the same positions and the mask is causal: PyTorch's kernel
     #: applies it itself (its own causal path), no mask tensor.
     causal: bool = False
+    #: Which of a row's key ranges the group covers (None: all of them, as one dense mask).
+    slot: int | None = 0
 
     @property
     def q1(self) -> int:
@@ -176,17 +190,17 @@ def combined(structure: StructuredMask | None, causal_too: bool) -> StructuredMa
 
 
 def intervals(structure: StructuredMask | None, causal_too: bool, q_len: int, k_len: int) -> tuple[Tensor, Tensor]:
-    """``lo, hi`` of every query row, ``[S, Lq]`` with S = 1 or one row per sequence."""
+    """``lo, hi`` of every query row's key ranges, ``[S, R, Lq]``: S = 1 or one per sequence, R = 1
+    or 2 ranges a row (disjoint)."""
     mask = combined(structure, causal_too)
     if mask is None:
-        lo = torch.zeros(1, q_len, dtype=torch.int64)
+        lo = torch.zeros(1, 1, q_len, dtype=torch.int64)
         return lo, torch.full_like(lo, k_len)
-    lo, hi = mask.row_bounds(q_len, k_len)
-    return (lo[None], hi[None]) if lo.dim() == 1 else (lo, hi)
+    return mask.row_ranges(q_len, k_len)
 
 
 def row_bounds(call: AttentionCall) -> tuple[Tensor, Tensor]:
-    """:func:`intervals` of a call."""
+    """:func:`intervals` of a call, ``[S, R, Lq]``."""
     return intervals(call.structure, call.causal, call.q_len, call.k_len)
 
 
@@ -274,11 +288,12 @@ def _same_start(lo: Tensor, hi: Tensor, size: int) -> list[bool]:
 
 @dataclass(frozen=True)
 class Problem:
-    """What a plan depends on: the rows' key intervals ``lo, hi`` (``[S, Lq]``, S = 1 or one row per
-    sequence), the lengths, the number of sequences, and whether a dense tensor mask comes too
-    (it differs from block to block, so nothing is batched and there are no coarse levels)."""
+    """What a plan depends on: the rows' key ranges ``lo, hi`` (``[S, R, Lq]``, S = 1 or one row per
+    sequence, R ranges a row), the lengths, the number of sequences, and whether a dense tensor
+    mask comes too (it differs from block to block, so nothing is batched and there are no coarse
+    levels)."""
 
-    lo: Tensor
+    lo: Tensor  # [S, R, Lq]
     hi: Tensor
     q_len: int
     k_len: int
@@ -323,7 +338,7 @@ def dense_plan(problem: Problem, causal_only: bool, group: int) -> list[Group]:
     shared = problem.lo.shape[0] == 1
     batches = [slice(0, problem.batch)] if shared else [slice(s, s + 1) for s in range(problem.batch)]
     causal_path = causal_only and problem.q_len == problem.k_len and not problem.has_mask and group == 1
-    return [Group(batch, 0, problem.q_len, 1, 0, 0, problem.k_len, full=causal_path, causal=causal_path)
+    return [Group(batch, 0, problem.q_len, 1, 0, 0, problem.k_len, full=causal_path, causal=causal_path, slot=None)
             for batch in batches]
 
 
@@ -351,9 +366,11 @@ def plan(problem: Problem, config: Settings | None = None) -> list[Group]:
     for s in range(lo.shape[0]):
         batch = slice(s, s + 1) if per_sequence else slice(0, problem.batch)
         levels = 0 if problem.has_mask else config.levels
-        for block, blocks in level_ranges(lo[s], hi[s], config.block_size, levels, config.merge_span):
-            blocks = _aligned(blocks, lo[s], hi[s], block, config.key_align)
-            groups.extend(_runs(blocks, block, lo[s], hi[s], batch, problem))
+        for slot in range(lo.shape[1]):  # a row's ranges are disjoint: each is planned on its own
+            row_lo, row_hi = lo[s, slot], hi[s, slot]
+            for block, blocks in level_ranges(row_lo, row_hi, config.block_size, levels, config.merge_span):
+                blocks = _aligned(blocks, row_lo, row_hi, block, config.key_align)
+                groups.extend(replace(g, slot=slot) for g in _runs(blocks, block, row_lo, row_hi, batch, problem))
     return [_stacked(g) for g in groups]
 
 

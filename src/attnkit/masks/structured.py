@@ -1,11 +1,13 @@
 """Structured masks: small rules instead of ``Lq x Lk`` tensors, so attention can skip work.
 
-Each mask here gives every query row **one interval of keys** it may attend,
-``lo <= key < hi`` (empty when ``lo >= hi``). That covers causal, sliding windows, packed
-documents, prefix-LM and key padding, and it is closed under intersection (``&``: the larger
-``lo``, the smaller ``hi``). Two numbers per row describe the whole mask in O(L) memory, and a
-block of queries can tell at once which keys are attended by **all** of its rows (no mask
-needed there), which by **some** (a small dense mask), and which by none (skipped)::
+Each mask here gives every query row **one or two intervals of keys** it may attend,
+``lo <= key < hi`` (empty when ``lo >= hi``). That covers causal, sliding windows (any left and
+right reach), packed documents, prefix-LM, key padding, variable-length batches, explicit per-row
+ranges and the first keys every query sees (attention sinks), and it is closed under
+intersection (``&``: the larger ``lo``, the smaller ``hi``) and, up to two ranges a row, union
+(``|``). A few numbers per row describe the whole mask in O(L) memory, and a block of queries can
+tell at once which keys are attended by **all** of its rows (no mask needed there), which by
+**some** (a small dense mask), and which by none (skipped)::
 
     sliding_window(3) & document([4, 4]) on 8 x 8     as 4 x 4 blocks
     # . . . . . . .                                    + .
@@ -20,11 +22,13 @@ needed there), which by **some** (a small dense mask), and which by none (skippe
 Positions: query ``i`` sits at key position ``p = i + Lk - Lq`` (**bottom-right** alignment, as
 ``causal`` everywhere in attnkit), so the last query is level with the last key. ``causal()``
 lets ``p`` see keys ``j <= p``; rows with ``p < 0`` (when ``Lq > Lk``) see nothing and give zeros.
+With ``varlen(q_lengths, k_lengths)`` in an intersection, each sequence aligns to its own real
+lengths instead (FlashAttention's variable-length semantics; see :func:`varlen`).
 
 Masks made from per-sequence data (``padding(lengths)``, ``document(ids=[B, T])``,
-``prefix_lm([B])``) have a ``batch_size``; their dense form is ``[B, 1, Lq, Lk]`` and broadcasts
-against ``[B, H, Lq, Lk]`` scores. The others are the same for every sequence: ``[Lq, Lk]``.
-Boolean forms mean **True = may attend**, as everywhere in attnkit.
+``prefix_lm([B])``, ``varlen``, ``key_ranges([B, Lq])``) have a ``batch_size``; their dense form is
+``[B, 1, Lq, Lk]`` and broadcasts against ``[B, H, Lq, Lk]`` scores. The others are the same for
+every sequence: ``[Lq, Lk]``. Boolean forms mean **True = may attend**, as everywhere in attnkit.
 """
 
 from __future__ import annotations
@@ -45,11 +49,18 @@ __all__ = [
     "document",
     "prefix_lm",
     "padding",
+    "first_keys",
+    "key_ranges",
+    "varlen",
 ]
+
+#: The most key ranges a row of a structured mask may have (attention sinks next to a window).
+MAX_RANGES = 2
 
 
 class StructuredMask:
-    """A mask given by one key interval ``[lo, hi)`` per query row. Combine with ``&``.
+    """A mask given by one or two key intervals ``[lo, hi)`` per query row. Combine with ``&``
+    (intersection) and ``|`` (union, at most two ranges a row).
 
     Subclasses implement :meth:`bounds`; everything else (dense form, key ranges of a block,
     drawing) follows from it.
@@ -61,38 +72,64 @@ class StructuredMask:
     is_causal: bool = False
 
     def bounds(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys ``lo <= j < hi`` for each query at ``positions`` (int64 ``[n]``, key coordinates,
-        may be negative). Returns ``lo, hi`` shaped ``[n]``, or ``[B, n]`` for per-sequence masks;
-        not clipped to the key range."""
+        """Keys ``lo <= j < hi`` for each query at ``positions`` (int64 ``[n]``, or ``[B, n]`` in a
+        variable-length batch; key coordinates, may be negative). Returns ``lo, hi`` broadcastable
+        to ``[n]``, or ``[B, n]`` for per-sequence masks; not clipped to the key range."""
         raise NotImplementedError
+
+    def ranges(self, positions: Tensor, rows: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """The rows' key intervals, one ``(lo, hi)`` pair per range (at most :data:`MAX_RANGES`).
+        ``rows`` are the query indices of ``positions`` (masks given per row use them)."""
+        return [self.bounds(positions)]
+
+    def aligner(self) -> _Varlen | None:
+        """The ``varlen`` part that sets each sequence's alignment, if any."""
+        return None
 
     # -- derived views -------------------------------------------------------------------------
 
-    def row_bounds(self, q_len: int, k_len: int | None = None, *,
+    def row_ranges(self, q_len: int, k_len: int | None = None, *,
                    device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
-        """``lo, hi`` (int64, ``[Lq]`` or ``[B, Lq]``) clipped to ``[0, Lk]``: query ``i`` may attend
-        keys ``lo[i] <= j < hi[i]``; the row is empty when ``lo[i] >= hi[i]``."""
+        """``lo, hi`` (int64, ``[S, R, Lq]``: S = 1 or one per sequence, R = 1 or 2 ranges) clipped
+        to ``[0, Lk]``, the ranges of a row disjoint and in order: query ``i`` of sequence ``s`` may
+        attend keys ``lo[s, r, i] <= j < hi[s, r, i]`` for each ``r``."""
         k_len = q_len if k_len is None else k_len
         _check_lengths(q_len, k_len)
-        positions = torch.arange(q_len, device=device, dtype=torch.int64) + (k_len - q_len)
-        lo, hi = self.bounds(positions)
-        return lo.clamp(0, k_len), hi.clamp(0, k_len)
+        rows = torch.arange(q_len, device=device, dtype=torch.int64)
+        aligner = self.aligner()
+        positions = rows + (k_len - q_len) if aligner is None else aligner.positions(rows, k_len)
+        parts = [(lo.clamp(0, k_len), hi.clamp(0, k_len)) for lo, hi in self.ranges(positions, rows)]
+        shape = torch.broadcast_shapes(*(t.shape for pair in parts for t in pair), rows.shape)
+        lo = torch.stack([t.expand(shape) for t, _ in parts], dim=-2)
+        hi = torch.stack([t.expand(shape) for _, t in parts], dim=-2)
+        return (lo[None], hi[None]) if lo.dim() == 2 else (lo, hi)
+
+    def row_bounds(self, q_len: int, k_len: int | None = None, *,
+                   device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+        """``lo, hi`` (int64, ``[Lq]`` or ``[B, Lq]``) clipped to ``[0, Lk]`` for a mask of one range
+        per row: query ``i`` may attend keys ``lo[i] <= j < hi[i]``; the row is empty when
+        ``lo[i] >= hi[i]``. A mask with two ranges a row raises; use :meth:`row_ranges`."""
+        lo, hi = self.row_ranges(q_len, k_len, device=device)
+        if lo.shape[1] != 1:
+            raise ValueError(f"{self!r} gives rows two key ranges; row_bounds describes one: use row_ranges")
+        lo, hi = lo[:, 0], hi[:, 0]
+        return (lo[0], hi[0]) if self.batch_size is None else (lo, hi)
 
     def dense(self, q_len: int, k_len: int | None = None, *, ndim: int = 4,
               device: torch.device | str | None = None) -> Tensor:
         """The boolean mask (True = may attend): ``[Lq, Lk]``, or ``[B, 1, ..., Lq, Lk]`` with
         ``ndim`` dims for per-sequence masks (``ndim=4`` broadcasts against ``[B, H, Lq, Lk]``)."""
         k_len = q_len if k_len is None else k_len
-        lo, hi = self.row_bounds(q_len, k_len, device=device)
+        lo, hi = self.row_ranges(q_len, k_len, device=device)
         keys = torch.arange(k_len, device=lo.device)
-        allowed = (keys >= lo[..., None]) & (keys < hi[..., None])
-        if lo.dim() == 1:
-            return allowed
-        if ndim == 2 and lo.shape[0] == 1:
+        allowed = ((keys >= lo[..., None]) & (keys < hi[..., None])).any(1)  # [S, Lq, Lk]
+        if self.batch_size is None:
+            return allowed[0]
+        if ndim == 2 and allowed.shape[0] == 1:
             return allowed[0]
         if ndim < 3:
             raise ValueError(
-                f"{self!r} holds {lo.shape[0]} sequences; its dense form needs ndim >= 3 "
+                f"{self!r} holds {allowed.shape[0]} sequences; its dense form needs ndim >= 3 "
                 f"([B, ..., Lq, Lk]), got ndim={ndim}"
             )
         return allowed.reshape(allowed.shape[0], *([1] * (ndim - 3)), q_len, k_len)
@@ -102,15 +139,20 @@ class StructuredMask:
         ``block_size`` one character per block: ``#`` all allowed, ``+`` partly, ``.`` skipped.
         Per-sequence masks draw each sequence under a ``sequence b:`` heading."""
         k_len = q_len if k_len is None else k_len
-        lo, hi = self.row_bounds(q_len, k_len)
-        if lo.dim() == 1:
-            return _draw(lo, hi, k_len, block_size)
+        lo, hi = self.row_ranges(q_len, k_len)
+        if self.batch_size is None:
+            return _draw(lo[0], hi[0], k_len, block_size)
         return "\n".join(f"sequence {b}:\n{_draw(lo[b], hi[b], k_len, block_size)}" for b in range(lo.shape[0]))
 
     def __and__(self, other: StructuredMask) -> StructuredMask:
         if not isinstance(other, StructuredMask):
             return NotImplemented
         return _Intersection(self, other)
+
+    def __or__(self, other: StructuredMask) -> StructuredMask:
+        if not isinstance(other, StructuredMask):
+            return NotImplemented
+        return _Union(self, other)
 
 
 def _check_lengths(q_len: int, k_len: int) -> None:
@@ -119,19 +161,20 @@ def _check_lengths(q_len: int, k_len: int) -> None:
 
 
 def _draw(lo: Tensor, hi: Tensor, k_len: int, block_size: int | None) -> str:
+    """Draw the rows of ``lo, hi [R, Lq]`` (R ranges a row, disjoint)."""
     if block_size is None:
         keys = torch.arange(k_len)
-        return _draw_dense((keys >= lo[:, None]) & (keys < hi[:, None]))
+        return _draw_dense(((keys >= lo[..., None]) & (keys < hi[..., None])).any(0))
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     lines = []
-    for q0 in range(0, lo.shape[0], block_size):
-        rows_lo, rows_hi = lo[q0:q0 + block_size, None], hi[q0:q0 + block_size, None]
+    for q0 in range(0, lo.shape[-1], block_size):
+        rows_lo, rows_hi = lo[:, q0:q0 + block_size, None], hi[:, q0:q0 + block_size, None]
         k0 = torch.arange(0, k_len, block_size)
         k1 = (k0 + block_size).clamp(max=k_len)
         # allowed pairs of each (query block, key block), counted from the intervals
-        count = (torch.minimum(rows_hi, k1) - torch.maximum(rows_lo, k0)).clamp(min=0).sum(0)
-        area = (k1 - k0) * rows_lo.shape[0]
+        count = (torch.minimum(rows_hi, k1) - torch.maximum(rows_lo, k0)).clamp(min=0).sum((0, 1))
+        area = (k1 - k0) * rows_lo.shape[1]
         lines.append(" ".join("#" if c == a else "." if c == 0 else "+" for c, a in zip(count.tolist(), area.tolist())))
     return "\n".join(lines)
 
@@ -150,21 +193,24 @@ class _Causal(StructuredMask):
 
 
 class _SlidingWindow(StructuredMask):
-    def __init__(self, size: int, causal: bool) -> None:
-        self.size, self.causal = size, causal
+    """Keys ``p - left <= j <= p + right`` (FlashAttention's ``window_size``; None: unbounded)."""
+
+    def __init__(self, left: int | None, right: int | None, spelled: str) -> None:
+        self.left, self.right, self.spelled = left, right, spelled
 
     def bounds(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        lo = positions - self.size + 1
-        hi = positions + 1 if self.causal else positions + self.size
+        unbounded = 2**62
+        lo = positions - self.left if self.left is not None else torch.full_like(positions, -unbounded)
+        hi = positions + self.right + 1 if self.right is not None else torch.full_like(positions, unbounded)
         return lo, hi
 
     def __repr__(self) -> str:
-        return f"sliding_window({self.size})" if self.causal else f"sliding_window({self.size}, causal=False)"
+        return self.spelled
 
 
 def _per_sequence(values: Tensor, positions: Tensor) -> Tensor:
-    """``[B]`` values -> ``[B, n]`` (broadcast along the query positions)."""
-    return values.to(positions.device)[:, None].expand(-1, positions.shape[0])
+    """``[B]`` values broadcast along the query positions (``[n]``, or ``[B, n]``): ``[B, n]``."""
+    return values.to(positions.device)[:, None].expand(values.shape[0], positions.shape[-1])
 
 
 class _PrefixLM(StructuredMask):
@@ -229,10 +275,38 @@ class _Document(StructuredMask):
         starts, stops = self.starts.to(positions.device), self.stops.to(positions.device)
         if self.length == 0:
             starts = stops = torch.zeros(*starts.shape[:-1], 1, dtype=torch.int64, device=positions.device)
+        if starts.dim() == 2 and index.dim() == 2:  # per-sequence ids and per-sequence positions
+            return (torch.where(inside, starts.gather(1, index), 0), torch.where(inside, stops.gather(1, index), 0))
         return torch.where(inside, starts[..., index], 0), torch.where(inside, stops[..., index], 0)
 
     def __repr__(self) -> str:
         return f"document({self.description})"
+
+
+def _same_batch(parts: Sequence[StructuredMask], joined: str) -> int | None:
+    sizes = {p.batch_size for p in parts if p.batch_size not in (None, 1)}
+    if len(sizes) > 1:
+        raise ValueError(f"cannot combine masks describing different numbers of sequences {sorted(sizes)}: "
+                         + joined.join(map(repr, parts)))
+    batched = [p.batch_size for p in parts if p.batch_size is not None]
+    return max(batched) if batched else None
+
+
+def _disjoint(first: tuple[Tensor, Tensor], second: tuple[Tensor, Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """The union of two intervals per row as two disjoint ones in order (the second empty where
+    they overlap or touch, or one is empty)."""
+    (a0, a1), (b0, b1) = first, second
+    a_empty, b_empty = a0 >= a1, b0 >= b1
+    joined = (torch.maximum(a0, b0) <= torch.minimum(a1, b1)) & ~a_empty & ~b_empty
+    a_first = a0 <= b0
+    lo1 = torch.where(b_empty | (~a_empty & a_first), a0, b0)
+    hi1 = torch.where(b_empty | (~a_empty & a_first), a1, b1)
+    lo2 = torch.where(b_empty | (~a_empty & a_first), b0, a0)
+    hi2 = torch.where(b_empty | (~a_empty & a_first), b1, a1)
+    lo1, hi1 = torch.where(joined, torch.minimum(a0, b0), lo1), torch.where(joined, torch.maximum(a1, b1), hi1)
+    lo2 = torch.where(joined | a_empty | b_empty, 0, lo2)
+    hi2 = torch.where(joined | a_empty | b_empty, 0, hi2)
+    return [(lo1, hi1), (lo2, hi2)]
 
 
 class _Intersection(StructuredMask):
@@ -240,25 +314,112 @@ class _Intersection(StructuredMask):
         flat: list[StructuredMask] = []
         for part in parts:
             flat.extend(part.parts if isinstance(part, _Intersection) else [part])
-        sizes = {p.batch_size for p in flat if p.batch_size not in (None, 1)}
-        if len(sizes) > 1:
-            raise ValueError(
-                f"cannot intersect masks describing different numbers of sequences {sorted(sizes)}: "
-                + " & ".join(map(repr, flat))
-            )
+        self.batch_size = _same_batch(flat, " & ")
+        aligners = [p.aligner() for p in flat if p.aligner() is not None]
+        if len(aligners) > 1:
+            raise ValueError("an intersection takes at most one varlen(...): " + " & ".join(map(repr, flat)))
+        if sum(isinstance(p, _Union) for p in flat) > 1:
+            raise ValueError(f"rows would get more than {MAX_RANGES} key ranges: " + " & ".join(map(repr, flat)))
         self.parts = tuple(flat)
-        batched = [p.batch_size for p in flat if p.batch_size is not None]
-        self.batch_size = max(batched) if batched else None
+
+    def aligner(self) -> _Varlen | None:
+        return next((p.aligner() for p in self.parts if p.aligner() is not None), None)
+
+    def ranges(self, positions: Tensor, rows: Tensor) -> list[tuple[Tensor, Tensor]]:
+        result = self.parts[0].ranges(positions, rows)
+        for part in self.parts[1:]:  # intersect every range with every range: one side has one
+            result = [(torch.maximum(lo, other_lo), torch.minimum(hi, other_hi))
+                      for lo, hi in result for other_lo, other_hi in part.ranges(positions, rows)]
+        return result
 
     def bounds(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        lo, hi = self.parts[0].bounds(positions)
-        for part in self.parts[1:]:
-            other_lo, other_hi = part.bounds(positions)
-            lo, hi = torch.maximum(lo, other_lo), torch.minimum(hi, other_hi)
+        (lo, hi), = self.ranges(positions, positions)
         return lo, hi
 
     def __repr__(self) -> str:
-        return " & ".join(map(repr, self.parts))
+        return " & ".join(map(_grouped, self.parts))
+
+
+class _Union(StructuredMask):
+    def __init__(self, first: StructuredMask, second: StructuredMask) -> None:
+        for part in (first, second):
+            if isinstance(part, _Union) or (isinstance(part, _Intersection) and any(
+                    isinstance(p, _Union) for p in part.parts)):
+                raise ValueError(f"rows would get more than {MAX_RANGES} key ranges: {first!r} | {second!r}")
+            if part.aligner() is not None:
+                raise ValueError(f"varlen(...) sets the alignment of a whole mask: intersect it (&), "
+                                 f"not a union: {first!r} | {second!r}")
+        self.parts = (first, second)
+        self.batch_size = _same_batch(self.parts, " | ")
+
+    def ranges(self, positions: Tensor, rows: Tensor) -> list[tuple[Tensor, Tensor]]:
+        (first,), (second,) = (part.ranges(positions, rows) for part in self.parts)
+        return _disjoint(first, second)
+
+    def __repr__(self) -> str:
+        return " | ".join(map(_grouped, self.parts))
+
+
+def _grouped(mask: StructuredMask) -> str:
+    return f"({mask!r})" if isinstance(mask, (_Intersection, _Union)) else repr(mask)
+
+
+class _FirstKeys(StructuredMask):
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def bounds(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.zeros_like(positions), torch.full_like(positions, self.count)
+
+    def __repr__(self) -> str:
+        return f"first_keys({self.count})"
+
+
+class _KeyRanges(StructuredMask):
+    """Explicit ranges per query row: one or two ``(lo, hi)`` pairs, each ``[Lq]`` or ``[B, Lq]``."""
+
+    def __init__(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
+        self.pairs = pairs
+        shapes = {tuple(t.shape) for pair in pairs for t in pair}
+        self.rows = max(shape[-1] for shape in shapes)
+        batched = [shape[0] for shape in shapes if len(shape) == 2]
+        self.batch_size = max(batched) if batched else None
+
+    def ranges(self, positions: Tensor, rows: Tensor) -> list[tuple[Tensor, Tensor]]:
+        if self.rows != rows.shape[-1]:
+            raise ValueError(f"{self!r} describes {self.rows} query rows, the call has {rows.shape[-1]}")
+        pairs = [(lo.to(rows.device), hi.to(rows.device)) for lo, hi in self.pairs]
+        return pairs if len(pairs) == 1 else _disjoint(*pairs)
+
+    def __repr__(self) -> str:
+        return f"key_ranges({len(self.pairs)} range{'s' if len(self.pairs) > 1 else ''} per row, {self.rows} rows)"
+
+
+class _Varlen(StructuredMask):
+    """Sequence ``b`` has ``q_lengths[b]`` real queries and ``k_lengths[b]`` real keys, at the start
+    of its row (right padding); its queries are aligned bottom-right with its own keys."""
+
+    def __init__(self, q_lengths: Tensor, k_lengths: Tensor) -> None:
+        self.q_lengths, self.k_lengths = q_lengths, k_lengths
+        self.batch_size = q_lengths.shape[0]
+
+    def aligner(self) -> _Varlen:
+        return self
+
+    def positions(self, rows: Tensor, k_len: int) -> Tensor:
+        """``[B, Lq]``: query ``i`` of sequence ``b`` sits at ``i + Lk_b - Lq_b``."""
+        shift = (self.k_lengths - self.q_lengths).to(rows.device)
+        return rows[None] + shift[:, None]
+
+    def ranges(self, positions: Tensor, rows: Tensor) -> list[tuple[Tensor, Tensor]]:
+        real = rows[None] < self.q_lengths.to(rows.device)[:, None]
+        hi = torch.where(real, self.k_lengths.to(rows.device)[:, None], 0)
+        return [(torch.zeros_like(hi), hi)]
+
+    def __repr__(self) -> str:
+        if torch.equal(self.q_lengths, self.k_lengths):
+            return f"varlen({self.q_lengths.tolist()})"
+        return f"varlen({self.q_lengths.tolist()}, {self.k_lengths.tolist()})"
 
 
 # -- constructors (the public names) -------------------------------------------------------------
@@ -283,20 +444,115 @@ def causal() -> StructuredMask:
     return _Causal()
 
 
-def sliding_window(size: int, *, causal: bool = True) -> StructuredMask:
-    """Local attention. ``causal=True``: position ``p`` sees the ``size`` most recent keys,
-    ``p - size < j <= p`` (itself included). ``causal=False``: keys with ``|j - p| < size``
-    (``size - 1`` on each side). ``sliding_window(3)`` and ``sliding_window(2, causal=False)``::
+def sliding_window(size: int, right: int | None = None, *, causal: bool | None = None) -> StructuredMask:
+    """Local attention, in two spellings.
+
+    ``sliding_window(size)`` (``causal=True``, the default): position ``p`` sees the ``size`` most
+    recent keys, ``p - size < j <= p`` (itself included). ``sliding_window(size, causal=False)``:
+    keys with ``|j - p| < size`` (``size - 1`` on each side). ``sliding_window(3)`` and
+    ``sliding_window(2, causal=False)``::
 
         # . . . .        # # . . .
         # # . . .        # # # . .
         # # # . .        . # # # .
         . # # # .        . . # # #
         . . # # #        . . . # #
+
+    ``sliding_window(left, right)``: FlashAttention's ``window_size=(left, right)``, keys
+    ``p - left <= j <= p + right``, ``-1`` for no bound on that side (``(-1, -1)`` is every key,
+    ``(-1, 0)`` is causal). ``sliding_window(1, 2)`` and ``sliding_window(-1, 1)``, bottom-right
+    aligned like everything here (``p = i + Lk - Lq``)::
+
+        # # # . .        # # . . .
+        # # # # .        # # # . .
+        . # # # #        # # # # .
+        . . # # #        # # # # #
+        . . . # #        # # # # #
+
+    Intersect with ``document(...)`` for windows inside packed documents, with ``varlen(...)`` for
+    windows aligned to each sequence's own length.
     """
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    return _SlidingWindow(_integers.integer("size", size, minimum=1), causal)
+    if right is None:
+        causal = True if causal is None else causal
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        size = _integers.integer("size", size, minimum=1)
+        spelled = f"sliding_window({size})" if causal else f"sliding_window({size}, causal=False)"
+        return _SlidingWindow(size - 1, 0 if causal else size - 1, spelled)
+    if causal is not None:
+        raise TypeError("sliding_window(left, right) takes no causal=: a right reach of 0 is causal")
+    left = _integers.integer("left", size, minimum=-1)
+    right = _integers.integer("right", right, minimum=-1)
+    return _SlidingWindow(None if left == -1 else left, None if right == -1 else right,
+                          f"sliding_window({left}, {right})")
+
+
+def first_keys(count: int) -> StructuredMask:
+    """Every query sees the first ``count`` keys: StreamingLLM's attention sinks as a mask rule.
+    Unite it with a window and intersect with causal, ``(sliding_window(3) | first_keys(1)) &
+    causal()``, two key ranges a row on 6 x 6::
+
+        # . . . . .
+        # # . . . .
+        # # # . . .
+        # # # # . .
+        # . # # # .
+        # . . # # #
+    """
+    return _FirstKeys(_integers.integer("count", count))
+
+
+def key_ranges(lo: Tensor | Sequence[Tensor], hi: Tensor | Sequence[Tensor]) -> StructuredMask:
+    """Explicit key ranges: query row ``i`` attends keys ``lo[i] <= j < hi[i]`` (``[Lq]``, or ``[B, Lq]``
+    per sequence; clipped to the keys). For two ranges a row give two of each,
+    ``key_ranges([lo1, lo2], [hi1, hi2])`` (their union is taken, so they may overlap). Rows are
+    query rows, not positions: the mask fits calls with exactly ``Lq`` queries.
+    ``key_ranges(torch.tensor([0, 0, 2]), torch.tensor([1, 3, 4]))`` on 3 x 4::
+
+        # . . .
+        # # # .
+        . . # #
+    """
+    los = list(lo) if isinstance(lo, (list, tuple)) else [lo]
+    his = list(hi) if isinstance(hi, (list, tuple)) else [hi]
+    if len(los) != len(his) or not 1 <= len(los) <= MAX_RANGES:
+        raise ValueError(f"key_ranges takes 1 or {MAX_RANGES} ranges a row, as many lo as hi; "
+                         f"got {len(los)} lo and {len(his)} hi")
+    expected = "an integer tensor [Lq] or [B, Lq]"
+    pairs = [(_integers.integers("lo", a, ndims=(1, 2), minimum=None, maximum=None, expected=expected),
+              _integers.integers("hi", b, ndims=(1, 2), minimum=None, maximum=None, expected=expected))
+             for a, b in zip(los, his)]
+    shapes = {tuple(t.shape) for pair in pairs for t in pair}
+    if len({shape[-1] for shape in shapes}) != 1 or len({shape[0] for shape in shapes if len(shape) == 2}) > 1:
+        raise ValueError(f"lo and hi must describe the same query rows, got shapes {sorted(shapes)}")
+    return _KeyRanges(pairs)
+
+
+def varlen(q_lengths: Sequence[int] | Tensor, k_lengths: Sequence[int] | Tensor | None = None) -> StructuredMask:
+    """A variable-length batch, padded on the right: sequence ``b`` has ``q_lengths[b]`` real queries
+    and ``k_lengths[b]`` real keys (default: the same). Padding rows attend nothing (zeros), padding
+    keys are never attended, and, intersected with ``causal()`` or ``sliding_window(...)``, each
+    sequence aligns bottom-right to **its own** lengths (FlashAttention's ``cu_seqlens``
+    semantics), not to the padded ones. ``varlen([3, 5]) & causal()`` on 5 x 5::
+
+        sequence 0:        sequence 1:
+        # . . . .          # . . . .
+        # # . . .          # # . . .
+        # # # . .          # # # . .
+        . . . . .          # # # # .
+        . . . . .          # # # # #
+
+    Plain ``causal() & padding([3, 5])`` aligns every sequence to the padded length instead: its
+    padding rows still attend keys, and with fewer queries than keys (a chunk of new tokens after
+    a cache) sequence 0's queries would sit level with key 4, past its real keys.
+    """
+    q = _integers.integers("q_lengths", q_lengths, expected="a 1-D sequence of ints [B]")
+    k = q.clone() if k_lengths is None else _integers.integers("k_lengths", k_lengths,
+                                                                expected="a 1-D sequence of ints [B]")
+    if q.shape != k.shape:
+        raise ValueError(f"q_lengths and k_lengths must have one entry per sequence, got {tuple(q.shape)} "
+                         f"and {tuple(k.shape)}")
+    return _Varlen(q, k)
 
 
 def document(lengths: Sequence[int] | Tensor | None = None, *, ids: Tensor | None = None) -> StructuredMask:
