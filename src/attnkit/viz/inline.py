@@ -97,7 +97,8 @@ def _count(n: int, noun: str) -> str:
 
 
 # Fits the frame to the height its page reports. It only trusts messages from its own frame and
-# stops listening once the output is cleared (the frame gone from the page).
+# stops listening once the output is cleared (the frame gone from the page). The frame may have
+# drawn before this script ran (a browser parses a long page in slices), so it also asks.
 _FIT_SCRIPT = """(() => {
   const frame = document.getElementById("%(id)s");
   if (!frame) return;
@@ -108,6 +109,7 @@ _FIT_SCRIPT = """(() => {
     const height = Number(data.height);
     if (height > 0 && height < 100000) frame.style.height = `${Math.ceil(height) + 4}px`;
   });
+  if (frame.contentWindow) frame.contentWindow.postMessage({ type: "attnkit:measure" }, "*");
 })();"""
 
 

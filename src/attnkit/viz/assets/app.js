@@ -48,6 +48,13 @@ function reportHeight() {
   const height = Math.ceil(document.documentElement.getBoundingClientRect().height);
   window.parent.postMessage({ type: "attnkit:height", height }, "*");
 }
+// The host may start listening after the first drawing (a long page is parsed in slices): it
+// then asks, and gets the height again.
+if (layout.embedded) {
+  window.addEventListener("message", (event) => {
+    if (event.source === window.parent && event.data && event.data.type === "attnkit:measure") reportHeight();
+  });
+}
 
 function selectSentence(index) {
   state.index = index;
