@@ -53,9 +53,13 @@ def test_one_layer_and_one_head_are_lifted_to_layers_and_heads():
 
 def test_a_padded_batch_becomes_one_sentence_each_with_its_own_tokens():
     padded = attention_like(2, 3, 6, padded=2)  # the last 2 keys are padding
-    batch = [torch.stack((full, short)) for full, short in zip(attention_like(2, 3, 6), padded)]  # layers x [2, H, T, T]
-    view = viz.model_view(batch, [words(6), words(4)])
+    # layers x [2, H, T, T]
+    batch = [torch.stack((full, short)) for full, short in zip(attention_like(2, 3, 6), padded)]
+    view = viz.model_view(batch, [words(6), words(4)], text=["six words", "four words"])
     assert [r.tokens for r in view.records] == [words(6), words(4)]
+    assert [r.text for r in view.records] == ["six words", "four words"]
+    with pytest.raises(ValueError, match=r"text: got 1 texts, expected one per sentence of the batch \(2\)"):
+        viz.model_view(batch, [words(6), words(4)], text=["one"])
     assert torch.equal(view.records[1].attentions, padded[:, :, :4, :4])
     with pytest.raises(ValueError, match=r"sentence 1 gives non-zero weight to padded keys"):
         viz.model_view(batch, [words(6), words(3)])
@@ -122,7 +126,7 @@ def test_bad_view_options_are_refused():
         viz.head_view(WEIGHTS, TOKENS, heads=[0, 3])
     with pytest.raises(TypeError, match=r"head: expected an int, got float"):
         viz.heatmap(WEIGHTS, TOKENS, head=1.0)
-    with pytest.raises(TypeError, match=r"text must be a str, got int"):
+    with pytest.raises(TypeError, match=r"text must be a str or a sequence of str, got int"):
         viz.model_view(WEIGHTS, TOKENS, text=3)
     with pytest.raises(ValueError, match=r"tokens: AttentionRecord objects carry their own tokens"):
         viz.model_view(AttentionRecord("", TOKENS, WEIGHTS), TOKENS)
@@ -177,4 +181,5 @@ def test_save_writes_the_page(tmp_path):
     view = viz.model_view(WEIGHTS, TOKENS)
     path = view.save(tmp_path / "views" / "model.html")
     assert path.read_text() == view.page()
-    assert isinstance(view, AttentionView) and repr(view).startswith("<attnkit model view: 5 tokens, 2 layers x 3 heads")
+    assert isinstance(view, AttentionView)
+    assert repr(view).startswith("<attnkit model view: 5 tokens, 2 layers x 3 heads")

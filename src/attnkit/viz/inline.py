@@ -136,7 +136,8 @@ def _checked_index(name: str, value: object, count: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     if not 0 <= value < count:
-        raise ValueError(f"{name}: got {value}, expected 0 <= {name} < {count} (the weights have {_count(count, what)})")
+        raise ValueError(f"{name}: got {value}, expected 0 <= {name} < {count} "
+                         f"(the weights have {_count(count, what)})")
     return value
 
 
@@ -154,7 +155,7 @@ def head_view(
     *,
     layer: int = 0,
     heads: Sequence[int] | None = None,
-    text: str | None = None,
+    text: str | Sequence[str] | None = None,
     title: str | None = None,
 ) -> AttentionView:
     """Lines from each query token to the keys it attends, one colour per head, for one layer.
@@ -170,7 +171,7 @@ def head_view(
             ``T`` is padded: its padded keys must have zero weight).
         layer: the layer shown first (a selector switches).
         heads: the heads selected at first (checkboxes switch); default all.
-        text: the sentence, shown above the drawing.
+        text: the sentence, shown above the drawing (one per sentence of a batch).
         title: the frame's title (for screen readers and the saved page).
 
     Returns:
@@ -190,7 +191,7 @@ def model_view(
     attentions: object,
     tokens: Sequence[str] | Sequence[Sequence[str]] | None = None,
     *,
-    text: str | None = None,
+    text: str | Sequence[str] | None = None,
     title: str | None = None,
 ) -> AttentionView:
     """Every layer (rows) x head (columns) as a small heatmap; click one to enlarge it.
@@ -209,7 +210,7 @@ def heatmap(
     *,
     layer: int = 0,
     head: int = 0,
-    text: str | None = None,
+    text: str | Sequence[str] | None = None,
     title: str | None = None,
 ) -> AttentionView:
     """The exact weights of one head, queries down and keys across (hover a cell for its value).

@@ -27,16 +27,18 @@ _FORMS = ("a tensor [T, T], [heads, T, T] or [layers, heads, T, T], or a sequenc
           "[heads, T, T] / [batch, heads, T, T] tensors (transformers' output_attentions)")
 
 
-def to_records(attentions: object, tokens: object = None, *, text: str | None = None,
+def to_records(attentions: object, tokens: object = None, *, text: str | Sequence[str] | None = None,
                model: str = "") -> list[AttentionRecord]:
     """One :class:`AttentionRecord` per sentence of ``attentions`` (see the module docstring).
 
     ``tokens`` is one list of ``T`` strings, or one list per sentence of a batch (sentence ``b``
     may be shorter than ``T``: its padded keys must have zero weight, as
-    :func:`records_from_batch` checks).
+    :func:`records_from_batch` checks). ``text`` is shown above the drawing: one str, or one per
+    sentence of a batch.
     """
-    if text is not None and not isinstance(text, str):
-        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    if text is not None and not isinstance(text, str) and not (
+            isinstance(text, Sequence) and all(isinstance(t, str) for t in text)):
+        raise TypeError(f"text must be a str or a sequence of str, got {type(text).__name__}")
     if isinstance(attentions, AttentionRecord) or _is_record_list(attentions):
         if tokens is not None:
             raise ValueError("tokens: AttentionRecord objects carry their own tokens; pass tokens=None")
@@ -55,10 +57,18 @@ def to_records(attentions: object, tokens: object = None, *, text: str | None = 
     layers = _as_layers(attentions)  # [layers, batch, heads, T, T]
     batch, length = layers.shape[1], layers.shape[-1]
     token_lists = _token_lists(tokens, batch, length)
-    texts = [text or ""] if batch == 1 else [text or "" for _ in range(batch)]
+    texts = _texts(text, batch)
     if batch == 1 and len(token_lists[0]) == length:
         return [AttentionRecord(texts[0], token_lists[0], layers[:, 0], model=model)]
     return records_from_batch(texts, token_lists, list(layers), model=model)
+
+
+def _texts(text: str | Sequence[str] | None, batch: int) -> list[str]:
+    if text is None or isinstance(text, str):
+        return [text or ""] * batch
+    if len(text) != batch:
+        raise ValueError(f"text: got {len(text)} texts, expected one per sentence of the batch ({batch})")
+    return list(text)
 
 
 def _is_record_list(value: object) -> bool:
@@ -96,7 +106,8 @@ def _as_layers(attentions: object) -> Tensor:
                              "per layer")
         for i, layer in enumerate(layers[1:], start=1):
             if tuple(layer.shape) != first:
-                raise ValueError(f"attentions[{i}]: got shape {tuple(layer.shape)}, expected {first} like attentions[0]")
+                raise ValueError(f"attentions[{i}]: got shape {tuple(layer.shape)}, "
+                                 f"expected {first} like attentions[0]")
         _square(first, "attentions[0]")
         stacked = torch.stack([layer.to(device="cpu") for layer in layers])
         return stacked if len(first) == 4 else stacked[:, None]
