@@ -214,7 +214,9 @@ for (let i = 0; i < pixels.length; i += 4) {
 }
 return {view: canvas.id, inked, height: Math.ceil(document.documentElement.getBoundingClientRect().height),
         layer: document.getElementById("layer").value, head: document.getElementById("head").value,
-        heads: [...document.querySelectorAll("#head-toggles input:checked")].map((box) => Number(box.dataset.head))};
+        heads: [...document.querySelectorAll("#head-toggles input:checked")].map((box) => Number(box.dataset.head)),
+        tabs: document.querySelector("nav").hidden ? []
+          : [...document.querySelectorAll("nav button")].filter((b) => !b.hidden).map((b) => b.dataset.view)};
 """
 
 
@@ -254,6 +256,8 @@ def test_the_exported_notebook_draws_every_view_offline(browser, executed, expor
     assert views, f"{name} shows no inline view"
     for i, view in enumerate(views):
         assert view["inked"] > 200, f"{name}: view {i} ({view['view']}) drew nothing"
+        # One view per output; the model view's heads enlarge into a heatmap tab beside it.
+        assert view["tabs"] == (["model", "heatmap"] if view["view"] == "model-canvas" else []), view
     assert browser.console_errors() == []
     assert browser.requested_urls() == [page.resolve().as_uri()]
     browser.screenshot(f"notebook_{name}")
