@@ -21,6 +21,9 @@ FLAGS = (
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
     "--window-size=1400,1000", "--force-device-scale-factor=1",
+    # Sandboxed frames (the notebook views) in the page's own process, so that chromedriver's
+    # console and network logs see inside them too; what they draw and fetch is the same.
+    "--disable-features=IsolateSandboxedIframes",
 )
 # Screenshots land here (gitignored) for people to look at.
 SCREENSHOTS = Path(__file__).resolve().parent.parent / "out" / "screenshots"

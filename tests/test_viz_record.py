@@ -87,14 +87,18 @@ def test_toy_example_gives_a_one_layer_one_head_record_with_the_seed_numbers():
 
 def test_the_core_and_the_record_need_neither_numpy_nor_matplotlib():
     # A fresh interpreter where both are unimportable: attnkit and the record still work, the
-    # report and the exports name the extra to install.
+    # report, the notebook views and the exports name the extra to install. Jupyter is
+    # unimportable too: the notebook views never need it (Jupyter calls them, not the reverse).
     program = """
 import sys
-sys.modules["numpy"] = sys.modules["matplotlib"] = None
+for name in ("numpy", "matplotlib", "IPython", "ipykernel", "jupyter_client", "nbformat"):
+    sys.modules[name] = None
 import warnings; warnings.simplefilter("ignore")
 import torch, attnkit, attnkit.viz as viz
 record = viz.AttentionRecord("a b", ["a", "b"], torch.full((1, 1, 2, 2), 0.5))
-for call in (lambda: viz.render_report(record), lambda: viz.save_grid(record, "x.png")):
+view = viz.head_view(record.attentions, record.tokens)
+for call in (lambda: viz.render_report(record), lambda: view._repr_mimebundle_(),
+             lambda: viz.save_grid(record, "x.png")):
     try:
         call()
     except ImportError as error:
@@ -102,6 +106,7 @@ for call in (lambda: viz.render_report(record), lambda: viz.save_grid(record, "x
 """
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True)
     assert result.stdout.splitlines() == [
+        "the HTML report needs the 'numpy' package: pip install 'attnkit[viz]'",
         "the HTML report needs the 'numpy' package: pip install 'attnkit[viz]'",
         "image export needs the 'matplotlib' package: pip install 'attnkit[viz]'",
     ]

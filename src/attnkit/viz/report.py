@@ -10,9 +10,11 @@ from __future__ import annotations
 import html
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
 from .encode import Precision, encode_weights
 from .progress import progress as _progress
@@ -24,6 +26,47 @@ _SLOT = re.compile(r"\{\{(TITLE|STYLE|META|SCRIPT|DATA)\}\}")
 
 # Concatenated in this order into the page's one inline script (later files use earlier ones).
 _SCRIPTS = ("data.js", "colours.js", "canvas.js", "head_view.js", "model_view.js", "heatmap.js", "app.js")
+
+
+View = Literal["head", "model", "heatmap"]
+VIEWS: tuple[View, ...] = ("head", "model", "heatmap")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which views a page offers and what it shows first.
+
+    Args:
+        views: the views offered, as tabs; the first one is shown first. With a single view
+            the tabs are hidden.
+        layer: the layer shown first (head view and heatmap).
+        head: the head shown first in the heatmap.
+        heads: the heads selected at first in the head view; ``None`` selects them all.
+        embedded: the page sits in a notebook's output frame: no title, tight margins, and it
+            tells its host page its height (``postMessage``) after every drawing, so that the
+            frame can fit it.
+
+    Indices beyond a sentence's layers or heads are clamped by the page; the notebook views
+    (:mod:`.inline`) check them first, with clear errors.
+    """
+
+    views: Sequence[View] = VIEWS
+    layer: int = 0
+    head: int = 0
+    heads: Sequence[int] | None = None
+    embedded: bool = False
+
+    def __post_init__(self) -> None:
+        views = tuple(self.views)
+        if not views or any(view not in VIEWS for view in views) or len(set(views)) != len(views):
+            raise ValueError(f"views: got {views!r}, expected distinct names among {VIEWS}")
+        object.__setattr__(self, "views", views)
+        if self.heads is not None:
+            object.__setattr__(self, "heads", tuple(int(h) for h in self.heads))
+
+    def as_json(self) -> dict:
+        return {"views": list(self.views), "layer": int(self.layer), "head": int(self.head),
+                "heads": None if self.heads is None else list(self.heads), "embedded": bool(self.embedded)}
 
 
 def _asset(name: str) -> str:
@@ -41,8 +84,13 @@ def render_report(
     title: str = "attnkit: attention report",
     precision: Precision = "auto",
     progress: bool | None = None,
+    layout: Layout | None = None,
 ) -> str:
-    """The report's HTML text; see :func:`write_report`."""
+    """The report's HTML text; see :func:`write_report`. ``layout`` chooses the views offered
+    and what is shown first (default: every view, the head view first)."""
+    layout = Layout() if layout is None else layout
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
     if not isinstance(title, str):
         raise TypeError(f"title must be a str, got {type(title).__name__}")
     records = [records] if isinstance(records, AttentionRecord) else list(records)
@@ -63,7 +111,7 @@ def render_report(
     fills = {
         "TITLE": html.escape(title),
         "STYLE": _asset("report.css"),
-        "META": _script_json({"title": title, "records": metas}),
+        "META": _script_json({"title": title, "records": metas, "layout": layout.as_json()}),
         "SCRIPT": script,
         "DATA": "\n".join(blocks),
     }

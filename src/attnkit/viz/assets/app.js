@@ -1,13 +1,16 @@
 // The page: reads the embedded sentences, wires the controls, draws the chosen view.
 
 const meta = JSON.parse(document.getElementById("attnkit-meta").textContent);
+// Which views the page offers (the first is shown first) and what it starts on (report.Layout).
+const layout = meta.layout || { views: ["head", "model", "heatmap"], layer: 0, head: 0, heads: null, embedded: false };
 const sentences = meta.records.map((record) => new Sentence(record));
 const $ = (id) => document.getElementById(id);
 const canvases = { head: $("head-canvas"), model: $("model-canvas"), heatmap: $("heatmap-canvas") };
 const state = {
-  index: 0, sentence: null, layer: 0, head: 0, heads: new Set(), view: "head",
+  index: 0, sentence: null, layer: layout.layer, head: layout.head, heads: new Set(), view: layout.views[0],
   scale: "head", minWeight: 0.01, topK: 16, hover: null,
 };
+let firstSentence = true;
 window.attnkitTimings = {};
 tooltip.element = $("tooltip");
 
@@ -34,6 +37,23 @@ function render() {
   else drawHeatmap(canvases.heatmap, state, availableWidth());
   window.attnkitTimings[state.view] = performance.now() - start;
   document.documentElement.dataset.ready = "true";
+  if (layout.embedded) reportHeight();
+}
+
+// Embedded in a notebook output, the page lives in an iframe that cannot grow by itself: tell
+// the host page how tall the drawing is (the host's script in viz/inline.py resizes the frame;
+// where no script runs there, the frame keeps its estimated height and scrolls).
+function reportHeight() {
+  if (window.parent === window) return;
+  const height = Math.ceil(document.documentElement.getBoundingClientRect().height);
+  window.parent.postMessage({ type: "attnkit:height", height }, "*");
+}
+// The host may start listening after the first drawing (a long page is parsed in slices): it
+// then asks, and gets the height again.
+if (layout.embedded) {
+  window.addEventListener("message", (event) => {
+    if (event.source === window.parent && event.data && event.data.type === "attnkit:measure") reportHeight();
+  });
 }
 
 function selectSentence(index) {
@@ -43,7 +63,9 @@ function selectSentence(index) {
   window.attnkitTimings.decode = s.decodeMs;
   state.layer = Math.min(state.layer, s.layers - 1);
   state.head = Math.min(state.head, s.heads - 1);
-  state.heads = new Set(Array.from({ length: s.heads }, (_, h) => h));
+  const chosen = firstSentence && layout.heads ? layout.heads.filter((h) => h < s.heads) : null;
+  state.heads = new Set(chosen || Array.from({ length: s.heads }, (_, h) => h));
+  firstSentence = false;
   state.hover = null;
   state.topK = defaultTopK(s);
   $("top-k").value = String(state.topK);
@@ -81,7 +103,7 @@ for (const canvas of Object.values(canvases)) {
 }
 canvases.model.addEventListener("click", (event) => {
   const hit = modelViewHit(canvases.model, event, state.sentence);
-  if (!hit) return;
+  if (!hit || !layout.views.includes("heatmap")) return;
   state.layer = hit.layer;
   state.head = hit.head;
   $("layer").value = String(hit.layer);
@@ -107,6 +129,7 @@ $("top-k").addEventListener("change", (event) => {
   render();
 });
 for (const button of document.querySelectorAll("nav button")) {
+  button.hidden = !layout.views.includes(button.dataset.view);
   button.addEventListener("click", () => {
     state.view = button.dataset.view;
     state.hover = null;
@@ -120,8 +143,12 @@ window.addEventListener("resize", () => {
   resizeTimer = setTimeout(render, 150);
 });
 
+document.querySelector("nav").hidden = layout.views.length < 2;
+document.body.classList.toggle("embedded", layout.embedded);
+$("sentence").parentElement.hidden = layout.embedded && sentences.length < 2;
 options($("sentence"), sentences.map((s, i) => {
-  const text = s.meta.text.length > 70 ? `${s.meta.text.slice(0, 69)}…` : s.meta.text;
+  const full = s.meta.text || s.tokens.join(" ");
+  const text = full.length > 70 ? `${full.slice(0, 69)}…` : full;
   return `${i + 1}. ${text}`;
 }), 0);
 $("min-weight").value = String(state.minWeight);
