@@ -45,20 +45,18 @@ def _draw(generator: torch.Generator | None, device: torch.device) -> Tensor:
     return torch.randint(0, 2**SEED_BITS - 1, (), generator=generator, device=device, dtype=torch.int64)
 
 
-# Dynamo cannot trace a torch.Generator: with one, the draw runs eagerly (a graph break, or an
-# error under fullgraph=True that says why).
-_draw_from_generator = torch.compiler.disable(
-    _draw, reason="attnkit draws the dropout seed from a torch.Generator, which torch.compile cannot "
-                  "trace; under fullgraph=True pass generator=None (the seed then comes from the global RNG)")
-
-
 def draw_seed(generator: torch.Generator | None, device: torch.device | str = "cpu") -> Tensor:
     """One seed for a call's dropout, an int64 scalar tensor on the generator's device (CPU when
     there is none). With ``generator=None`` it comes from the global RNG of ``device``; with one,
     the global RNG is neither read nor reseeded."""
     if generator is None:
         return _draw(None, torch.device(device))
-    return _draw_from_generator(generator, generator.device)
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace a torch.Generator: this breaks the graph (the call then runs eagerly)
+        # or, under fullgraph=True, stops the compile with this message
+        raise TypeError("attnkit draws the dropout seed from a torch.Generator, which torch.compile cannot trace; "
+                        "under fullgraph=True pass generator=None (the seed then comes from the global RNG)")
+    return _draw(generator, generator.device)
 
 
 def _mul32(x: Tensor, constant: int) -> Tensor:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import _torch_private
 from .._call import AttentionCall
 from . import native
 from .tiled_plan import Problem, visited_fraction
@@ -70,7 +71,7 @@ def choose(call: AttentionCall) -> str:
     return "torch"
 
 
-@torch.compiler.assume_constant_result
+@_torch_private.assume_constant_result
 def _native_serves(device_type: str, dtype: torch.dtype, has_mask: bool) -> bool:
     """Process state (the kernel loaded, not turned off), read once per trace."""
     return native.serves(device_type, dtype, has_mask)
