@@ -300,3 +300,23 @@ def test_mask_arguments_are_checked():
         masks_.varlen([2, 3], [4])
     with pytest.raises(ValueError, match="intersect it"):
         masks_.varlen([2]) | masks_.causal()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", ["torch", "tiled", "auto"])
+def test_the_new_masks_in_half_precision_within_twice_the_plain_error(backend, dtype):
+    """FlashAttention's rule for every new mask: the error against float64 at most twice that of
+    the same oracle computed in the low dtype (one ulp at 1 as a floor)."""
+    masks_ = attnkit.masks
+    q, k, v = _inputs(batch=2, lq=48, lk=48, dim=16)
+    low = [t.to(dtype) for t in (q, k, v)]
+    cases = [masks_.sliding_window(5, 3), masks_.varlen([30, 48]) & masks_.causal(),
+             (masks_.sliding_window(8) | masks_.first_keys(2)) & masks_.causal(),
+             masks_.key_ranges(torch.arange(48) // 2, torch.arange(48) + 1)]
+    for mask in cases:
+        allowed = mask.dense(48, 48, ndim=4)
+        exact = _oracle(q, k, v, allowed)
+        plain = _oracle(*low, allowed).double()
+        bound = 2 * max((plain - exact).abs().max().item(), torch.finfo(dtype).eps)
+        ours = attnkit.attention(*low, mask=mask, backend=backend)
+        assert ours.dtype == dtype and (ours.double() - exact).abs().max().item() <= bound, mask
