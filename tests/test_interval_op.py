@@ -13,6 +13,7 @@ import attnkit
 from attnkit import masks
 from attnkit._backends import auto_runs, native, tiled_plan
 from attnkit._call import make_call
+from conftest import tiled_kernel
 
 MASKS = {
     "window": masks.sliding_window(5),
@@ -26,13 +27,8 @@ CLOSE = dict(atol=1e-5, rtol=1e-5)
 @pytest.fixture(params=["native", "pytorch"])
 def kernel(request):
     """Each test runs on attnkit's native kernel (where built) and on PyTorch's kernels per block."""
-    if request.param == "native":
-        if not native.available():
-            pytest.skip(f"native kernel: {native.why_unavailable()}")
+    with tiled_kernel(request.param):
         yield request.param
-    else:
-        with native.turned_off():
-            yield request.param
 
 
 def _qkv(batch=2, heads=4, kv_heads=2, length=24, dim=8, seed=0, dtype=torch.float32):

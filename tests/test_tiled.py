@@ -15,6 +15,7 @@ import attnkit
 from attnkit import masks
 from attnkit._backends import auto_runs, native, tiled, tiled_plan
 from attnkit._call import make_call
+from conftest import tiled_kernel
 from oracle import oracle_attention, oracle_lse
 from strategies import cases, mask_cases
 
@@ -23,13 +24,8 @@ from strategies import cases, mask_cases
 def forward_kernel(request):
     """Every test runs with each kernel of the tiled backend, forward and backward: attnkit's own
     (float32, no dropout, no dense mask; where it is built) and PyTorch's fused one block by block."""
-    if request.param == "native":
-        if not native.available():
-            pytest.skip(f"native kernel: {native.why_unavailable()}")
+    with tiled_kernel(request.param):
         yield request.param
-    else:
-        with native.turned_off():
-            yield request.param
 
 
 @pytest.fixture(autouse=True, scope="module")
