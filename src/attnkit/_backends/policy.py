@@ -8,8 +8,8 @@ traced by ``torch.compile``), in order:
    the CPU today), PyTorch's fused kernels (``"torch"``): attnkit never routes a call to code whose
    speed nobody measured there.
 3. ``return_weights``: ``"torch"``'s materialised path of fused ops (weights are ``Lq x Lk`` anyway).
-4. A structured mask, or dropout where attnkit's native kernel runs: the interval op with its
-   kernel left to :func:`kernel_for`.
+4. A structured mask, soft-capping, ALiBi or sinks (SDPA has none of these), or dropout where
+   attnkit's native kernel runs: the interval op with its kernel left to :func:`kernel_for`.
 5. Else ``"torch"``.
 
 :func:`kernel_for` runs inside the op (``attnkit::interval_attention``, :mod:`.interval_op`), on the
