@@ -106,9 +106,35 @@ def attention(
         generator=generator, return_weights=return_weights, return_lse=return_lse,
         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
     )
+    return _run(call, backend, None)
+
+
+def attention_piece(query: Tensor, key: Tensor, value: Tensor, *, seed: Tensor | None, heads: int = 0,
+                    rows: int = 0, keys: int = 0, backend: str = "auto", **arguments) -> Tensor | tuple[Tensor, ...]:
+    """Private (for :mod:`attnkit.distributed`): :func:`attention` on a piece of a larger call whose
+    query heads start at ``heads``, query rows at ``rows`` and keys at ``keys`` of the whole, with the
+    whole call's dropout ``seed`` (int64 scalar, drawn once for the whole): the piece draws the
+    whole call's dropout pattern at its own positions (:func:`._backends.dropout.at_positions`).
+    ``arguments`` are :func:`attention`'s, ``generator`` excepted (the seed is given)."""
+    if "generator" in arguments:
+        raise TypeError("attention_piece takes the whole call's seed, not a generator")
+    call = make_call(query, key, value, **{"mask": None, "causal": False, "scale": None, "dropout": 0.0,
+                                           "generator": None, "return_weights": False, **arguments})
+    if call.dropout > 0:
+        if not (isinstance(seed, Tensor) and seed.dtype == torch.int64 and seed.numel() == 1):
+            raise TypeError(f"seed must be an int64 tensor of one element with dropout, got {seed!r}")
+        seed = _dropout.at_positions(seed.to(call.query.device), heads, rows, keys)
+    return _run(call, backend, seed)
+
+
+def _run(call, backend: str, seed: Tensor | None) -> Tensor | tuple[Tensor, ...]:
+    """Run a validated call; ``seed``: the dropout seed when given (else one is drawn)."""
+    return_weights, return_lse = call.return_weights, call.return_lse
     chosen = _backends.resolve(backend, call)
     if call.dropout > 0:  # drawn only once the call is valid: a failed call leaves the generator alone
-        call = replace(call, seed=_dropout.draw_seed(call.generator, call.query.device))
+        if seed is None:
+            seed = _dropout.draw_seed(call.generator, call.query.device)
+        call = replace(call, seed=seed)
     tracing = _steps.active() and not return_lse
     if (call.k_len == 0 and not return_lse) or tracing:
         # No keys at all (every row is empty), or a trace is listening: the readable formula

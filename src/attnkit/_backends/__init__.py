@@ -89,7 +89,7 @@ def auto_runs(call: AttentionCall) -> str:
     structure = _tiled.combined(call.structure, call.causal)
     causal_only = structure is not None and structure.is_causal
     return "tiled:" + _policy.kernel_for(query, key, value, lo, hi, bias, call.dropout, causal_only,
-                                         backend is not _AUTO_TILED, call.softcap, call.alibi_slopes)
+                                         backend is not _AUTO_TILED, call.softcap, call.alibi_slopes, call.seed)
 
 
 def resolve(name: str, call: AttentionCall) -> Backend:

@@ -23,6 +23,12 @@ two (``[..., L, D]`` inputs: ``b`` is dim 0, ``h`` numbers the dims between; 2-D
 within the call. ``interval_attention.cpp`` implements the same function (``Dropout``); the tests
 compare the two bit for bit.
 
+A piece of a larger call (one rank's shard in :mod:`attnkit.distributed`) draws the larger call's
+pattern by carrying its offsets in the seed: ``seed`` is then the int64 vector ``[seed, h0, i0,
+j0]`` (:func:`at_positions`) and weight ``(b, h, i, j)`` of the piece is weight ``(b, h0 + h, i0 + i,
+j0 + j)`` of the whole. The native kernel does not take offsets yet: the policy keeps such calls on
+the paths here (:func:`has_offsets`).
+
 Here the hash runs in int64 tensor ops, every product split so that it never exceeds 2**63
 (exact on any device and under ``torch.compile``): the path for calls the native kernel does not
 run.
@@ -33,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["draw_seed", "kept", "keep_mask", "apply", "threshold", "SEED_BITS"]
+__all__ = ["draw_seed", "kept", "keep_mask", "apply", "threshold", "at_positions", "has_offsets", "SEED_BITS"]
 
 #: Seeds are drawn uniformly from [0, 2**SEED_BITS - 1) (randint's bound must fit in int64).
 SEED_BITS = 63
@@ -57,6 +63,22 @@ def draw_seed(generator: torch.Generator | None, device: torch.device | str = "c
         raise TypeError("attnkit draws the dropout seed from a torch.Generator, which torch.compile cannot trace; "
                         "under fullgraph=True pass generator=None (the seed then comes from the global RNG)")
     return _draw(generator, generator.device)
+
+
+def at_positions(seed: Tensor, heads: int = 0, rows: int = 0, keys: int = 0) -> Tensor:
+    """The seed of a piece of a call whose query heads start at ``heads``, query rows at ``rows`` and
+    keys at ``keys`` of the whole call: ``[seed, heads, rows, keys]`` (int64), or ``seed`` itself
+    when every offset is 0 (so such a piece is an ordinary call, the native kernel included)."""
+    seed = seed.reshape(-1)[0]
+    if heads == rows == keys == 0:
+        return seed
+    offsets = torch.tensor([heads, rows, keys], dtype=torch.int64, device=seed.device)
+    return torch.cat([seed.to(torch.int64)[None], offsets])
+
+
+def has_offsets(seed: Tensor | None) -> bool:
+    """Whether ``seed`` carries positions (:func:`at_positions`): a piece of a larger call."""
+    return seed is not None and seed.dim() == 1
 
 
 def _mul32(x: Tensor, constant: int) -> Tensor:
@@ -88,6 +110,8 @@ def kept(seed: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor, p: float) -> 
     tensors broadcast together; ``j`` along the last dim), for dropout ``p`` and the int64 scalar
     ``seed``. Any piece of a call's weights can be drawn this way (the tiled backend's blocks)."""
     seed = seed.to(device=b.device, dtype=torch.int64)
+    if seed.dim() == 1:  # a piece of a larger call: its positions there (at_positions)
+        seed, h, i, j = seed[0], h + seed[1], i + seed[2], j + seed[3]
     row_a = _mix(_mix(_mix(seed & _LOW32, b), h), i)
     row_c = _mix(_mix(_mix((seed >> 32) & _LOW32, b), h), i)
     return _fmix32(_fmix32(j ^ row_a) ^ row_c) >= threshold(p)

@@ -10,8 +10,8 @@ ranges (``lo, hi [S, R, Lq]``, int64, disjoint, ``s = n`` or 0 when S = 1), plus
 Dv]`` with ``H % Hkv == 0`` (GQA). Scores are ``scale * q.k``, soft-capped (``softcap * tanh(s /
 softcap)``), plus ALiBi (``-slope * |p - j|``, ``alibi_slopes [H]`` or ``[N, H]``), plus the bias;
 ``sinks [H]`` joins every row's normaliser. Dropout ``dropout`` from the int64 scalar ``seed``
-(:mod:`.dropout`). The lse is float32 for half-precision inputs, ``-inf`` for rows with no key (and
-no sink).
+(or ``[seed, h0, i0, j0]`` for a piece of a larger call, :func:`.dropout.at_positions`). The lse is
+float32 for half-precision inputs, ``-inf`` for rows with no key (and no sink).
 
 Layers of this module:
 - the ops' implementation picks its kernel at run time from the data (:func:`.policy.kernel_for`):
@@ -98,7 +98,7 @@ def interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi
                        dropout: float, seed: Tensor | None, causal_only: bool,
                        sparse_only: bool) -> tuple[Tensor, Tensor]:
     kernel = policy.kernel_for(query, key, value, lo, hi, bias, dropout, causal_only, sparse_only, softcap,
-                               alibi_slopes)
+                               alibi_slopes, seed)
     if kernel == "native":
         out, lse = _native_forward(query, key, value, lo, hi, scale, dropout, seed)
     else:
@@ -123,7 +123,7 @@ def interval_attention_backward(grad_out: Tensor, grad_lse: Tensor | None, query
     like ``sinks``, else empty. ``out`` and ``lse`` are the forward's (sinks included: the keys'
     weights are ``exp(s - lse)`` all the same). The kernel is chosen as the forward's was."""
     kernel = policy.kernel_for(query, key, value, lo, hi, bias, dropout, causal_only, sparse_only, softcap,
-                               alibi_slopes)
+                               alibi_slopes, seed)
     if kernel == "native":
         dq, dk, dv = _native_backward(grad_out, grad_lse, query, key, value, out, lse, lo, hi, scale, dropout, seed)
         dbias = None
@@ -167,7 +167,7 @@ def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
         grad_out = torch.zeros_like(out)
     grads = None
     create_graph = torch.is_grad_enabled()  # create_graph=True: this backward must be differentiable too
-    if create_graph or (can_read(query, grad_out) and _kernel(ctx, query, key, value, lo, hi, bias, alibi) != "native"
+    if create_graph or (can_read(query, grad_out) and _kernel(ctx, query, key, value, lo, hi, bias, alibi, seed) != "native"
                         and (needs_pairwise(query, key, value, ctx.scale) or not all_finite(grad_out))):
         grads = _dense_backward(ctx, grad_out, grad_lse, query, key, value, lo, hi, bias, alibi, sinks, seed,
                                 create_graph)
@@ -183,10 +183,10 @@ def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
     return tuple(result)
 
 
-def _kernel(ctx, query, key, value, lo, hi, bias, alibi) -> str:
+def _kernel(ctx, query, key, value, lo, hi, bias, alibi, seed) -> str:
     """The kernel the op's backward will run (the native one keeps masked-out pairs out itself)."""
     return policy.kernel_for(query, key, value, lo, hi, bias, ctx.dropout, ctx.causal_only, ctx.sparse_only,
-                             ctx.softcap, alibi)
+                             ctx.softcap, alibi, seed)
 
 
 def _dense_backward(ctx, grad_out, grad_lse, query, key, value, lo, hi, bias, alibi, sinks, seed, create_graph):

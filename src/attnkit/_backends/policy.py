@@ -27,6 +27,7 @@ from torch import Tensor
 
 from .. import _torch_private
 from .._call import AttentionCall
+from . import dropout as _dropout
 from . import native
 from .tiled_plan import Problem, visited_fraction
 
@@ -79,12 +80,15 @@ def _native_serves(device_type: str, dtype: torch.dtype, has_mask: bool) -> bool
 
 def kernel_for(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None,
                dropout: float, causal_only: bool, sparse_only: bool, softcap: float | None = None,
-               alibi: Tensor | None = None) -> str:
+               alibi: Tensor | None = None, seed: Tensor | None = None) -> str:
     """Which kernel the interval op runs: ``"native"``, ``"blocks"`` (PyTorch's kernel block by
     block) or ``"dense"`` (PyTorch's fused kernel over every key, the mask as a tensor).
     ``sparse_only`` (an explicit ``backend="tiled"``) leaves out the dense kernel. Soft-capping and
-    ALiBi run on plain ops per block (``"blocks"``; dense, per sequence, where short or dense)."""
-    if softcap is None and alibi is None and native.applies(query, key, value, bias is not None):
+    ALiBi run on plain ops per block (``"blocks"``; dense, per sequence, where short or dense), and so
+    does dropout in a piece of a larger call (a ``seed`` with offsets: the native kernel's hash takes
+    none yet)."""
+    offsets = dropout > 0 and _dropout.has_offsets(seed)
+    if softcap is None and alibi is None and not offsets and native.applies(query, key, value, bias is not None):
         if sparse_only or dropout > 0:
             return "native"
         pairs = query.shape[2] * key.shape[2]
