@@ -1,0 +1,15 @@
+"""Sequence-parallel attention across processes on ``torch.distributed``: ring and Ulysses.
+
+Each rank holds a shard of one long sequence (:func:`shard`, layouts ``"contiguous"`` and
+``"zigzag"``) and calls :func:`ring_attention` or :func:`ulysses_attention` with it; the result
+is its shard of :func:`attnkit.attention` on the whole sequence (output, lse, gradients, dropout
+pattern). The structured mask decides the traffic: a key/value shard no local query attends is
+neither sent nor computed. :func:`sequence_parallel` routes ``attnkit.nn`` layers through them.
+One code path for every backend of ``torch.distributed`` (tested on gloo, CPU; NCCL untested).
+"""
+
+from .comm import Traffic, traffic
+from .layout import LAYOUTS, even_lengths, shard, unshard
+from .ring import ring_attention
+
+__all__ = ["ring_attention", "shard", "unshard", "even_lengths", "traffic", "Traffic", "LAYOUTS"]

@@ -1,0 +1,121 @@
+"""The point-to-point exchange of key/value pieces over ``torch.distributed``, and its traffic.
+
+One message per (sender, receiver) and step: the pieces' keys and values flattened into one
+buffer, sent with ``isend`` and received with ``irecv`` (asynchronous on every backend: gloo runs
+them on its own threads, NCCL on its streams) so the caller computes while they travel.
+Device-agnostic: the buffers live on the inputs' device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .schedule import Piece
+
+__all__ = ["Traffic", "traffic", "Exchange"]
+
+
+@dataclass
+class Traffic:
+    """What this rank's sequence-parallel calls moved and waited for, while :func:`traffic` records.
+
+    ``bytes_received`` / ``bytes_sent``: payload of the point-to-point messages and all-to-alls
+    (keys and values forward, again in the backward, plus the key/value gradients going home);
+    ``units``: kernel calls run (one query chunk against one piece of keys); ``wait_seconds``: time
+    spent blocked on communication, i.e. not hidden behind compute."""
+
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    messages: int = 0
+    units: int = 0
+    wait_seconds: float = 0.0
+    log: list[str] = field(default_factory=list)
+
+
+_recording: list[Traffic] = []
+
+
+@contextlib.contextmanager
+def traffic() -> Iterator[Traffic]:
+    """Record this rank's sequence-parallel traffic (``with attnkit.distributed.traffic() as t:``)."""
+    record = Traffic()
+    _recording.append(record)
+    try:
+        yield record
+    finally:
+        _recording.remove(record)
+
+
+def count(**amounts: float) -> None:
+    for record in _recording:
+        for name, amount in amounts.items():
+            setattr(record, name, getattr(record, name) + amount)
+
+
+def wait(works: list) -> None:
+    """Wait for ``works``, counting the time blocked."""
+    if not works:
+        return
+    start = time.perf_counter()
+    for work in works:
+        work.wait()
+    count(wait_seconds=time.perf_counter() - start)
+
+
+class Exchange:
+    """Sends and receives of one step: post now, :meth:`wait` later."""
+
+    def __init__(self, group: dist.ProcessGroup | None, tag: int) -> None:
+        self.group, self.tag = group, tag
+        self.works: list = []
+        self.received: dict[int, Tensor] = {}
+        self.sent: list[Tensor] = []
+
+    def _peer(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def send(self, to: int, buffer: Tensor) -> None:
+        self.sent.append(buffer)  # alive until the send completes
+        self.works.append(dist.isend(buffer, self._peer(to), group=self.group, tag=self.tag))
+        count(bytes_sent=buffer.numel() * buffer.element_size(), messages=1)
+
+    def receive(self, source: int, numel: int, like: Tensor) -> None:
+        buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+        self.works.append(dist.irecv(buffer, self._peer(source), group=self.group, tag=self.tag))
+        self.received[source] = buffer
+        count(bytes_received=numel * buffer.element_size())
+
+    def wait(self) -> dict[int, Tensor]:
+        wait(self.works)
+        self.works, self.sent = [], []
+        return self.received
+
+
+def pack(pieces: list[Piece], *tensors: Tensor) -> Tensor:
+    """The pieces of ``tensors`` (each ``[B, H, L, D]``, positions along dim 2) in one flat buffer."""
+    return torch.cat([t[:, :, p.local:p.local + p.length].reshape(-1) for t in tensors for p in pieces])
+
+
+def numel(pieces: list[Piece], *shapes: tuple[int, int, int]) -> int:
+    """Elements of :func:`pack`'s buffer for tensors of ``(B, H, D)`` each."""
+    length = sum(p.length for p in pieces)
+    return sum(b * h * length * d for b, h, d in shapes)
+
+
+def unpack(buffer: Tensor, pieces: list[Piece], *shapes: tuple[int, int, int]) -> list[list[Tensor]]:
+    """:func:`pack` undone: per tensor, its pieces ``[B, H, length, D]`` (views of ``buffer``)."""
+    result, offset = [], 0
+    for b, h, d in shapes:
+        views = []
+        for p in pieces:
+            views.append(buffer[offset:offset + b * h * p.length * d].view(b, h, p.length, d))
+            offset += b * h * p.length * d
+        result.append(views)
+    return result
