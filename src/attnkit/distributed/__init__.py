@@ -10,7 +10,8 @@ One code path for every backend of ``torch.distributed`` (tested on gloo, CPU; N
 
 from .comm import Traffic, traffic
 from .layout import LAYOUTS, even_lengths, shard, unshard
+from .parallel import sequence_parallel
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 
-__all__ = ["ring_attention", "ulysses_attention", "shard", "unshard", "even_lengths", "traffic", "Traffic", "LAYOUTS"]
+__all__ = ["ring_attention", "ulysses_attention", "sequence_parallel", "shard", "unshard", "even_lengths", "traffic", "Traffic", "LAYOUTS"]

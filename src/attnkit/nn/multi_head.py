@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from .. import _steps
 from ..core import attention
-from . import _checks
+from . import _checks, _routing
 from ._settings import AttentionSettings
 from ._traced import traced_call
 from .convert import HeadConversions
@@ -173,14 +173,16 @@ class MultiHeadAttention(HeadConversions, TorchConversions, AttentionSettings, n
         _steps.record("keys", keys)
         _steps.record("values", values)
 
-        result = attention(
-            queries, keys, values,
-            mask=mask,
-            causal=self.causal if causal is None else causal,
-            dropout=self.dropout if self.training else 0.0,
-            return_weights=need_weights,
-            backend=self.backend,
-        )
+        settings = dict(mask=mask, causal=self.causal if causal is None else causal,
+                        dropout=self.dropout if self.training else 0.0, backend=self.backend)
+        route = _routing.current() if key is query else None
+        if route is not None:  # sequence parallel (attnkit.distributed.sequence_parallel): x is this rank's shard
+            if need_weights or cache is not None:
+                raise ValueError("under attnkit.distributed.sequence_parallel a layer's self-attention runs over the "
+                                 "whole sequence across ranks: need_weights and cache are not available there")
+            result = route(queries, keys, values, **settings)
+        else:
+            result = attention(queries, keys, values, return_weights=need_weights, **settings)
         heads = result[0] if need_weights else result
         _steps.record("heads", heads)
         concatenated = heads.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.value_head_dim)
