@@ -1,0 +1,203 @@
+"""The work of each spawned rank in test_distributed.py (a module the spawned processes import).
+
+Every rank builds the same whole inputs from the same seed, runs the single-process
+``attnkit.attention`` on them (the reference) and the sequence-parallel call on its shard, and
+compares its shard of the reference. Inputs are float64: ring attention merges the same terms in a
+different order (per-piece softmax, then an lse merge), which moves results by a few ulp of the
+values (|out| <= ~3, so ~1e-15 each, L <= 40 terms: < 1e-13); 1e-10 leaves room for that and
+nothing else, where a missing or doubled key piece, a wrong mask shift or a wrong dropout position
+moves results by 1e-2 or more.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import attnkit
+from attnkit import masks
+from attnkit.distributed import (even_lengths, ring_attention, sequence_parallel, shard, traffic,
+                                 ulysses_attention)
+
+TOLERANCE = dict(atol=1e-10, rtol=0)
+METHODS = {"ring": ring_attention, "ulysses": ulysses_attention}
+
+
+def main(rank: int, world: int, init_file: str, job: str) -> None:
+    torch.set_num_threads(1)  # P processes share the test machine's cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        JOBS[job](rank, world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _inputs(length: int, heads: int, kv_heads: int, seed: int = 0, batch: int = 2, dim: int = 8):
+    generator = torch.Generator().manual_seed(seed)
+    make = lambda h, d: torch.randn(batch, h, length, d, dtype=torch.float64, generator=generator)  # noqa: E731
+    return make(heads, dim), make(kv_heads, dim), make(kv_heads, dim + 2)  # Dv != Dk
+
+
+def _mask_cases(length: int) -> list[tuple[str, object, bool]]:
+    ids = torch.tensor([[0] * 7 + [1] * (length - 12) + [2] * 5, [0] * (length - 3) + [1] * 3])
+    return [
+        ("none", None, False),
+        ("causal", None, True),
+        ("window", masks.sliding_window(4), False),
+        ("window both sides", masks.sliding_window(3, 2), False),
+        ("documents", masks.document(ids=ids), True),
+        ("padding", masks.padding([length, length - 6]) & masks.causal(), False),
+        ("window + first keys", (masks.sliding_window(3) | masks.first_keys(2)) & masks.causal(), False),
+    ]
+
+
+def _check(rank, world, method, layout, lengths, heads, kv_heads, name, mask, causal, dropout=0.0):
+    """Output, lse and the gradients of query, key and value against the single-process call."""
+    q, k, v = (t.requires_grad_() for t in _inputs(sum(lengths), heads, kv_heads))
+    extra = dict(dropout=dropout, generator=torch.Generator().manual_seed(7)) if dropout else {}
+    out, lse = attnkit.attention(q, k, v, mask=mask, causal=causal, return_lse=True, **extra)
+    weight = torch.linspace(-1, 1, lse.shape[-1], dtype=lse.dtype)  # the lse's gradient matters too
+    (out.square().sum() + (torch.where(lse.isfinite(), lse, 0) * weight).sum()).backward()
+    mine = lambda t, dim=-2: shard(t.detach(), rank, world, layout=layout, lengths=lengths, dim=dim)  # noqa: E731
+    ql, kl, vl = (mine(t).requires_grad_() for t in (q, k, v))
+    extra = dict(dropout=dropout, generator=torch.Generator().manual_seed(7)) if dropout else {}
+    got, got_lse = METHODS[method](ql, kl, vl, mask=mask, causal=causal, layout=layout, return_lse=True, **extra)
+    my_weight = mine(weight, -1)
+    (got.square().sum() + (torch.where(got_lse.isfinite(), got_lse, 0) * my_weight).sum()).backward()
+    where = f"rank {rank}/{world} {method} {layout} {lengths} {name} dropout={dropout}"
+    torch.testing.assert_close(got, mine(out), **TOLERANCE, msg=lambda m: f"{where} output: {m}")
+    torch.testing.assert_close(got_lse, mine(lse, -1), **TOLERANCE, msg=lambda m: f"{where} lse: {m}")
+    for label, local, whole in (("dq", ql, q), ("dk", kl, k), ("dv", vl, v)):
+        torch.testing.assert_close(local.grad, mine(whole.grad), **TOLERANCE, msg=lambda m: f"{where} {label}: {m}")
+
+
+def _every_mask(rank, world, layouts_lengths, heads, kv_heads, dropout_cases=slice(1, 3)):
+    for layout, lengths in layouts_lengths:
+        for method in METHODS:
+            for name, mask, causal in _mask_cases(sum(lengths)):
+                _check(rank, world, method, layout, lengths, heads, kv_heads, name, mask, causal)
+            for name, mask, causal in _mask_cases(sum(lengths))[dropout_cases]:
+                _check(rank, world, method, layout, lengths, heads, kv_heads, name, mask, causal, dropout=0.3)
+
+
+def _traffic(rank, world):
+    """The mask decides what is received: bytes of the forward pass, counted exactly."""
+    batch, kv_heads, dk, dv, size = 2, 2, 8, 10, 8  # float64
+    length = 12 * world
+    q, k, v = _inputs(length, 4, kv_heads)
+    ql, kl, vl = (shard(t, rank, world) for t in (q, k, v))
+    per_key = batch * kv_heads * (dk + dv) * size
+    with torch.no_grad():
+        with traffic() as record:
+            ring_attention(ql, kl, vl)
+        assert record.bytes_received == (world - 1) * 12 * per_key, record  # (P-1)/P of K and V
+        with traffic() as record:
+            ring_attention(ql, kl, vl, mask=masks.sliding_window(4))  # 3 keys back: the neighbour's last 3
+        assert record.bytes_received == (3 * per_key if rank > 0 else 0), (rank, record)
+        assert record.units == (2 if rank > 0 else 1), (rank, record)
+        with traffic() as record:  # documents that never cross a shard boundary: nothing to send
+            ring_attention(ql, kl, vl, mask=masks.document([12] * world) & masks.causal())
+        assert record.bytes_received == 0 and record.messages == 0 and record.units == 1, (rank, record)
+        with traffic() as record:  # causal: only earlier ranks' shards
+            ring_attention(ql, kl, vl, causal=True)
+        assert record.bytes_received == rank * 12 * per_key, (rank, record)
+
+
+def _errors(rank, world):
+    q, k, v = (shard(t, rank, world) for t in _inputs(8 * world, 4, 1))
+    try:
+        ulysses_attention(q, k, v)
+    except ValueError as error:
+        assert "key/value heads (1)" in str(error) and str(tuple(k.shape)) in str(error), error
+    else:
+        raise AssertionError("ulysses_attention accepted 1 key/value head over 2 ranks")
+    try:
+        ring_attention(q, k, v, mask=torch.ones(8 * world, 8 * world, dtype=torch.bool))
+    except TypeError as error:
+        assert "structured mask" in str(error), error
+    else:
+        raise AssertionError("ring_attention accepted a dense mask")
+
+
+class _TinyLM(torch.nn.Module):
+    """A small pre-norm causal LM on attnkit.nn (GQA, attention dropout), to train sharded."""
+
+    def __init__(self, vocab: int = 16, dim: int = 16, layers: int = 2, length: int = 32) -> None:
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, dim)
+        self.positions = torch.nn.Embedding(length, dim)
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(layers):
+            self.blocks.append(torch.nn.ModuleDict(dict(
+                norm1=torch.nn.LayerNorm(dim), norm2=torch.nn.LayerNorm(dim),
+                attn=attnkit.nn.MultiHeadAttention(dim, 4, num_kv_heads=2, causal=True, dropout=0.1),
+                mlp=torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim)))))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens, positions):
+        x = self.tokens(tokens) + self.positions(positions)
+        for block in self.blocks:
+            x = x + block["attn"](block["norm1"](x))
+            x = x + block["mlp"](block["norm2"](x))
+        return self.head(x)
+
+
+def _train(rank, world, method, layout, steps=20):
+    """Losses of ``steps`` AdamW steps, one process and sequence-parallel, from the same seeds."""
+    length, vocab = 32, 16
+    # counting sequences from random starts: learnable, so the losses fall and the check has teeth
+    starts = torch.randint(0, vocab, (steps, 2, 1), generator=torch.Generator().manual_seed(3))
+    data = (starts + torch.arange(length + 1)) % vocab
+    positions = torch.arange(length)
+
+    def run(parallel: bool) -> list[float]:
+        torch.manual_seed(0)  # the same weights and the same dropout seeds (global RNG) on every rank
+        model = _TinyLM(vocab, length=length).double()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for batch in data:
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            if parallel:
+                mine = lambda t: shard(t, rank, world, layout=layout, dim=-1)  # noqa: E731
+                with sequence_parallel(method, layout=layout):
+                    logits = model(mine(inputs), mine(positions))
+                # this rank's share of the mean over every token; summed over ranks below
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine(targets).flatten(),
+                                                         reduction="sum") / targets.numel()
+            else:
+                logits = model(inputs, positions)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            optimizer.zero_grad()
+            loss.backward()
+            total = loss.detach().clone()
+            if parallel:
+                dist.all_reduce(total)
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+            optimizer.step()
+            losses.append(total.item())
+        return losses
+
+    single, parallel = run(False), run(True)
+    assert max(abs(a - b) for a, b in zip(single, parallel)) < 1e-9, (method, layout, single, parallel)
+    assert single[-1] < single[0] - 0.2, single  # it trains
+
+
+def _two_ranks(rank, world):
+    _errors(rank, world)
+    _traffic(rank, world)
+    _every_mask(rank, world, [("contiguous", [17, 23]), ("zigzag", [21, 19])], heads=4, kv_heads=2)
+    _train(rank, world, "ring", "zigzag")
+    _train(rank, world, "ulysses", "contiguous", steps=5)
+
+
+def _four_ranks(rank, world):
+    _traffic(rank, world)
+    # contiguous shards are checked on two ranks; here the zigzag layout with uneven shards
+    _every_mask(rank, world, [("zigzag", [9, 12, 7, 12])], heads=8, kv_heads=4, dropout_cases=slice(1, 2))
+
+
+JOBS = {"two": _two_ranks, "four": _four_ranks}

@@ -1,0 +1,24 @@
+"""attnkit.distributed on real processes: 2 and 4 gloo ranks (CPU), spawned with torch.multiprocessing.
+
+Each spawned job runs many checks (see tests/distributed_workers.py): every mask kind, both
+layouts, uneven shards, GQA, dropout, output/lse/gradients equal to single-process
+``attnkit.attention``; the traffic the mask decides, counted in bytes; a small attnkit.nn causal
+LM trained 20 steps sequence-parallel with the same losses as one process. Process start is the
+slow part (a torch import per rank), hence two jobs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import distributed_workers
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+@pytest.mark.parametrize("world, job", [(2, "two"), (4, "four")])
+def test_sequence_parallel_equals_one_process(tmp_path, world, job):
+    mp.spawn(distributed_workers.main, args=(world, str(tmp_path / "init"), job), nprocs=world, join=True)
