@@ -70,52 +70,47 @@ def wait(works: list) -> None:
 
 
 class Exchange:
-    """Sends and receives of one step: post now, :meth:`wait` later."""
+    """Sends and receives of one step: post now, :meth:`wait` later. A message is a list of tensors,
+    each sent on its own (tag ``256 * tag + index``), so a piece that is already contiguous (a
+    whole shard) travels without a packing copy."""
 
     def __init__(self, group: dist.ProcessGroup | None, tag: int) -> None:
         self.group, self.tag = group, tag
         self.works: list = []
-        self.received: dict[int, Tensor] = {}
+        self.received: dict[int, list[Tensor]] = {}
         self.sent: list[Tensor] = []
 
     def _peer(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def send(self, to: int, buffer: Tensor) -> None:
-        self.sent.append(buffer)  # alive until the send completes
-        self.works.append(dist.isend(buffer, self._peer(to), group=self.group, tag=self.tag))
-        count(bytes_sent=buffer.numel() * buffer.element_size(), messages=1)
+    def send(self, to: int, tensors: list[Tensor]) -> None:
+        for index, tensor in enumerate(tensors):
+            tensor = tensor.contiguous()
+            self.sent.append(tensor)  # alive until the send completes
+            self.works.append(dist.isend(tensor, self._peer(to), group=self.group, tag=256 * self.tag + index))
+            count(bytes_sent=tensor.numel() * tensor.element_size())
+        count(messages=1)
 
-    def receive(self, source: int, numel: int, like: Tensor) -> None:
-        buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
-        self.works.append(dist.irecv(buffer, self._peer(source), group=self.group, tag=self.tag))
-        self.received[source] = buffer
-        count(bytes_received=numel * buffer.element_size())
+    def receive(self, source: int, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> None:
+        buffers = []
+        for index, shape in enumerate(shapes):
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+            self.works.append(dist.irecv(buffer, self._peer(source), group=self.group, tag=256 * self.tag + index))
+            buffers.append(buffer)
+            count(bytes_received=buffer.numel() * buffer.element_size())
+        self.received[source] = buffers
 
-    def wait(self) -> dict[int, Tensor]:
+    def wait(self) -> dict[int, list[Tensor]]:
         wait(self.works)
         self.works, self.sent = [], []
         return self.received
 
 
-def pack(pieces: list[Piece], *tensors: Tensor) -> Tensor:
-    """The pieces of ``tensors`` (each ``[B, H, L, D]``, positions along dim 2) in one flat buffer."""
-    return torch.cat([t[:, :, p.local:p.local + p.length].reshape(-1) for t in tensors for p in pieces])
+def views(pieces: list[Piece], *tensors: Tensor) -> list[Tensor]:
+    """The pieces of each of ``tensors`` (``[B, H, L, D]``, positions along dim 2): per tensor, per piece."""
+    return [t[:, :, p.local:p.local + p.length] for t in tensors for p in pieces]
 
 
-def numel(pieces: list[Piece], *shapes: tuple[int, int, int]) -> int:
-    """Elements of :func:`pack`'s buffer for tensors of ``(B, H, D)`` each."""
-    length = sum(p.length for p in pieces)
-    return sum(b * h * length * d for b, h, d in shapes)
-
-
-def unpack(buffer: Tensor, pieces: list[Piece], *shapes: tuple[int, int, int]) -> list[list[Tensor]]:
-    """:func:`pack` undone: per tensor, its pieces ``[B, H, length, D]`` (views of ``buffer``)."""
-    result, offset = [], 0
-    for b, h, d in shapes:
-        views = []
-        for p in pieces:
-            views.append(buffer[offset:offset + b * h * p.length * d].view(b, h, p.length, d))
-            offset += b * h * p.length * d
-        result.append(views)
-    return result
+def shapes(pieces: list[Piece], *tensors: Tensor) -> list[tuple[int, ...]]:
+    """The shapes :func:`views` gives for tensors shaped like ``tensors``."""
+    return [(t.shape[0], t.shape[1], p.length, t.shape[3]) for t in tensors for p in pieces]

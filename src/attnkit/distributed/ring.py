@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .. import masks as _masks
 from .._backends import dropout as _dropout
-from .._backends.interval_op import _merge
+from .._backends.blockwise import _merge_into
 from .._backends.numerics import work_dtype
 from .._call import make_call
 from ..core import attention_piece
@@ -147,16 +147,15 @@ def _steps(settings: _Settings, key: Tensor, value: Tensor, tag: int):
     message; None when nothing came), the next step's messages already posted."""
     schedule, group = settings.schedule, settings.group
     world, rank = schedule.world, schedule.rank
-    shapes = [(key.shape[0], key.shape[1], key.shape[3]), (value.shape[0], value.shape[1], value.shape[3])]
 
     def post(step: int) -> comm.Exchange:
         exchange = comm.Exchange(group, tag + step)
         if step < world:
             to, source = (rank + step) % world, (rank - step) % world
             if to in schedule.sends:
-                exchange.send(to, comm.pack(schedule.sends[to], key, value))
+                exchange.send(to, comm.views(schedule.sends[to], key, value))
             if source in schedule.receives:
-                exchange.receive(source, comm.numel(schedule.receives[source], *shapes), key)
+                exchange.receive(source, comm.shapes(schedule.receives[source], key, value), key.dtype, key.device)
         return exchange
 
     pending = post(1)
@@ -171,8 +170,8 @@ def _steps(settings: _Settings, key: Tensor, value: Tensor, tag: int):
         pending = post(step + 1)
         source = (rank - step) % world
         if source in received:
-            keys, values = comm.unpack(received[source], schedule.receives[source], *shapes)
-            yield step, source, keys, values
+            count = len(schedule.receives[source])
+            yield step, source, received[source][:count], received[source][count:]
         else:
             yield step, source, None, None
 
@@ -193,8 +192,7 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, seed: Tensor | None,
                 query[:, :, rows], keys[unit.index], values[unit.index], seed=seed, rows=unit.query.start,
                 keys=unit.piece.start, mask=_ranges_mask(unit, query.device), scale=settings.scale,
                 dropout=settings.dropout, return_lse=True)
-            merged = _merge([(out[:, :, rows], lse[:, :, rows]), (part.to(work), part_lse.to(work))])
-            out[:, :, rows], lse[:, :, rows] = merged
+            _merge_into(out[:, :, rows], lse[:, :, rows], part.to(work), part_lse.to(work))
             comm.count(units=1)
     return out.to(query.dtype), lse
 
@@ -214,17 +212,15 @@ def _backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Ten
     dq = torch.zeros(query.shape, dtype=work, device=query.device)
     dk = torch.zeros(key.shape, dtype=work, device=key.device)
     dv = torch.zeros(value.shape, dtype=work, device=value.device)
-    shapes = [(key.shape[0], key.shape[1], key.shape[3]), (value.shape[0], value.shape[1], value.shape[3])]
     by_owner = _by_owner(schedule.units)
     returning: list[comm.Exchange] = []
 
     def collect() -> None:
         """Add the key/value gradients that came home (posted a step ago) into ``dk``, ``dv``."""
         for exchange in returning:
-            for source, buffer in exchange.wait().items():
+            for source, grads in exchange.wait().items():
                 pieces = schedule.sends[source]
-                grads_k, grads_v = comm.unpack(buffer, pieces, *shapes)
-                for p, gk, gv in zip(pieces, grads_k, grads_v):
+                for p, gk, gv in zip(pieces, grads[:len(pieces)], grads[len(pieces):]):
                     dk[:, :, p.local:p.local + p.length] += gk
                     dv[:, :, p.local:p.local + p.length] += gv
         returning.clear()
@@ -251,21 +247,21 @@ def _backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Ten
                     dk[:, :, p.local:p.local + p.length] += gk
                     dv[:, :, p.local:p.local + p.length] += gv
             else:  # the gradients of the pieces received from ``owner`` go home
-                exchange.send(owner, torch.cat([g.to(key.dtype).reshape(-1) for g in piece_dk + piece_dv]))
+                exchange.send(owner, piece_dk + piece_dv)  # in the work dtype: sums of partial gradients
         collect()  # the previous step's, which travelled while this step computed
-        _home(exchange, schedule, step, shapes, key)
+        _home(exchange, schedule, step, key, value)
         returning.append(exchange)
     collect()
     return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
 
 
-def _home(exchange: comm.Exchange, schedule: Schedule, step: int, shapes, like: Tensor) -> None:
+def _home(exchange: comm.Exchange, schedule: Schedule, step: int, key: Tensor, value: Tensor) -> None:
     """Post the receive of step ``step``'s returning gradients: those of the pieces sent to ``rank + step``."""
     if step == 0:
         return
     to = (schedule.rank + step) % schedule.world
     if to in schedule.sends:
-        exchange.receive(to, comm.numel(schedule.sends[to], *shapes), like)
+        exchange.receive(to, comm.shapes(schedule.sends[to], key, value), work_dtype(key.dtype), key.device)
 
 
 class _Ring(torch.autograd.Function):
