@@ -12,6 +12,8 @@ moves results by 1e-2 or more.
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,7 @@ TOLERANCE = dict(atol=1e-10, rtol=0)
 METHODS = {"ring": ring_attention, "ulysses": ulysses_attention}
 
 
-def main(rank: int, world: int, init_file: str, job: str) -> None:
+def main(rank: int, world: int, init_file: str, job: str, readme_port: int | None = None) -> None:
     torch.set_num_threads(1)  # P processes share the test machine's cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -33,6 +35,18 @@ def main(rank: int, world: int, init_file: str, job: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    if readme_port is not None:
+        _readme(rank, world, readme_port)
+
+
+def _readme(rank: int, world: int, port: int) -> None:
+    """The README's ``torchrun --nproc-per-node 2`` example, with the environment torchrun sets."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python torchrun\n(.*?)^```", readme, flags=re.S | re.M)
+    assert len(blocks) == 1, "the README has one torchrun example"
+    exec(compile(blocks[0], "README.md torchrun example", "exec"), {"__name__": "__main__"})
 
 
 def _inputs(length: int, heads: int, kv_heads: int, seed: int = 0, batch: int = 2, dim: int = 8):

@@ -3,11 +3,13 @@
 Each spawned job runs many checks (see tests/distributed_workers.py): every mask kind, both
 layouts, uneven shards, GQA, dropout, output/lse/gradients equal to single-process
 ``attnkit.attention``; the traffic the mask decides, counted in bytes; a small attnkit.nn causal
-LM trained 20 steps sequence-parallel with the same losses as one process. Process start is the
-slow part (a torch import per rank), hence two jobs.
+LM trained 20 steps sequence-parallel with the same losses as one process; the README's torchrun
+example. Process start is the slow part (a torch import per rank), hence two jobs.
 """
 
 from __future__ import annotations
+
+import socket
 
 import pytest
 import torch.distributed as dist
@@ -19,6 +21,14 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with gloo is not available")
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.parametrize("world, job", [(2, "two"), (4, "four")])
 def test_sequence_parallel_equals_one_process(tmp_path, world, job):
-    mp.spawn(distributed_workers.main, args=(world, str(tmp_path / "init"), job), nprocs=world, join=True)
+    """The two-rank job ends with the README's torchrun example (as torchrun would start it)."""
+    port = _free_port() if world == 2 else None
+    mp.spawn(distributed_workers.main, args=(world, str(tmp_path / "init"), job, port), nprocs=world, join=True)
