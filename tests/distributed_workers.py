@@ -77,8 +77,13 @@ def _check(rank, world, method, layout, lengths, heads, kv_heads, name, mask, ca
     (out.square().sum() + (torch.where(lse.isfinite(), lse, 0) * weight).sum()).backward()
     mine = lambda t, dim=-2: shard(t.detach(), rank, world, layout=layout, lengths=lengths, dim=dim)  # noqa: E731
     ql, kl, vl = (mine(t).requires_grad_() for t in (q, k, v))
-    extra = dict(dropout=dropout, generator=torch.Generator().manual_seed(7)) if dropout else {}
+    generator = torch.Generator().manual_seed(7)
+    extra = dict(dropout=dropout, generator=generator) if dropout else {}
     got, got_lse = METHODS[method](ql, kl, vl, mask=mask, causal=causal, layout=layout, return_lse=True, **extra)
+    if dropout:  # the generator advanced as one process's does (one seed drawn per call)
+        single_generator = torch.Generator().manual_seed(7)
+        attnkit._backends.dropout.draw_seed(single_generator)
+        assert torch.equal(generator.get_state(), single_generator.get_state())
     my_weight = mine(weight, -1)
     (got.square().sum() + (torch.where(got_lse.isfinite(), got_lse, 0) * my_weight).sum()).backward()
     where = f"rank {rank}/{world} {method} {layout} {lengths} {name} dropout={dropout}"
@@ -208,7 +213,24 @@ def _two_ranks(rank, world):
     _train(rank, world, "ulysses", "contiguous", steps=5)
 
 
+def _half_precision(rank, world):
+    """bf16 and fp16 shards: within twice the error of the single-process call in the same dtype,
+    both against float64 (FlashAttention's rule, as everywhere in attnkit's tests)."""
+    q, k, v = _inputs(64, 8, 4)
+    reference = shard(attnkit.attention(q, k, v, causal=True), rank, world, layout="zigzag")
+    for dtype in (torch.bfloat16, torch.float16):
+        low = [t.to(dtype) for t in (q, k, v)]
+        single = shard(attnkit.attention(*low, causal=True), rank, world, layout="zigzag")
+        for method in METHODS:
+            got, lse = METHODS[method](*(shard(t, rank, world, layout="zigzag") for t in low), causal=True,
+                                       layout="zigzag", return_lse=True)
+            assert got.dtype == dtype and lse.dtype == torch.float32, (got.dtype, lse.dtype)
+            error, single_error = ((t.double() - reference).abs().max().item() for t in (got, single))
+            assert error <= 2 * single_error + 1e-6, (method, dtype, error, single_error)
+
+
 def _four_ranks(rank, world):
+    _half_precision(rank, world)
     _traffic(rank, world)
     # contiguous shards are checked on two ranks; here the zigzag layout with uneven shards
     _every_mask(rank, world, [("zigzag", [9, 12, 7, 12])], heads=8, kv_heads=4, dropout_cases=slice(1, 2))
