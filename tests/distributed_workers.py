@@ -20,8 +20,7 @@ import torch.distributed as dist
 
 import attnkit
 from attnkit import masks
-from attnkit.distributed import (even_lengths, ring_attention, sequence_parallel, shard, traffic,
-                                 ulysses_attention)
+from attnkit.distributed import ring_attention, sequence_parallel, shard, traffic, ulysses_attention
 
 TOLERANCE = dict(atol=1e-10, rtol=0)
 METHODS = {"ring": ring_attention, "ulysses": ulysses_attention}

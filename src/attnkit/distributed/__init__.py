@@ -14,4 +14,5 @@ from .parallel import sequence_parallel
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 
-__all__ = ["ring_attention", "ulysses_attention", "sequence_parallel", "shard", "unshard", "even_lengths", "traffic", "Traffic", "LAYOUTS"]
+__all__ = ["ring_attention", "ulysses_attention", "sequence_parallel", "shard", "unshard", "even_lengths",
+           "traffic", "Traffic", "LAYOUTS"]

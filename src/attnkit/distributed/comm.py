@@ -1,16 +1,16 @@
 """The point-to-point exchange of key/value pieces over ``torch.distributed``, and its traffic.
 
-One message per (sender, receiver) and step: the pieces' keys and values flattened into one
-buffer, sent with ``isend`` and received with ``irecv`` (asynchronous on every backend: gloo runs
-them on its own threads, NCCL on its streams) so the caller computes while they travel.
-Device-agnostic: the buffers live on the inputs' device.
+One message per (sender, receiver) and step: the pieces' keys and values, each tensor sent with
+``isend`` and received with ``irecv`` (asynchronous on every backend: gloo runs them on its own
+threads, NCCL on its streams) so the caller computes while they travel. Device-agnostic: the
+buffers live on the inputs' device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Iterator
 
 import torch
@@ -36,7 +36,6 @@ class Traffic:
     messages: int = 0
     units: int = 0
     wait_seconds: float = 0.0
-    log: list[str] = field(default_factory=list)
 
 
 _recording: list[Traffic] = []

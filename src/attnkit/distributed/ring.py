@@ -228,8 +228,10 @@ def _backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Ten
     for step, owner, keys, values in _steps(settings, key, value, tag=2 * world):
         exchange = comm.Exchange(group, 4 * world + step)
         if keys is not None:
-            piece_dk = [torch.zeros_like(k, dtype=work) for k in keys]
-            piece_dv = [torch.zeros_like(v, dtype=work) for v in values]
+            # own pieces: gradients straight into dk, dv; received ones: summed per piece, then sent home
+            own = owner == rank
+            piece_dk: list[Tensor | None] = [None] * len(keys)
+            piece_dv: list[Tensor | None] = [None] * len(values)
             for unit in by_owner.get(owner, []):
                 rows = _rows(unit)
                 lo, hi = unit.lo.to(query.device), unit.hi.to(query.device)
@@ -237,17 +239,19 @@ def _backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Ten
                     grad_out[:, :, rows].contiguous(),
                     None if grad_lse is None else grad_lse[:, :, rows].contiguous(),
                     query[:, :, rows], keys[unit.index], values[unit.index], out[:, :, rows], lse[:, :, rows], lo, hi,
-                    None, None, None, settings.scale, None, settings.dropout, _piece_seed(seed, unit), False, False,
-                    False)
+                    None, None, None, settings.scale, None, settings.dropout, _piece_seed(seed, unit), False,
+                    True, False)  # sparse_only, as the forward's "tiled": no dense L x L mask for the units' ranges
                 dq[:, :, rows] += grads[0]
-                piece_dk[unit.index] += grads[1]
-                piece_dv[unit.index] += grads[2]
-            if owner == rank:
-                for p, gk, gv in zip(schedule.receives[rank], piece_dk, piece_dv):
-                    dk[:, :, p.local:p.local + p.length] += gk
-                    dv[:, :, p.local:p.local + p.length] += gv
-            else:  # the gradients of the pieces received from ``owner`` go home
-                exchange.send(owner, piece_dk + piece_dv)  # in the work dtype: sums of partial gradients
+                if own:
+                    p = unit.piece
+                    dk[:, :, p.local:p.local + p.length] += grads[1]
+                    dv[:, :, p.local:p.local + p.length] += grads[2]
+                else:
+                    for sums, grad in ((piece_dk, grads[1]), (piece_dv, grads[2])):
+                        sums[unit.index] = grad.to(work) if sums[unit.index] is None else sums[unit.index].add_(grad)
+            if not own:  # in the work dtype: sums of partial gradients
+                exchange.send(owner, [torch.zeros_like(t, dtype=work) if g is None else g
+                                      for g, t in zip(piece_dk + piece_dv, keys + values)])
         collect()  # the previous step's, which travelled while this step computed
         _home(exchange, schedule, step, key, value)
         returning.append(exchange)

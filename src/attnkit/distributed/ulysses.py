@@ -104,8 +104,8 @@ def _all_to_all(exchange: _Exchange, shapes: list[tuple[int, ...]], sends: tuple
     dist.all_to_all_single(received, flat, counts, [t.numel() for t in sends], group=exchange.group)
     rank = dist.get_rank(exchange.group)
     size = like.element_size()
-    comm.count(bytes_received=(sum(counts) - counts[rank]) * size, bytes_sent=(flat.numel() - sends[rank].numel()) * size,
-               wait_seconds=time.perf_counter() - start)
+    comm.count(bytes_received=(sum(counts) - counts[rank]) * size,
+               bytes_sent=(flat.numel() - sends[rank].numel()) * size, wait_seconds=time.perf_counter() - start)
     return tuple(part.view(shape) for part, shape in zip(received.split(counts), shapes))
 
 
