@@ -228,7 +228,25 @@ def _half_precision(rank, world):
             assert error <= 2 * single_error + 1e-6, (method, dtype, error, single_error)
 
 
+def _subgroup_and_empty_shard(rank, world):
+    """A group of two of the four ranks (ranks 1 and 3: group ranks 0 and 1), and a rank whose shard
+    is empty (lengths [9, 0, 14, 7] on the whole world)."""
+    group = dist.new_group([1, 3])  # every rank takes part in creating it
+    if rank in (1, 3):
+        q, k, v = _inputs(24, 4, 2)
+        me = [1, 3].index(rank)
+        for method in METHODS:
+            got = METHODS[method](*(shard(t, me, 2, layout="zigzag") for t in (q, k, v)), causal=True,
+                                  layout="zigzag", group=group)
+            expected = shard(attnkit.attention(q, k, v, causal=True), me, 2, layout="zigzag")
+            torch.testing.assert_close(got, expected, **TOLERANCE, msg=lambda m: f"{method} in a subgroup: {m}")
+    dist.barrier()
+    for name, mask, causal in _mask_cases(30)[1:3]:
+        _check(rank, world, "ring", "contiguous", [9, 0, 14, 7], 4, 2, name, mask, causal)
+
+
 def _four_ranks(rank, world):
+    _subgroup_and_empty_shard(rank, world)
     _half_precision(rank, world)
     _traffic(rank, world)
     # contiguous shards are checked on two ranks; here the zigzag layout with uneven shards
