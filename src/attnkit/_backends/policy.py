@@ -82,9 +82,10 @@ def kernel_for(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor
                alibi: Tensor | None = None) -> str:
     """Which kernel the interval op runs: ``"native"``, ``"blocks"`` (PyTorch's kernel block by
     block) or ``"dense"`` (PyTorch's fused kernel over every key, the mask as a tensor).
-    ``sparse_only`` (an explicit ``backend="tiled"``) leaves out the dense kernel. Soft-capping and
-    ALiBi run on plain ops per block (``"blocks"``; dense, per sequence, where short or dense)."""
-    if softcap is None and alibi is None and native.applies(query, key, value, bias is not None):
+    ``sparse_only`` (an explicit ``backend="tiled"``) leaves out the dense kernel. The native
+    kernel computes soft-capping and ALiBi itself; elsewhere they run on plain ops per block
+    (``"blocks"``; dense, per sequence, where short or dense)."""
+    if native.applies(query, key, value, bias is not None):
         if sparse_only or dropout > 0:
             return "native"
         pairs = query.shape[2] * key.shape[2]

@@ -112,6 +112,75 @@ inline float exp_nonpositive(float x) {
   return p * two_n;
 }
 
+// tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2 |y|) <= 1: exact at +-inf (+-1) and NaN
+// (NaN); near 0 the subtraction 1 - e costs about eps / |y| of relative accuracy (|y| = 0.01:
+// ~1e-5, within what the tests allow Gemma 2's caps of 30-50 on scores of order 1). The scalar
+// and vector forms compute the same operations, so the backward's weights match the forward's.
+inline float tanh_via_exp(float y) {
+  const float e = exp_nonpositive(-2.0f * std::fabs(y));
+  return std::copysign((1.0f - e) / (1.0f + e), y);
+}
+
+inline __m256 tanh_via_exp(__m256 y) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+  const __m256 e = exp_nonpositive(_mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(sign, y)));
+  const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  return _mm256_or_ps(t, _mm256_and_ps(sign, y));  // t >= 0 (or NaN): y's sign
+}
+
+// What turns a product q . k into a score: the scale, then Gemma 2's soft-capping
+// cap * tanh(x / cap) when `cap` > 0, then ALiBi's -slope * |p - j| (FlashAttention's: p the
+// row's key position i + Lk - Lq, bottom-right) when `alibi`. One per (sequence, head).
+struct ScoreMods {
+  float scale = 1.0f, cap = 0.0f, slope = 0.0f;
+  bool alibi = false;
+  int64_t offset = 0;  // Lk - Lq: row i sits at key position i + offset
+
+  float apply(float product, int64_t row, int64_t key, float* cap_grad) const {
+    float x = product * scale;
+    if (cap > 0.0f) {
+      const float t = tanh_via_exp(x / cap);
+      x = cap * t;
+      if (cap_grad) *cap_grad = 1.0f - t * t;
+    }
+    if (alibi) x -= slope * static_cast<float>(std::llabs(row + offset - key));
+    return x;
+  }
+};
+
+// The call's modifiers for sequence b, head h: `slopes` [S, H] float32 (S = 1 or B) or undefined.
+ScoreMods score_mods(double scale, double softcap, const at::Tensor& slopes, int64_t b, int64_t h, int64_t Lq,
+                     int64_t Lk) {
+  ScoreMods m;
+  m.scale = static_cast<float>(scale);
+  m.cap = static_cast<float>(softcap);
+  m.offset = Lk - Lq;
+  if (slopes.defined()) {
+    m.alibi = true;
+    m.slope = slopes.data_ptr<float>()[(slopes.size(0) == 1 ? 0 : b) * slopes.size(1) + h];
+  }
+  return m;
+}
+
+// ScoreMods::apply for 8 pairs at once: rows at key positions `row_pos` (minus the offset) and keys
+// `keys` (int32 lanes), the same operations in the same order; `cap_grad` receives 1 - t^2.
+inline __m256 apply8(const ScoreMods& m, __m256 product, __m256i rows, __m256i keys, __m256* cap_grad) {
+  __m256 x = _mm256_mul_ps(product, _mm256_set1_ps(m.scale));
+  if (m.cap > 0.0f) {
+    const __m256 cap = _mm256_set1_ps(m.cap);
+    const __m256 t = tanh_via_exp(_mm256_div_ps(x, cap));
+    x = _mm256_mul_ps(cap, t);
+    if (cap_grad) *cap_grad = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(t, t));
+  }
+  if (m.alibi) {
+    const __m256i distance =
+        _mm256_abs_epi32(_mm256_sub_epi32(_mm256_add_epi32(rows, _mm256_set1_epi32(static_cast<int>(m.offset))), keys));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(_mm256_set1_ps(m.slope), _mm256_cvtepi32_ps(distance)));
+  }
+  return x;
+}
+
+
 inline float horizontal_max(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -138,14 +207,18 @@ struct Dropout {
   uint32_t threshold = 0;  // keep when bits >= threshold
   float keep_scale = 1.0f;
   uint32_t seed_low = 0, seed_high = 0;
+  // Where this call's rows and keys sit in the pattern (a shard of a longer sequence draws the
+  // pattern of its global positions).
+  int64_t row_start = 0, key_start = 0;
 };
 
 struct DropoutRow {
   uint32_t a = 0, c = 0;
 };
 
-inline Dropout make_dropout(double p, int64_t seed) {
+inline Dropout make_dropout(double p, int64_t seed, int64_t row_start, int64_t key_start) {
   Dropout d;
+  d.row_start = row_start, d.key_start = key_start;
   if (p > 0.0) {
     d.active = true;
     d.threshold = static_cast<uint32_t>(std::min(std::floor(p * 4294967296.0), 4294967295.0));
@@ -169,7 +242,7 @@ inline uint32_t mix(uint32_t x, uint32_t v) { return fmix32(x ^ fmix32(v + 0x9E3
 // The two keys of query row i of head h of sequence b.
 inline DropoutRow dropout_row(const Dropout& d, int64_t b, int64_t h, int64_t i) {
   const auto chain = [&](uint32_t x) {
-    return mix(mix(mix(x, static_cast<uint32_t>(b)), static_cast<uint32_t>(h)), static_cast<uint32_t>(i));
+    return mix(mix(mix(x, static_cast<uint32_t>(b)), static_cast<uint32_t>(h)), static_cast<uint32_t>(i + d.row_start));
   };
   return {chain(d.seed_low), chain(d.seed_high)};
 }
@@ -184,13 +257,14 @@ inline __m256i fmix32(__m256i x) {
 
 // The factor of weight (row, key): 1 / (1 - p) when kept, 0 when dropped.
 inline float dropout_factor(const Dropout& d, DropoutRow r, int64_t key) {
-  const uint32_t bits = fmix32(fmix32(static_cast<uint32_t>(key) ^ r.a) ^ r.c);
+  const uint32_t bits = fmix32(fmix32(static_cast<uint32_t>(key + d.key_start) ^ r.a) ^ r.c);
   return bits >= d.threshold ? d.keep_scale : 0.0f;
 }
 
 // The factors of keys key .. key + 7.
 inline __m256 dropout_factor8(const Dropout& d, DropoutRow r, int64_t key) {
-  const __m256i keys = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(key)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i keys =
+      _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(key + d.key_start)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   __m256i bits = fmix32(_mm256_xor_si256(keys, _mm256_set1_epi32(static_cast<int>(r.a))));
   bits = fmix32(_mm256_xor_si256(bits, _mm256_set1_epi32(static_cast<int>(r.c))));
   // unsigned bits >= threshold, as a signed comparison of both with the sign bit flipped
@@ -259,13 +333,14 @@ inline void zero_and_check(float* x, int64_t n, __m256& bad) {
 // or +inf score makes the row NaN; all scores -inf (or none) make it zeros with lse -inf. `s` is
 // scratch for the row's scores.
 void exact_forward_row(const float* q_row, const float* k_head, int64_t k2s, const float* v_head, int64_t v2s,
-                       int64_t D, int64_t Dv, int64_t lo, int64_t hi, float scale, const Dropout& dropout,
-                       DropoutRow dropout_keys, std::vector<float>& s, float* out, float* lse) {
+                       int64_t D, int64_t Dv, int64_t lo, int64_t hi, const ScoreMods& mods, int64_t row,
+                       const Dropout& dropout, DropoutRow dropout_keys, std::vector<float>& s, float* out,
+                       float* lse) {
   float row_max = kNegInf;
   bool nan_row = false;
   if (static_cast<int64_t>(s.size()) < hi - lo) s.resize(hi - lo);
   for (int64_t t = lo; t < hi; ++t) {
-    const float x = scale * dot(q_row, k_head + t * k2s, D);
+    const float x = mods.apply(dot(q_row, k_head + t * k2s, D), row, t, nullptr);
     s[t - lo] = x;
     nan_row = nan_row || std::isnan(x) || x == std::numeric_limits<float>::infinity();
     row_max = std::max(row_max, x);
@@ -328,6 +403,16 @@ Sizes check_inputs(const char* op, const at::Tensor& query, const at::Tensor& ke
                   lo.sizes() == hi.sizes() && lo.size(1) == n.Lq && (lo.size(0) == 1 || lo.size(0) == n.B),
               op, ": lo, hi must be int64 [1 or B, Lq]");
   return n;
+}
+
+// ALiBi slopes as float32 [1 or B, H] (contiguous), or undefined when there are none.
+at::Tensor checked_slopes(const char* op, const std::optional<at::Tensor>& slopes, int64_t B, int64_t H, double softcap) {
+  TORCH_CHECK(softcap >= 0.0, op, ": softcap must be >= 0 (0: none)");
+  if (!slopes.has_value() || !slopes->defined()) return {};
+  TORCH_CHECK(slopes->scalar_type() == at::kFloat && slopes->device().is_cpu() && slopes->dim() == 2 &&
+                  (slopes->size(0) == 1 || slopes->size(0) == B) && slopes->size(1) == H,
+              op, ": alibi_slopes must be float32 CPU [1 or B, H]");
+  return slopes->contiguous();
 }
 
 // The intervals of a block's `rows` rows clipped to the keys [0, Lk) into row_lo, row_hi (a row
@@ -506,7 +591,7 @@ void transpose(const float* src, int64_t ss, int64_t rows, int64_t cols, float f
 
 // The dropout factors of 8 rows (their keys a, c as lanes) for one key.
 inline __m256 dropout_factor_rows(const Dropout& d, __m256i a, __m256i c, int64_t key) {
-  __m256i bits = fmix32(_mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(key)), a));
+  __m256i bits = fmix32(_mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(key + d.key_start)), a));
   bits = fmix32(_mm256_xor_si256(bits, c));
   const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
   const __m256i below = _mm256_cmpgt_epi32(_mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(d.threshold)), sign),
@@ -515,8 +600,9 @@ inline __m256 dropout_factor_rows(const Dropout& d, __m256i a, __m256i c, int64_
 }
 
 // The running softmax of 8 rows (one vector) over a chunk of W keys from key0, in place in
-// S[t][.] (row stride rs): the products q . k become scores times `scale` (after the product, as
-// the definition orders them: scaling q first would overflow where the score does not), scores outside each row's [lo, hi) become -inf, then the weights
+// S[t][.] (row stride rs): the products q . k become scores by `mods` (the scale after the product,
+// as the definition orders them: scaling q first would overflow where the score does not; `rows`
+// the lanes' row indices), scores outside each row's [lo, hi) become -inf, then the weights
 // exp(s - max) (times the dropout factors; the sum is taken before). Keys [all_lo, all_hi)
 // (chunk-relative) are attended by all 8 rows and need no mask (most keys of a block: all but
 // the two triangles at a window's or a diagonal's ends). Folds the chunk into the rows' running
@@ -524,15 +610,21 @@ inline __m256 dropout_factor_rows(const Dropout& d, __m256i a, __m256i c, int64_
 // -inf shift by 0 (all weights 0, no exp(-inf + inf)); a NaN or +inf score makes the sum NaN,
 // which becomes a NaN row.
 inline __m256 softmax_rows(float* s, int64_t rs, int64_t W, int64_t key0, __m256i lo, __m256i hi, int64_t all_lo,
-                           int64_t all_hi, __m256 scale, __m256& row_max, __m256& row_sum, const Dropout& dropout,
-                           __m256i drop_a, __m256i drop_c) {
-  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+                           int64_t all_hi, const ScoreMods& mods, __m256i rows, __m256& row_max, __m256& row_sum,
+                           const Dropout& dropout, __m256i drop_a, __m256i drop_c) {
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf), scale = _mm256_set1_ps(mods.scale);
+  const bool plain = mods.cap <= 0.0f && !mods.alibi;
+  const auto score = [&](int64_t t) {
+    const __m256 product = _mm256_loadu_ps(s + t * rs);
+    return plain ? _mm256_mul_ps(product, scale)
+                 : apply8(mods, product, rows, _mm256_set1_epi32(static_cast<int>(key0 + t)), nullptr);
+  };
   __m256 chunk_max = row_max;
   const auto masked = [&](int64_t from, int64_t to) {
     __m256i key = _mm256_set1_epi32(static_cast<int>(key0 + from));
     for (int64_t t = from; t < to; ++t, key = _mm256_add_epi32(key, _mm256_set1_epi32(1))) {
       const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(lo, key), _mm256_cmpgt_epi32(hi, key));
-      const __m256 x = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(_mm256_loadu_ps(s + t * rs), scale), _mm256_castsi256_ps(in));
+      const __m256 x = _mm256_blendv_ps(neg_inf, score(t), _mm256_castsi256_ps(in));
       _mm256_storeu_ps(s + t * rs, x);
       chunk_max = _mm256_max_ps(chunk_max, x);
     }
@@ -540,7 +632,7 @@ inline __m256 softmax_rows(float* s, int64_t rs, int64_t W, int64_t key0, __m256
   const int64_t a = std::clamp<int64_t>(all_lo - key0, 0, W), z = std::clamp<int64_t>(all_hi - key0, a, W);
   masked(0, a);
   for (int64_t t = a; t < z; ++t) {
-    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + t * rs), scale);
+    const __m256 x = score(t);
     _mm256_storeu_ps(s + t * rs, x);
     chunk_max = _mm256_max_ps(chunk_max, x);
   }
@@ -562,14 +654,17 @@ inline __m256 softmax_rows(float* s, int64_t rs, int64_t W, int64_t key0, __m256
 std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, const at::Tensor& key,
                                                     const at::Tensor& value, const at::Tensor& lo_rows,
                                                     const at::Tensor& hi_rows, double scale, int64_t block,
-                                                    int64_t chunk, double dropout_p, int64_t seed) {
+                                                    int64_t chunk, double dropout_p, int64_t seed, double softcap,
+                                                    const std::optional<at::Tensor>& alibi_slopes,
+                                                    int64_t dropout_row_start, int64_t dropout_key_start) {
   at::Tensor lo, hi;
   const Sizes n = check_inputs("interval_forward", query, key, value, lo_rows, hi_rows, lo, hi);
   const int64_t B = n.B, H = n.H, Lq = n.Lq, D = n.D, Hkv = n.Hkv, Lk = n.Lk, Dv = n.Dv;  // the lambdas capture these
   TORCH_CHECK(block > 0 && chunk > 0, "interval_forward: block and chunk must be positive");
   TORCH_CHECK(Lk < (int64_t{1} << 31), "interval_forward: at most 2^31 - 1 keys");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "interval_forward: dropout must be in [0, 1)");
-  const Dropout dropout = make_dropout(dropout_p, seed);
+  const Dropout dropout = make_dropout(dropout_p, seed, dropout_row_start, dropout_key_start);
+  const at::Tensor slopes = checked_slopes("interval_forward", alibi_slopes, B, H, softcap);
 
   at::Tensor out = with_huge_pages(at::empty({B, H, Lq, Dv}, query.options()));
   at::Tensor lse = at::empty({B, H, Lq}, query.options());
@@ -597,9 +692,9 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
     std::vector<int64_t> row_lo(padded), row_hi(padded), all_lo(padded / 8), all_hi(padded / 8);
     std::vector<DropoutRow> row_keys(padded);
     std::vector<float> exact_scores;
-    const __m256 scale8 = _mm256_set1_ps(static_cast<float>(scale));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (H * blocks), h = (task / blocks) % H, first = (task % blocks) * block;
+      const ScoreMods mods = score_mods(scale, softcap, slopes, b, h, Lq, Lk);
       const int64_t rows = std::min(block, Lq - first), rs = (rows + kGroup - 1) / kGroup * kGroup;
       const int64_t* lo_seq = lo_data + (shared_rows ? 0 : b * Lq) + first;
       const int64_t* hi_seq = hi_data + (shared_rows ? 0 : b * Lq) + first;
@@ -645,7 +740,10 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
         float* s = scores.data();
         block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s);
         for (int64_t u = 0; u < rs / 8; ++u) {
-          rescale8[u] = softmax_rows(s + 8 * u, rs, width, c0, lo8[u], hi8[u], all_lo[u], all_hi[u], scale8, max8[u], sum8[u],
+          rescale8[u] = softmax_rows(s + 8 * u, rs, width, c0, lo8[u], hi8[u], all_lo[u], all_hi[u], mods,
+                                     _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first + 8 * u)),
+                                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                     max8[u], sum8[u],
                                      dropout, drop_a8[u], drop_c8[u]);
         }
         for (int64_t g = 0; g < rs / kGroup; ++g) {
@@ -675,8 +773,8 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           if (scale_and_check(acc, Dv, 1.0f / sum)) {
             l_block[j] = row_max[j] + std::log(sum);
           } else {
-            exact_forward_row(q_block + j * q2s, k_head, k2s, v_head, v2s, D, Dv, row_lo[j], row_hi[j],
-                              static_cast<float>(scale), dropout, row_keys[j], exact_scores, acc, l_block + j);
+            exact_forward_row(q_block + j * q2s, k_head, k2s, v_head, v2s, D, Dv, row_lo[j], row_hi[j], mods,
+                              first + j, dropout, row_keys[j], exact_scores, acc, l_block + j);
           }
         } else {  // no key, or only scores of -inf
           std::fill(acc, acc + Dv, 0.0f);
@@ -688,32 +786,49 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   return {out, lse};
 }
 
-// P = exp(scale * row - lse) on the row's keys [lo, hi) of a chunk, 0 elsewhere (the softmax weights,
-// recomputed from the forward's log-sum-exp: no running max is needed). The scores it zeroes are
-// checked into `bad` first: a non-finite one there would reach dQ or dK through a weight of 0.
-inline void weights_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi, float scale, float lse, __m256& bad) {
+// P = exp(score - lse) on the row's keys [lo, hi) of a chunk whose first key is key0, 0 elsewhere
+// (the softmax weights, recomputed from the forward's log-sum-exp: no running max is needed); the
+// score is the product's by `mods` for row `row`, the forward's operations. With soft-capping,
+// cap_grad gets each key's 1 - t^2 (the cap's derivative). The products it zeroes are checked into
+// `bad` first: a non-finite one there would reach dQ or dK through a weight of 0.
+inline void weights_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi, const ScoreMods& mods, int64_t i,
+                              int64_t key0, float lse, float* cap_grad, __m256& bad) {
   zero_and_check(row, lo, bad);
-  const __m256 shift = _mm256_set1_ps(lse), zero = _mm256_setzero_ps(), scale8 = _mm256_set1_ps(scale);
+  const __m256 shift = _mm256_set1_ps(lse), zero = _mm256_setzero_ps(), scale8 = _mm256_set1_ps(mods.scale);
+  const bool plain = mods.cap <= 0.0f && !mods.alibi;
+  const __m256i rows = _mm256_set1_epi32(static_cast<int>(i));
   int64_t t = lo;
   for (; t + 8 <= hi; t += 8) {
-    // min(0, .): a recomputed score may exceed the forward's lse by a rounding error (minps
-    // returns its second operand, a NaN, when there is one)
     // not fused: the forward rounded scale * q.k before subtracting (an fma would leave that
     // rounding, huge for huge scores, in the weight)
-    const __m256 x = _mm256_min_ps(zero, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(row + t), scale8), shift));
-    _mm256_storeu_ps(row + t, exp_nonpositive(x));
+    const __m256 product = _mm256_loadu_ps(row + t);
+    __m256 grad;
+    const __m256 x = plain ? _mm256_mul_ps(product, scale8)
+                           : apply8(mods, product, rows,
+                                    _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(key0 + t)),
+                                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                    &grad);
+    if (mods.cap > 0.0f) _mm256_storeu_ps(cap_grad + t, grad);
+    // min(0, .): a recomputed score may exceed the forward's lse by a rounding error (minps
+    // returns its second operand, a NaN, when there is one)
+    _mm256_storeu_ps(row + t, exp_nonpositive(_mm256_min_ps(zero, _mm256_sub_ps(x, shift))));
   }
-  for (; t < hi; ++t) row[t] = exp_nonpositive(std::min(row[t] * scale - lse, 0.0f));  // std::min keeps a NaN first argument
+  for (; t < hi; ++t) {
+    const float x = mods.apply(row[t], i, key0 + t, cap_grad + t);
+    row[t] = exp_nonpositive(std::min(x - lse, 0.0f));  // std::min keeps a NaN first argument
+  }
   zero_and_check(row + hi, width - hi, bad);
 }
 
-// dS = scale * P * (f * dP - delta) in place of dP, for one row of a chunk, f the dropout factor
+// dS = scale * P * (f * dP - delta) in place of dP (times 1 - t^2 from `cap_grad` under
+// soft-capping, when not null), for one row of a chunk, f the dropout factor
 // of each key (0 or 1 / (1 - p); 1 without dropout): the output used f * P. With dropout P also
 // becomes f * P, for dV. Outside the row's keys [lo, hi), P is 0 and so is dS; the dP it zeroes
 // are checked into `bad` first (a non-finite one means a non-finite dO, which would reach dV
 // through a weight of 0).
 inline void score_grad_row(float* p, float* dp, int64_t width, int64_t lo, int64_t hi, float delta, float scale,
-                           const Dropout& dropout, DropoutRow keys, int64_t key0, __m256& bad) {
+                           const float* cap_grad, const Dropout& dropout, DropoutRow keys, int64_t key0,
+                           __m256& bad) {
   zero_and_check(dp, lo, bad);
   const __m256 d8 = _mm256_set1_ps(delta), s8 = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f);
   int64_t t = lo;
@@ -721,12 +836,13 @@ inline void score_grad_row(float* p, float* dp, int64_t width, int64_t lo, int64
     const __m256 f = dropout.active ? dropout_factor8(dropout, keys, key0 + t) : one;
     const __m256 weight = _mm256_loadu_ps(p + t);
     const __m256 g = _mm256_mul_ps(weight, _mm256_sub_ps(_mm256_mul_ps(f, _mm256_loadu_ps(dp + t)), d8));
-    _mm256_storeu_ps(dp + t, _mm256_mul_ps(g, s8));
+    const __m256 chain = cap_grad ? _mm256_mul_ps(s8, _mm256_loadu_ps(cap_grad + t)) : s8;
+    _mm256_storeu_ps(dp + t, _mm256_mul_ps(g, chain));
     if (dropout.active) _mm256_storeu_ps(p + t, _mm256_mul_ps(weight, f));
   }
   for (; t < hi; ++t) {
     const float f = dropout.active ? dropout_factor(dropout, keys, key0 + t) : 1.0f;
-    dp[t] = scale * (p[t] * (f * dp[t] - delta));
+    dp[t] = (cap_grad ? scale * cap_grad[t] : scale) * (p[t] * (f * dp[t] - delta));
     p[t] *= f;
   }
   zero_and_check(dp + hi, width - hi, bad);
@@ -769,7 +885,8 @@ void exact_backward_chunk(int64_t rows, int64_t width, int64_t c0, const int64_t
 std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& lse_rows, const at::Tensor& delta_rows, const at::Tensor& lo_rows, const at::Tensor& hi_rows,
-    double scale, int64_t block, int64_t chunk, int64_t parts, double dropout_p, int64_t seed) {
+    double scale, int64_t block, int64_t chunk, int64_t parts, double dropout_p, int64_t seed, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t dropout_row_start, int64_t dropout_key_start) {
   at::Tensor lo, hi;
   const Sizes n = check_inputs("interval_backward", query, key, value, lo_rows, hi_rows, lo, hi);
   const int64_t B = n.B, H = n.H, Lq = n.Lq, D = n.D, Hkv = n.Hkv, Lk = n.Lk, Dv = n.Dv;  // the lambdas capture these
@@ -779,7 +896,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               "interval_backward: grad_out must be float32 CPU with a unit stride along the head dimension");
   TORCH_CHECK(block > 0 && chunk > 0 && parts > 0, "interval_backward: block, chunk and parts must be positive");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "interval_backward: dropout must be in [0, 1)");
-  const Dropout dropout = make_dropout(dropout_p, seed);
+  const Dropout dropout = make_dropout(dropout_p, seed, dropout_row_start, dropout_key_start);
+  const at::Tensor slopes = checked_slopes("interval_backward", alibi_slopes, B, H, softcap);
   const at::Tensor lse = lse_rows.contiguous(), delta = delta_rows.contiguous();
   TORCH_CHECK(lse.scalar_type() == at::kFloat && delta.scalar_type() == at::kFloat &&
                   lse.sizes() == at::IntArrayRef({B, H, Lq}) && delta.sizes() == lse.sizes(),
@@ -810,7 +928,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
 
     at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
       const SequentialBlas sequential_blas;
-      std::vector<float> weights(block * chunk), grads(block * chunk);
+      std::vector<float> weights(block * chunk), grads(block * chunk), cap_grads(softcap > 0.0 ? block * chunk : 0);
       // The scores come from the forward's register tiles, bit for bit the forward's: the weights
       // recomputed from its lse must round alike (a score one ulp lower under a huge scale would
       // weigh 0 here where the forward gave it 1).
@@ -828,6 +946,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
         float* dv_head = dv_data + ((b * Hkv + kv) * parts + part) * Lk * Dv;
         const int64_t block_end = std::min(blocks, (part + 1) * blocks_per_part);
         for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+          const ScoreMods mods = score_mods(scale, softcap, slopes, b, h, Lq, Lk);
           for (int64_t index = part * blocks_per_part; index < block_end; ++index) {
             const int64_t first = index * block, rows = std::min(block, Lq - first);
             const float* l_block = l + (b * H + h) * Lq + first;
@@ -859,8 +978,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               transpose(scores.data(), rs, width, rows, 1.0f, p, width);
               for (int64_t j = 0; j < rows; ++j) {
                 const int64_t a = std::clamp<int64_t>(row_lo[j] - c0, 0, width);
-                weights_chunk_row(p + j * width, width, a, std::clamp<int64_t>(row_hi[j] - c0, a, width), static_cast<float>(scale), l_block[j],
-                                  bad);
+                weights_chunk_row(p + j * width, width, a, std::clamp<int64_t>(row_hi[j] - c0, a, width), mods,
+                                  first + j, c0, l_block[j], cap_grads.empty() ? nullptr : cap_grads.data() + j * width, bad);
               }
               if (Dv > 0) {  // BLAS rejects a leading dimension of 0
                 // dP^T (width x rows) = V_chunk (width x Dv) dO^T (Dv x rows)
@@ -871,7 +990,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               for (int64_t j = 0; j < rows; ++j) {  // with dropout, also turns P into the weights the output used
                 const int64_t a = std::clamp<int64_t>(row_lo[j] - c0, 0, width);
                 score_grad_row(p + j * width, ds + j * width, width, a, std::clamp<int64_t>(row_hi[j] - c0, a, width),
-                               delta_block[j], static_cast<float>(scale), dropout, row_keys[j], c0, bad);
+                               delta_block[j], static_cast<float>(scale),
+                               cap_grads.empty() ? nullptr : cap_grads.data() + j * width, dropout, row_keys[j], c0,
+                               bad);
               }
               const bool first_chunk = c0 == span_lo;
               if (any_bits(bad)) {
@@ -903,10 +1024,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
 
 TORCH_LIBRARY(attnkit_native, m) {
   m.def("interval_forward(Tensor query, Tensor key, Tensor value, Tensor lo, Tensor hi, float scale, int block, "
-        "int chunk, float dropout, int seed) -> (Tensor, Tensor)");
+        "int chunk, float dropout, int seed, float softcap, Tensor? alibi_slopes, int dropout_row_start, "
+        "int dropout_key_start) -> (Tensor, Tensor)");
   m.def("interval_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor lse, Tensor delta, "
-        "Tensor lo, Tensor hi, float scale, int block, int chunk, int parts, float dropout, int seed) "
-        "-> (Tensor, Tensor, Tensor)");
+        "Tensor lo, Tensor hi, float scale, int block, int chunk, int parts, float dropout, int seed, "
+        "float softcap, Tensor? alibi_slopes, int dropout_row_start, int dropout_key_start) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {
