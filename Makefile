@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
-	$(BIN)/pip install --quiet $(TORCH) -e '.[test,viz,models]'
+	$(BIN)/pip install --quiet $(TORCH) -e '.[test,viz,models,transformers]'
 	touch $@
 
 install: $(VENV)/.installed

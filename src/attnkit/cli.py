@@ -62,6 +62,17 @@ def _explain(args: argparse.Namespace) -> int:
         if args.causal:
             print("(causal: each token may attend only to itself and the tokens before it)")
         steps = explain.toy_steps(causal=args.causal, scale=args.scale if args.scale is not None else 1.0)
+    elif _transformers_checkpoint(args.model):
+        from .integrations.checkpoints import Checkpoint
+
+        if args.scale is not None or args.causal:
+            raise UsageError("--scale and --causal apply to the toy model and attnkit's own encoders; "
+                             f"{args.model!r} runs with the scale and masks it was built with")
+        checkpoint = Checkpoint(args.model)
+        text = args.text if args.text is not None else DEFAULT_TEXT
+        steps = explain.checkpoint_steps(checkpoint, text, layer=args.layer, head=args.head)
+        print(f"Layer {args.layer}, head {args.head} of {checkpoint.name} "
+              f"({checkpoint.model.config.model_type}, attention on attnkit) on {text!r}")
     else:
         from . import models
 
@@ -76,6 +87,13 @@ def _explain(args: argparse.Namespace) -> int:
     print()
     print(explain.render(steps))
     return 0
+
+
+def _transformers_checkpoint(model: str) -> bool:
+    """A model directory of a type attnkit's own loader does not read (GPT-2, Llama, T5, ...)."""
+    from .integrations.checkpoints import wants_transformers
+
+    return wants_transformers(model)
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -98,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain = commands.add_parser("explain", help="walk through attention step by step")
     explain.add_argument("text", nargs="?", help=f"text to explain (with a real model; default {DEFAULT_TEXT!r})")
     explain.add_argument("--model", default="toy",
-                         help="'toy' (seed 002's six tokens, default), 'minilm', or a model directory")
+                         help="'toy' (seed 002's six tokens, default), 'minilm', or a model directory "
+                              "(BERT-family, or with transformers installed any Hugging Face checkpoint)")
     explain.add_argument("--layer", type=_index, default=0, help="layer to show (real models)")
     explain.add_argument("--head", type=_index, default=0, help="head to show (real models)")
     explain.add_argument("--causal", action="store_true", help="mask future tokens and show the mask")
@@ -108,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = commands.add_parser("show", help="write a standalone HTML report and images of a model's attention")
     show.add_argument("text", nargs="*", help="texts to show (default: a built-in sentence)")
-    show.add_argument("--model", default="minilm", help="'minilm' (default), a model directory, or 'toy'")
+    show.add_argument("--model", default="minilm", help="'minilm' (default), a model directory (BERT-family, or with transformers "
+                      "installed any Hugging Face checkpoint), or 'toy'")
     show.add_argument("--out", default="attnkit-report", metavar="DIR",
                       help="directory for attention.html and the images, created if needed; files of the same "
                            "names in it are replaced (default: attnkit-report)")

@@ -32,8 +32,11 @@ def toy_record():
 def model_records(texts: Sequence[str], model: str = "minilm", *, batch_size: int = 16):
     """One :class:`~attnkit.viz.AttentionRecord` per text, from every layer's weights."""
     from . import models
+    from .integrations import checkpoints
     from .viz import progress, records_from_batch
 
+    if checkpoints.wants_transformers(model):  # GPT-2, Llama, T5, ...: transformers, attention on attnkit
+        return checkpoints.records(checkpoints.Checkpoint(model), texts)
     encoder = models.load(model)
     records = []
     batches = range(0, len(texts), batch_size)
