@@ -114,6 +114,7 @@ def generate(
 def generate_text(model: GPT, tokenizer, texts: Sequence[str], max_new_tokens: int, **sampling) -> list[str]:
     """:func:`generate` on texts with a ``tokenizers.Tokenizer``; returns prompt + continuation.
     An empty text starts from the model's ``bos_token_id``."""
+    _check_sampling(sampling.get("temperature", 0.0), sampling.get("top_k"), sampling.get("top_p"), max_new_tokens)
     prompts = []
     for text in texts:
         ids = tokenizer.encode(text).ids
