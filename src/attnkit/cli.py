@@ -155,12 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = commands.add_parser("show", help="write a standalone HTML report and images of a model's attention")
     show.add_argument("text", nargs="*", help="texts to show (default: a built-in sentence)")
-    show.add_argument("--model", default="minilm", help="'minilm' (default), a model directory, or 'toy'")
+    show.add_argument("--model", default="minilm",
+                      help="'minilm' (default), a model directory, 'toy', or 'induction' (trains the induction-head "
+                           "demo, seconds, and draws its heads)")
     show.add_argument("--out", default="attnkit-report", metavar="DIR",
                       help="directory for attention.html and the images, created if needed; files of the same "
                            "names in it are replaced (default: attnkit-report)")
-    show.add_argument("--layer", type=_index, default=0, help="layer of the single-head images")
-    show.add_argument("--head", type=_index, default=0, help="head of the single-head images")
+    show.add_argument("--layer", type=_index, default=None, help="layer of the single-head images (default 0)")
+    show.add_argument("--head", type=_index, default=None, help="head of the single-head images (default 0; "
+                      "the best induction head for --model induction)")
     show.add_argument("--no-images", action="store_true", help="write only the HTML report")
     show.set_defaults(run=_show)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,36 @@ def model_records(texts: Sequence[str], model: str = "minilm", *, batch_size: in
     return records
 
 
+def train_induction():
+    """The induction-head demo's model, trained now (seconds; see :mod:`attnkit.models.induction`)."""
+    from .models.induction import train_induction as train
+
+    return train()
+
+
+def induction_record(result) -> tuple[object, list[str], tuple[int, int]]:
+    """The trained demo model on one sequence of random tokens repeated twice: its record (every
+    layer and head), the per-head scores as text (over 64 such sequences) and the best
+    induction head ``(layer, head)``."""
+    import torch
+
+    from .models import induction
+    from .viz import AttentionRecord
+
+    config = result.config
+    tokens = induction.repeated_tokens(64, config.half, config.vocab_size, torch.Generator().manual_seed(1))
+    _, weights = result.model(tokens[:1], need_weights=True)
+    labels = [f"t{int(t)}" for t in tokens[0]]
+    text = f"{config.half} random tokens, repeated"
+    record = AttentionRecord(text, labels, torch.stack([w[0] for w in weights]), model="induction")
+    first, second = induction.half_losses(result.model, tokens)
+    prefix, copying = induction.prefix_matching_scores(result.model, tokens), induction.copying_scores(result.model)
+    lines = [f"attention-only GPT trained for {config.steps} steps on random tokens repeated twice: loss "
+             f"{first:.2f} on the first half (ln {config.vocab_size} = {math.log(config.vocab_size):.2f}), "
+             f"{second:.2f} on the repeated half", *induction.head_table(result.model, tokens)]
+    return record, lines, induction.best_induction_head(prefix, copying)
+
+
 def _is_special(token: str) -> bool:
     return token.startswith("[") and token.endswith("]")
 
@@ -76,9 +107,13 @@ def summarise(record) -> list[str]:
 
 
 def show(texts: Sequence[str] | None, *, model: str = "minilm", out: str | Path = "attnkit-report",
-         layer: int = 0, head: int = 0, images: bool = True) -> ShowResult:
+         layer: int | None = None, head: int | None = None, images: bool = True) -> ShowResult:
     """Write ``out/attention.html`` (every text) and, with ``images``, PNG and SVG images of the
-    first text's layer x head grid and of one head.
+    first text's layer x head grid and of one head (default layer 0, head 0; for
+    ``model="induction"``, the best induction head).
+
+    ``model="induction"`` trains the induction-head demo first (seconds) and draws its heads on
+    random tokens repeated twice, with each head's prefix-matching and copying scores.
 
     ``out`` is a directory, created if needed (an existing file there is refused before any
     work); files of the same names in it are replaced.
@@ -95,12 +130,19 @@ def show(texts: Sequence[str] | None, *, model: str = "minilm", out: str | Path 
     if out.exists() and not out.is_dir():
         raise ValueError(f"out: {str(out)!r} is a file; give a directory for the report and its images "
                          "(created if needed)")
+    extra: list[str] = []
+    if model in ("toy", "induction") and texts:
+        what = "has one fixed sentence" if model == "toy" else "reads random tokens repeated twice"
+        raise ValueError(f"the {model} model {what}; use --model minilm for your own texts")
     if model == "toy":
-        if texts:
-            raise ValueError("the toy model has one fixed sentence; use --model minilm for your own texts")
         records = [toy_record()]
+    elif model == "induction":
+        record, extra, best = induction_record(train_induction())
+        records = [record]
+        layer, head = (best if layer is None and head is None else (layer or 0, head or 0))
     else:
         records = model_records(list(texts or DEFAULT_TEXTS), model)
+    layer, head = layer or 0, head or 0
     first = records[0]
     first.head(layer, head)  # a clear error for an out-of-range layer or head, before writing
     paths = [write_report(records, out / DEFAULT_NAME, title=f"attnkit: {first.model} attention")]
@@ -108,7 +150,7 @@ def show(texts: Sequence[str] | None, *, model: str = "minilm", out: str | Path 
         for suffix in ("png", "svg"):
             paths.append(save_grid(first, out / f"grid.{suffix}"))
             paths.append(save_head(first, layer, head, out / f"layer{layer}-head{head}.{suffix}"))
-    summary = [line for record in records[:3] for line in summarise(record)]
+    summary = extra or [line for record in records[:3] for line in summarise(record)]
     if len(records) > 3:
         summary.append(f"... and {len(records) - 3} more texts in the report")
     return ShowResult(paths, summary)
