@@ -111,10 +111,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -176,8 +173,10 @@ class Attention(MultiHeadAttention):
         queries, keys = rotate(queries, cos, sin), rotate(keys, cos, sin)
         if cache is not None:
             keys, values = cache.stage(keys, values)
+        # One new query is the causal mask's last row, which sees every key: saying causal=False
+        # there is the same computation and spares the backends building a mask (decoding's case).
         result = self.attention_fn(
-            queries, keys, values, mask=mask, causal=True,
+            queries, keys, values, mask=mask, causal=length > 1,
             dropout=self.dropout if self.training else 0.0, generator=generator,
             return_weights=need_weights, backend=self.backend,
         )
