@@ -343,5 +343,8 @@ class GPT(nn.Module):
 
 
 def language_model_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean cross-entropy over the targets that are not ``-100`` (document ends, padding)."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=-100)
+    """Mean cross-entropy over the targets that are not ``-100`` (document ends, padding);
+    half-precision logits are scored in float32."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-100)
