@@ -97,6 +97,10 @@ def test_cli_trains_then_generates(tmp_path, capsys):
           "--top-k", "5", "--seed", "1"])
     assert capsys.readouterr().out == first
     assert main(["train", "--size", "tiny", "--steps", "4", "--out", str(out), "--resume"]) == 0
+    pytest.importorskip("numpy")
+    report = tmp_path / "report"
+    assert main(["show", "The for statement", "--model", str(out / "model"), "--no-images", "--out", str(report)]) == 0
+    assert "layer 1:" in capsys.readouterr().out and (report / "attention.html").exists()
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -156,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show", help="write a standalone HTML report and images of a model's attention")
     show.add_argument("text", nargs="*", help="texts to show (default: a built-in sentence)")
     show.add_argument("--model", default="minilm",
-                      help="'minilm' (default), a model directory, 'toy', or 'induction' (trains the induction-head "
-                           "demo, seconds, and draws its heads)")
+                      help="'minilm' (default), a model directory (BERT, or a GPT from attnkit train), 'toy', or "
+                           "'induction' (trains the induction-head demo, seconds, and draws its heads)")
     show.add_argument("--out", default="attnkit-report", metavar="DIR",
                       help="directory for attention.html and the images, created if needed; files of the same "
                            "names in it are replaced (default: attnkit-report)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,9 +31,45 @@ def toy_record():
     return AttentionRecord(" ".join(toy.TOKENS), toy.TOKENS, weights[None, None], model="toy")
 
 
+def is_llama_directory(model: str) -> bool:
+    """Whether ``model`` names a Hugging Face Llama directory (what ``attnkit train`` writes)."""
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text(encoding="utf-8")).get("model_type") == "llama"
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return False  # the BERT loader reports what is wrong with the file
+
+
+def gpt_records(texts: Sequence[str], directory: str):
+    """One record per text from a GPT's layers (causal: each token attends to itself and before)."""
+    import torch
+
+    from .models.llama_export import load_llama
+    from .viz import AttentionRecord
+
+    model, tokenizer = load_llama(directory)
+    if tokenizer is None:
+        raise ValueError(f"model directory {directory!r} has no tokenizer.json")
+    records = []
+    for text in texts:
+        ids = tokenizer.encode(text).ids
+        if not ids:
+            raise ValueError(f"text {text!r} has no tokens")
+        with torch.no_grad():
+            _, weights = model(torch.tensor([ids]), need_weights=True)
+        tokens = [tokenizer.decode([i]) for i in ids]
+        records.append(AttentionRecord(text, tokens, torch.stack([w[0] for w in weights]), model=Path(directory).name))
+    return records
+
+
 def model_records(texts: Sequence[str], model: str = "minilm", *, batch_size: int = 16):
     """One :class:`~attnkit.viz.AttentionRecord` per text, from every layer's weights."""
     from . import models
+
+    if is_llama_directory(model):
+        return gpt_records(texts, model)
     from .viz import progress, records_from_batch
 
     encoder = models.load(model)
