@@ -243,3 +243,18 @@ def test_the_attention_call_can_be_swapped():
     expected = model(tokens)
     model.set_attention_fn(counting)
     assert torch.equal(model(tokens), expected) and calls == [True, True]
+
+
+def test_tied_embeddings_export_once_and_load_in_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = tiny_gpt(6, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    save_llama(model, tmp_path)
+    safetensors = pytest.importorskip("safetensors.torch")
+    assert "lm_head.weight" not in safetensors.load_file(str(tmp_path / "model.safetensors"))
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 12))
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max() <= 1e-4
+        loaded, _ = load_llama(tmp_path)
+        assert torch.equal(loaded(tokens), model(tokens))
