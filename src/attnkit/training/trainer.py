@@ -65,10 +65,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "warmup_steps", "eval_interval", "eval_rows",
                      "checkpoint_interval", "vocab_size", "sample_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name in
-                                                                                ("warmup_steps", "sample_tokens") else 1):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            value, least = getattr(self, name), 0 if name in ("warmup_steps", "sample_tokens") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
         for name in ("learning_rate", "min_learning_rate", "grad_clip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
