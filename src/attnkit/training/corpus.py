@@ -2,7 +2,7 @@
 
 The corpus is the Python Language Reference as it ships inside every CPython installation
 (``pydoc_data.topics``, what ``help("for")`` prints): about 460 KB of English prose with code
-examples, split into ~190 sections of very different lengths (tens of characters to 25 KB), which
+examples, split into ~200 sections of very different lengths (tens of characters to 25 KB), which
 makes it a natural test of document packing. Why this one: it is on every machine attnkit runs on
 (no download, no package to trust), it is real prose written for people, and its licence (the
 PSF License Agreement for the Python documentation) allows using and redistributing it. Its
