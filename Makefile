@@ -52,7 +52,7 @@ test: $(VENV)/.installed-test browser native
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.installed native
-	for b in sdpa layers masks models; do $(BIN)/python benchmarks/$$b.py || exit 1; done
+	for b in sdpa layers masks models train; do $(BIN)/python benchmarks/$$b.py || exit 1; done
 
 # The native kernel's cache too (where attnkit.kernel builds it).
 clean:
