@@ -367,3 +367,54 @@ def test_the_native_kernel_computes_softcap_and_alibi_within_twice_the_plain_err
     for name, g, e, bound in zip(["output", "dq", "dk", "dv"], got, exact, bounds):
         error = (g.double() - e).abs().max().item()
         assert error <= bound, f"{modifier} {name}: {error:.3g} > twice float32's {bound / 2:.3g}"
+
+
+# -- the layers speak it too --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("modifier", ["softcap", "alibi", "sinks"])
+def test_multi_head_attention_takes_softcap_alibi_and_learned_sinks(modifier):
+    """The layer's output is its projections through the model's own formula (float64)."""
+    from attnkit.nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+    options = {"softcap": dict(softcap=2.5), "alibi": dict(alibi_slopes=slopes), "sinks": dict(sinks=True)}[modifier]
+    layer = MultiHeadAttention(32, 4, num_kv_heads=2, causal=True, dtype=torch.float64, **options)
+    if modifier == "sinks":
+        with torch.no_grad():
+            layer.sinks.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    x = torch.randn(2, 11, 32, dtype=torch.float64)
+    q = layer.q_proj(x).view(2, 11, 4, 8).transpose(1, 2)
+    k = layer.k_proj(x).view(2, 11, 2, 8).transpose(1, 2)
+    v = layer.v_proj(x).view(2, 11, 2, 8).transpose(1, 2)
+    scale = 8**-0.5
+    if modifier == "softcap":
+        heads = gemma2_eager(q, k, v, 2.5, scale)
+    elif modifier == "alibi":
+        heads = flash_alibi(q, k, v, slopes, scale, True)
+    else:
+        heads = gpt_oss_eager(q, k, v, layer.sinks, scale)[0]
+    expected = layer.out_proj(heads.transpose(1, 2).reshape(2, 11, 32))
+    torch.testing.assert_close(layer(x), expected)
+    if modifier == "sinks":
+        layer(x).sum().backward()
+        assert layer.sinks.grad is not None and layer.sinks.grad.abs().sum() > 0
+        assert "sinks" in dict(layer.named_parameters())
+    if modifier == "alibi":
+        assert torch.equal(layer.state_dict()["alibi_slopes"], slopes)
+    with pytest.raises(ValueError, match="cannot convert"):
+        layer.to_torch()
+
+
+def test_the_layers_modifiers_are_checked():
+    from attnkit.nn import MultiHeadAttention
+
+    with pytest.raises(ValueError, match="softcap must be None or a positive finite number, got 0"):
+        MultiHeadAttention(8, 2, softcap=0)
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \[num_heads\] = \[2\], got \[3\]"):
+        MultiHeadAttention(8, 2, alibi_slopes=torch.ones(3))
+    with pytest.raises(TypeError, match="alibi_slopes must be a floating tensor"):
+        MultiHeadAttention(8, 2, alibi_slopes=torch.ones(2, dtype=torch.long))
+    with pytest.raises(TypeError, match="sinks"):
+        MultiHeadAttention(8, 2, sinks=1)
