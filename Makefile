@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
-	$(BIN)/pip install --quiet $(TORCH) -e '.[test,viz,models]'
+	$(BIN)/pip install --quiet $(TORCH) -e '.[test,viz,models,transformers]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -52,7 +52,7 @@ test: $(VENV)/.installed-test browser native
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.installed native
-	for b in sdpa layers masks models; do $(BIN)/python benchmarks/$$b.py || exit 1; done
+	for b in sdpa layers masks models train; do $(BIN)/python benchmarks/$$b.py || exit 1; done
 
 # The native kernel's cache too (where attnkit.kernel builds it).
 clean:

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 import attnkit
 from attnkit import masks
-from attnkit.distributed import ring_attention, sequence_parallel, shard, traffic, ulysses_attention
+from attnkit.distributed import attention_fn, ring_attention, sequence_parallel, shard, traffic, ulysses_attention
+from attnkit.models.gpt import GPT, GPTConfig
 
 TOLERANCE = dict(atol=1e-10, rtol=0)
 METHODS = {"ring": ring_attention, "ulysses": ulysses_attention}
@@ -155,7 +156,7 @@ class _TinyLM(torch.nn.Module):
                 mlp=torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim)))))
         self.head = torch.nn.Linear(dim, vocab)
 
-    def forward(self, tokens, positions):
+    def forward(self, tokens, *, positions):
         x = self.tokens(tokens) + self.positions(positions)
         for block in self.blocks:
             x = x + block["attn"](block["norm1"](x))
@@ -163,8 +164,10 @@ class _TinyLM(torch.nn.Module):
         return self.head(x)
 
 
-def _train(rank, world, method, layout, steps=20):
-    """Losses of ``steps`` AdamW steps, one process and sequence-parallel, from the same seeds."""
+def _train(rank, world, method, layout, steps=20, gpt=False):
+    """Losses of ``steps`` AdamW steps, one process and sequence-parallel, from the same seeds: the
+    small LM here through ``sequence_parallel`` (attnkit.nn's route), or attnkit's GPT (issue 15)
+    through ``set_attention_fn(attention_fn(...))``."""
     length, vocab = 32, 16
     # counting sequences from random starts: learnable, so the losses fall and the check has teeth
     starts = torch.randint(0, vocab, (steps, 2, 1), generator=torch.Generator().manual_seed(3))
@@ -173,20 +176,32 @@ def _train(rank, world, method, layout, steps=20):
 
     def run(parallel: bool) -> list[float]:
         torch.manual_seed(0)  # the same weights and the same dropout seeds (global RNG) on every rank
-        model = _TinyLM(vocab, length=length).double()
+        if gpt:
+            config = GPTConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=64, max_position_embeddings=length,
+                               attention_dropout=0.1)
+            model = GPT(config).double()
+            if parallel:
+                model.set_attention_fn(attention_fn(method, layout=layout))
+        else:
+            model = _TinyLM(vocab, length=length).double()
+        model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for batch in data:
             inputs, targets = batch[:, :-1], batch[:, 1:]
             if parallel:
                 mine = lambda t: shard(t, rank, world, layout=layout, dim=-1)  # noqa: E731
-                with sequence_parallel(method, layout=layout):
-                    logits = model(mine(inputs), mine(positions))
+                if gpt:
+                    logits = model(mine(inputs), positions=mine(positions))
+                else:
+                    with sequence_parallel(method, layout=layout):
+                        logits = model(mine(inputs), positions=mine(positions))
                 # this rank's share of the mean over every token; summed over ranks below
                 loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine(targets).flatten(),
                                                          reduction="sum") / targets.numel()
             else:
-                logits = model(inputs, positions)
+                logits = model(inputs, positions=positions)
                 loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
             optimizer.zero_grad()
             loss.backward()
@@ -208,7 +223,7 @@ def _two_ranks(rank, world):
     _errors(rank, world)
     _traffic(rank, world)
     _every_mask(rank, world, [("contiguous", [17, 23]), ("zigzag", [21, 19])], heads=4, kv_heads=2)
-    _train(rank, world, "ring", "zigzag")
+    _train(rank, world, "ring", "zigzag", gpt=True)  # the issue's check: attnkit's GPT, 20 steps, 2 ranks
     _train(rank, world, "ulysses", "contiguous", steps=5)
 
 

@@ -1,5 +1,7 @@
 """What each example notebook must print in its checked cells: the seed notebooks' printed numbers
-(copied from the seeds' exports in shared/seeds/, or reused from the seed parity tests) and shapes.
+(copied from the seeds' exports in shared/seeds/, or reused from the seed parity tests) and shapes,
+and bounds on what the notebooks add beyond the seeds (a trained model's scores, the difference
+between two attention implementations), whose exact digits are not the point.
 
 A notebook cell tagged ``check:NAME`` prints its result; ``test_notebooks.py`` reads the numbers
 back from the executed notebook's output and compares them with ``EXPECTED[notebook][NAME]``.
@@ -34,6 +36,14 @@ class Lines:
     texts: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Bounded:
+    """For each ``(label, low, high)``: the first number printed after ``label`` lies in
+    ``[low, high]`` (``None``: unbounded on that side)."""
+
+    bounds: tuple[tuple[str, float | None, float | None], ...]
+
+
 def numbers(*rows, atol: float = PRINTED_TWICE, rtol: float = 0.0) -> Numbers:
     def flat(value):
         if isinstance(value, (list, tuple)):
@@ -49,6 +59,10 @@ def numbers(*rows, atol: float = PRINTED_TWICE, rtol: float = 0.0) -> Numbers:
 
 def lines(*texts: str) -> Lines:
     return Lines(texts)
+
+
+def bounded(*bounds: tuple[str, float | None, float | None]) -> Bounded:
+    return Bounded(bounds)
 
 
 INF = math.inf
@@ -102,7 +116,7 @@ SEED003_HEADS_BATCH_0 = [
 # -1e9 fill gave a uniform 1/3; the other queries of batch 1 read values the export does not show.
 EMPTY_ROW_BATCH_1 = [[_, _, _, _], [0.0, 0.0, 0.0, 0.0], [_, _, _, _]] * 2
 
-EXPECTED: dict[str, dict[str, Numbers | Lines]] = {
+EXPECTED: dict[str, dict[str, Numbers | Lines | Bounded]] = {
     "000_scaled_dot_product": {
         # Printed to 5 significant digits, down to 1e-22: compared relatively.
         "one-query": numbers([1.0000e01, 2.1216e-21, 2.0000e00], [1.9287e-22, 1.0000e00, 1.9287e-22, 1.9287e-22],
@@ -180,6 +194,17 @@ EXPECTED: dict[str, dict[str, Numbers | Lines]] = {
         "batch-shape": lines("torch.Size([2, 6, 3])"),
         "head-list-shape": lines("torch.Size([2, 6, 4])"),
         "multi-head-output": numbers(SEED002_SPLIT_HEADS_OUTPUT, SEED002_SPLIT_HEADS_OUTPUT),
+        # The induction-head demo (attnkit.models.induction, 200 steps; measured: 4.30 and 0.11).
+        # The first half is random: nothing beats ln(64) = 4.16 there. The repeated half is copied:
+        # a tenth of that means the model predicts it from context.
+        "induction-losses": bounded(("loss on the first half:", 0.9 * math.log(64), None),
+                                    ("loss on the repeated half:", None, 0.1 * math.log(64))),
+        # Measured: layer 1, head 0, prefix matching 1.00, copying 0.99. A head spreading its attention
+        # evenly over the causal keys gives the induction target at most 1/17 = 0.06 of a second-half
+        # query's weight; 0.5 is the majority of the weight on the one key an induction head must pick.
+        # It needs what layer 0 wrote about each position's predecessor, so it sits in layer 1.
+        "induction-scores": bounded(("induction head: layer", 1, 1), ("prefix-matching score", 0.5, None),
+                                    ("copying score", 0.5, None)),
     },
     "003_multi_head_reshapes": {
         "split-queries": numbers(SEED003_QUERIES_SPLIT),
@@ -197,5 +222,10 @@ EXPECTED: dict[str, dict[str, Numbers | Lines]] = {
     "004_attention_layer": {
         "shapes": lines("Input shape: torch.Size([2, 3, 4])", "Output shape: torch.Size([2, 3, 2])",
                         "Attention weights shape: torch.Size([2, 3, 3])"),
+        # A random Llama (2 layers, logits about 5 in size) through transformers' eager attention and
+        # through attnkit: float32 rounding in another summation order (measured 5e-6), where a scale
+        # 10% off moves the logits by 0.6. Eager makes no attnkit call; attnkit one per layer.
+        "transformers-logits": bounded(("max |attnkit - eager| over the logits:", 0.0, 1e-4),
+                                       ("eager:", 0, 0), ("attnkit:", 2, 2)),
     },
 }

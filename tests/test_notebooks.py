@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from browser import Browser, unavailable_reason
-from notebook_seed_numbers import EXPECTED, Lines, Numbers
+from notebook_seed_numbers import EXPECTED, Bounded, Lines, Numbers
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -124,6 +124,19 @@ def _close(got: float, want: float | None, atol: float, rtol: float) -> bool:
     return abs(got - want) <= atol + rtol * abs(want)
 
 
+def printed_after(text: str, label: str) -> float | None:
+    """The first number (an integer too) printed after ``label``, or None without one."""
+    start = text.find(label)
+    if start < 0:
+        return None
+    match = re.compile(r"-?inf\b|\bnan\b|-?\d+(?:\.\d*)?(?:e[-+]?\d+)?").search(text, start + len(label))
+    return None if match is None else float(match[0])
+
+
+def within(got: float | None, low: float | None, high: float | None) -> bool:
+    return got is not None and not math.isnan(got) and (low is None or got >= low) and (high is None or got <= high)
+
+
 def find_printed(expected: Numbers, got: list[float]) -> bool:
     """Whether ``expected.values`` appear consecutively in ``got``, each within tolerance."""
     size = len(expected.values)
@@ -154,6 +167,11 @@ def test_the_notebook_prints_the_seed_numbers(executed, name):
         if isinstance(expected, Lines):
             for line in expected.texts:
                 assert line in text, f"{name}, check:{check}: {line!r} not printed in:\n{text}"
+        elif isinstance(expected, Bounded):
+            for label, low, high in expected.bounds:
+                got = printed_after(text, label)
+                assert within(got, low, high), \
+                    f"{name}, check:{check}: after {label!r} printed {got}, expected within [{low}, {high}] in:\n{text}"
         else:
             assert find_printed(expected, printed_numbers(text)), \
                 f"{name}, check:{check}: the seed's numbers {expected.values} are not printed in:\n{text}"
@@ -168,6 +186,16 @@ def test_the_number_reader_catches_a_wrong_or_missing_number():
     assert not find_printed(Numbers((0.1385, 0.2379, 1.0)), got)  # -inf is not a number near 1
     assert not find_printed(Numbers((0.1385, 0.2379, -math.inf, 1.9287e-22, 0.5, 3.0)), got)  # nan is no number
     assert not find_printed(Numbers((3.0, 4.0)), got)  # runs past the end
+
+
+def test_the_bound_reader_reads_the_number_after_its_label():
+    text = "eager: 0 calls\nattnkit: 2 calls\nmax |a - b|: 3.81e-06\ninduction head: layer 1, head 0; score nan"
+    assert printed_after(text, "eager:") == 0 and printed_after(text, "attnkit:") == 2
+    assert printed_after(text, "max |a - b|:") == 3.81e-06 and within(3.81e-06, 0.0, 1e-4)
+    assert printed_after(text, "induction head: layer") == 1
+    assert printed_after(text, "missing label") is None and not within(None, None, None)
+    assert not within(printed_after(text, "score"), 0.5, None)  # nan is within no bound
+    assert not within(2e-4, 0.0, 1e-4) and not within(0.4, 0.5, None)
 
 
 # --- exported to HTML and opened in a browser -----------------------------------------------------

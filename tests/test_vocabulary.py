@@ -83,11 +83,11 @@ def flash_alibi(q, k, v, slopes, scale, causal):
     """FlashAttention's alibi_slopes: ``-slope * |i + Lk - Lq - j|`` added to every score."""
     k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     lq, lk = q.shape[2], k.shape[2]
-    distance = (torch.arange(lq)[:, None] + lk - lq - torch.arange(lk)).abs().double()
+    distance = (torch.arange(lq)[:, None] + lk - lq - torch.arange(lk)).abs().to(q.dtype)
     slopes = slopes.reshape(-1, q.shape[1], 1, 1) if slopes.dim() == 2 else slopes.reshape(1, -1, 1, 1)
     scores = q @ k.transpose(2, 3) * scale - slopes * distance
     if causal:
-        scores = scores + _causal_mask(lq, lk)
+        scores = scores + _causal_mask(lq, lk, q.dtype)
     return torch.softmax(scores, dim=-1) @ v
 
 
@@ -320,3 +320,101 @@ def test_the_new_masks_in_half_precision_within_twice_the_plain_error(backend, d
         bound = 2 * max((plain - exact).abs().max().item(), torch.finfo(dtype).eps)
         ours = attnkit.attention(*low, mask=mask, backend=backend)
         assert ours.dtype == dtype and (ours.double() - exact).abs().max().item() <= bound, mask
+
+
+# -- the native kernel computes soft-capping and ALiBi itself -------------------------------------------
+
+
+def _float32_error_bound(formula, inputs64):
+    """FlashAttention's rule: twice the error the float64 formula makes when run in float32 (output
+    and each gradient of a fixed projection), against itself in float64."""
+    def run(inputs):
+        inputs = [t.clone().requires_grad_() for t in inputs]
+        out = formula(*inputs)
+        up = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
+        return [out.detach(), *torch.autograd.grad(out, inputs, up)]
+
+    exact = run(inputs64)
+    plain = run([t.float() for t in inputs64])
+    return exact, [2 * (p.double() - e).abs().max().item() for p, e in zip(plain, exact)]
+
+
+@pytest.mark.parametrize("modifier", ["softcap", "alibi [H]", "alibi [B, H]"])
+def test_the_native_kernel_computes_softcap_and_alibi_within_twice_the_plain_error(modifier, monkeypatch):
+    from attnkit._backends import native
+
+    if not native.available():
+        pytest.skip(f"native kernel: {native.why_unavailable()}")
+    q, k, v = _inputs(lq=150, lk=200, dim=16)  # several 32-64-row blocks and 64-key chunks
+    slopes = torch.tensor([[0.5, 0.25, 0.125, 0.0625], [0.37, 0.71, 0.13, 0.05]], dtype=torch.float64)
+    slopes = slopes[1] if modifier == "alibi [H]" else slopes
+    scale = 0.29
+    if modifier == "softcap":
+        kwargs, formula = dict(softcap=2.5), lambda q, k, v: gemma2_eager(q, k, v, 2.5, scale)
+    else:
+        kwargs = dict(alibi_slopes=slopes.float())
+        formula = lambda q, k, v: flash_alibi(q, k, v, slopes.to(q.dtype), scale, True)  # noqa: E731
+    ran = []  # the tiled backend must serve these on the native kernel, not fall back to plain ops
+    for name in ("interval_forward", "interval_backward"):
+        original = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _f=original, _n=name, **kw: ran.append(_n) or _f(*a, **kw))
+    exact, bounds = _float32_error_bound(formula, [q, k, v])
+    inputs = [t.float().requires_grad_() for t in (q, k, v)]
+    out = attnkit.attention(*inputs, causal=True, scale=scale, backend="tiled", **kwargs)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    got = [out.detach(), *torch.autograd.grad(out, inputs, up.float())]
+    assert ran == ["interval_forward", "interval_backward"]
+    for name, g, e, bound in zip(["output", "dq", "dk", "dv"], got, exact, bounds):
+        error = (g.double() - e).abs().max().item()
+        assert error <= bound, f"{modifier} {name}: {error:.3g} > twice float32's {bound / 2:.3g}"
+
+
+# -- the layers speak it too --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("modifier", ["softcap", "alibi", "sinks"])
+def test_multi_head_attention_takes_softcap_alibi_and_learned_sinks(modifier):
+    """The layer's output is its projections through the model's own formula (float64)."""
+    from attnkit.nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+    options = {"softcap": dict(softcap=2.5), "alibi": dict(alibi_slopes=slopes), "sinks": dict(sinks=True)}[modifier]
+    layer = MultiHeadAttention(32, 4, num_kv_heads=2, causal=True, dtype=torch.float64, **options)
+    if modifier == "sinks":
+        with torch.no_grad():
+            layer.sinks.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    x = torch.randn(2, 11, 32, dtype=torch.float64)
+    q = layer.q_proj(x).view(2, 11, 4, 8).transpose(1, 2)
+    k = layer.k_proj(x).view(2, 11, 2, 8).transpose(1, 2)
+    v = layer.v_proj(x).view(2, 11, 2, 8).transpose(1, 2)
+    scale = 8**-0.5
+    if modifier == "softcap":
+        heads = gemma2_eager(q, k, v, 2.5, scale)
+    elif modifier == "alibi":
+        heads = flash_alibi(q, k, v, slopes, scale, True)
+    else:
+        heads = gpt_oss_eager(q, k, v, layer.sinks, scale)[0]
+    expected = layer.out_proj(heads.transpose(1, 2).reshape(2, 11, 32))
+    torch.testing.assert_close(layer(x), expected)
+    if modifier == "sinks":
+        layer(x).sum().backward()
+        assert layer.sinks.grad is not None and layer.sinks.grad.abs().sum() > 0
+        assert "sinks" in dict(layer.named_parameters())
+    if modifier == "alibi":
+        assert torch.equal(layer.state_dict()["alibi_slopes"], slopes)
+    with pytest.raises(ValueError, match="cannot convert"):
+        layer.to_torch()
+
+
+def test_the_layers_modifiers_are_checked():
+    from attnkit.nn import MultiHeadAttention
+
+    with pytest.raises(ValueError, match="softcap must be None or a positive finite number, got 0"):
+        MultiHeadAttention(8, 2, softcap=0)
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \[num_heads\] = \[2\], got \[3\]"):
+        MultiHeadAttention(8, 2, alibi_slopes=torch.ones(3))
+    with pytest.raises(TypeError, match="alibi_slopes must be a floating tensor"):
+        MultiHeadAttention(8, 2, alibi_slopes=torch.ones(2, dtype=torch.long))
+    with pytest.raises(TypeError, match="sinks"):
+        MultiHeadAttention(8, 2, sinks=1)

@@ -1,5 +1,6 @@
 """The ``attnkit`` command line: ``explain`` walks through attention step by step, ``show``
-writes a report of a real model's attention, ``build-kernel`` compiles the native CPU kernel.
+writes a report of a real model's attention, ``train`` trains a small GPT and ``generate``
+continues text with it, ``build-kernel`` compiles the native CPU kernel.
 
 A user's mistake (a missing model, a bad ``--out``, an index out of range, a missing optional
 package) is one line on stderr, ``attnkit <command>: error: ...``, and exit status 2, like
@@ -62,6 +63,17 @@ def _explain(args: argparse.Namespace) -> int:
         if args.causal:
             print("(causal: each token may attend only to itself and the tokens before it)")
         steps = explain.toy_steps(causal=args.causal, scale=args.scale if args.scale is not None else 1.0)
+    elif _transformers_checkpoint(args.model):
+        from .integrations.checkpoints import Checkpoint
+
+        if args.scale is not None or args.causal:
+            raise UsageError("--scale and --causal apply to the toy model and attnkit's own encoders; "
+                             f"{args.model!r} runs with the scale and masks it was built with")
+        checkpoint = Checkpoint(args.model)
+        text = args.text if args.text is not None else DEFAULT_TEXT
+        steps = explain.checkpoint_steps(checkpoint, text, layer=args.layer, head=args.head)
+        print(f"Layer {args.layer}, head {args.head} of {checkpoint.name} "
+              f"({checkpoint.model.config.model_type}, attention on attnkit) on {text!r}")
     else:
         from . import models
 
@@ -78,6 +90,13 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _transformers_checkpoint(model: str) -> bool:
+    """A model directory of a type attnkit's own loader does not read (GPT-2, Llama, T5, ...)."""
+    from .integrations.checkpoints import wants_transformers
+
+    return wants_transformers(model)
+
+
 def _show(args: argparse.Namespace) -> int:
     from .show import show
 
@@ -91,6 +110,52 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    value = _index(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from .training import TrainConfig, train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = {"tiny": dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=96,
+                          vocab_size=300, seq_len=32, batch_size=4, max_documents=12, eval_rows=4),
+             "default": {}}[args.size]
+    options = {name: getattr(args, name) for name in ("steps", "batch_size", "seq_len", "learning_rate", "seed",
+                                                      "eval_interval", "checkpoint_interval")
+               if getattr(args, name) is not None}
+    config = TrainConfig(out=args.out, **{**sizes, **options})
+    result = train(config, resume=args.resume)
+    step, loss = result.evals[-1] if result.evals else (config.steps, float("nan"))
+    print(f"validation loss {loss:.3f} after {step} steps ({result.tokens_per_second:,.0f} tokens/s)")
+    print(f"model (Hugging Face Llama format): {result.model_dir}")
+    print(f"checkpoint: {result.model_dir.parent / 'checkpoint'} (continue with --resume)")
+    if result.sample:
+        print("\nsample:\n" + result.sample)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .models.generate import generate_text
+    from .models.llama_export import load_llama
+
+    model, tokenizer = load_llama(args.model)
+    if tokenizer is None:
+        raise ValueError(f"model directory {args.model!r} has no tokenizer.json")
+    texts = generate_text(model, tokenizer, args.prompt or [""], args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed))
+    print("\n\n".join(texts))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="attnkit", description="Attention mechanisms, exact and easy to look inside.")
     parser.add_argument("--version", action="version", version=f"attnkit {__version__}")
@@ -98,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain = commands.add_parser("explain", help="walk through attention step by step")
     explain.add_argument("text", nargs="?", help=f"text to explain (with a real model; default {DEFAULT_TEXT!r})")
     explain.add_argument("--model", default="toy",
-                         help="'toy' (seed 002's six tokens, default), 'minilm', or a model directory")
+                         help="'toy' (seed 002's six tokens, default), 'minilm', or a model directory "
+                              "(BERT-family, or with transformers installed any Hugging Face checkpoint)")
     explain.add_argument("--layer", type=_index, default=0, help="layer to show (real models)")
     explain.add_argument("--head", type=_index, default=0, help="head to show (real models)")
     explain.add_argument("--causal", action="store_true", help="mask future tokens and show the mask")
@@ -108,14 +174,45 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = commands.add_parser("show", help="write a standalone HTML report and images of a model's attention")
     show.add_argument("text", nargs="*", help="texts to show (default: a built-in sentence)")
-    show.add_argument("--model", default="minilm", help="'minilm' (default), a model directory, or 'toy'")
+    show.add_argument("--model", default="minilm",
+                      help="'minilm' (default), a model directory (BERT, a GPT from attnkit train, or with "
+                           "transformers installed any Hugging Face checkpoint), 'toy', or 'induction' (trains the "
+                           "induction-head demo, seconds, and draws its heads)")
     show.add_argument("--out", default="attnkit-report", metavar="DIR",
                       help="directory for attention.html and the images, created if needed; files of the same "
                            "names in it are replaced (default: attnkit-report)")
-    show.add_argument("--layer", type=_index, default=0, help="layer of the single-head images")
-    show.add_argument("--head", type=_index, default=0, help="head of the single-head images")
+    show.add_argument("--layer", type=_index, default=None, help="layer of the single-head images (default 0)")
+    show.add_argument("--head", type=_index, default=None, help="head of the single-head images (default 0; "
+                      "the best induction head for --model induction)")
     show.add_argument("--no-images", action="store_true", help="write only the HTML report")
     show.set_defaults(run=_show)
+
+    train = commands.add_parser("train", help="train a small GPT (Llama architecture) on the Python Language Reference")
+    train.add_argument("--out", default="attnkit-gpt", metavar="DIR",
+                       help="directory for checkpoint/ and model/ (default: attnkit-gpt)")
+    train.add_argument("--size", choices=["default", "tiny"], default="default",
+                       help="'default' (~1M parameters, a few minutes on 2 cores) or 'tiny' (seconds, for tests)")
+    train.add_argument("--steps", type=_positive, help="optimizer steps (default 300)")
+    train.add_argument("--batch-size", type=_positive, help="rows per step (default 16)")
+    train.add_argument("--seq-len", type=_positive, help="tokens per row (default 128)")
+    train.add_argument("--learning-rate", type=_finite_float, help="peak learning rate (default 3e-3)")
+    train.add_argument("--eval-interval", type=_positive, help="steps between validation losses (default 100)")
+    train.add_argument("--checkpoint-interval", type=_positive, help="steps between checkpoints (default 100)")
+    train.add_argument("--seed", type=_index, help="seed of everything random (default 0)")
+    train.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint, bit for bit")
+    train.add_argument("--threads", type=_positive, help="CPU threads for PyTorch (default: PyTorch's choice)")
+    train.set_defaults(run=_train)
+
+    gen = commands.add_parser("generate", help="continue text with a trained GPT and its KV cache")
+    gen.add_argument("prompt", nargs="*", help="prompts, generated as one batch (default: from the start of a text)")
+    gen.add_argument("--model", default="attnkit-gpt/model", metavar="DIR",
+                     help="a Llama-format directory, e.g. what attnkit train wrote (default: attnkit-gpt/model)")
+    gen.add_argument("--max-new-tokens", type=_index, default=100, help="tokens to add to each prompt (default 100)")
+    gen.add_argument("--temperature", type=_finite_float, default=0.8, help="0 = greedy (default 0.8)")
+    gen.add_argument("--top-k", type=_positive, default=None, help="sample among the k most likely tokens")
+    gen.add_argument("--top-p", type=_finite_float, default=None, help="sample within the top-p probability mass")
+    gen.add_argument("--seed", type=_index, default=0, help="seed of the sampling generator (default 0)")
+    gen.set_defaults(run=_generate)
 
     from . import kernel
 

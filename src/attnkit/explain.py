@@ -132,6 +132,51 @@ def model_steps(encoder, text: str, *, layer: int = 0, head: int = 0, causal: bo
     return steps
 
 
+def checkpoint_steps(checkpoint, text: str, *, layer: int = 0, head: int = 0) -> list[Step]:
+    """One head of one layer of a transformers checkpoint (:class:`attnkit.integrations.checkpoints.
+    Checkpoint`) on ``text``: the steps :func:`attnkit.attention` recorded, the mask the model
+    applied drawn as its own step (a decoder's causal mask, a window)."""
+    if not 0 <= layer < checkpoint.num_layers:
+        raise ValueError(f"layer must be in [0, {checkpoint.num_layers - 1}] for this model, got {layer}")
+    if not 0 <= head < checkpoint.num_heads:
+        raise ValueError(f"head must be in [0, {checkpoint.num_heads - 1}] for this model, got {head}")
+    recorded, tokens = checkpoint.trace(text)
+    call = recorded[layer]
+    d = call["queries"].shape[-1]
+    first = lambda name: call.head(name, head)[0]  # noqa: E731  (batch of one text)
+    groups = call["queries"].shape[1] // call["keys"].shape[1]
+    shared = f" (key/value head {head // groups}, shared by {groups} query heads)" if groups > 1 else ""
+    steps = [
+        Step("queries", first("queries"), f"head {head}'s queries: what each token looks for", tokens),
+        Step("keys", first("keys"), f"its keys{shared}: what each token offers to be found by", tokens),
+        Step("values", first("values"), "its values: what each token passes on when attended", tokens),
+        Step("scores", first("scores"), "query . key for every pair of tokens", tokens, tokens),
+        Step("scaled_scores", first("scaled_scores"), f"scores x the model's scale (1/sqrt({d}) unless it says "
+             "otherwise)", tokens, tokens),
+    ]
+    if "capped_scores" in call.steps:
+        steps.append(Step("capped_scores", first("capped_scores"),
+                          "soft-capped: cap * tanh(score / cap) keeps every score within the cap", tokens, tokens))
+    if "masked_scores" in call.steps:
+        masked, allowed = first("masked_scores"), first("masked_scores") > float("-inf")
+        if not bool(allowed.all()):
+            steps.append(Step("mask", allowed, "True where a token may attend: the model's mask "
+                              "(causal in a decoder: itself and earlier tokens)", tokens, tokens))
+        before = steps[-1].tensor if bool(allowed.all()) else steps[-2].tensor
+        if not torch.equal(masked.masked_fill(~allowed, 0), before.masked_fill(~allowed, 0)):
+            steps.append(Step("biased_scores", masked, "plus the model's additive bias (T5: relative positions)"
+                              + ("; -inf where a token may not attend" if not bool(allowed.all()) else ""),
+                              tokens, tokens))
+        elif not bool(allowed.all()):
+            steps.append(Step("masked_scores", masked, "-inf where a token may not attend", tokens, tokens))
+    steps += [
+        Step("weights", first("weights"), "softmax of each row: how much each token attends to each other",
+             tokens, tokens),
+        Step("heads", first("output"), f"weights @ values: head {head}'s context vector for each token", tokens),
+    ]
+    return steps
+
+
 def reading(weights: Tensor, tokens: Sequence[str]) -> list[str]:
     """Plain-language reading of a ``[L, L]`` weight matrix: whom each token attends most."""
     lines = []

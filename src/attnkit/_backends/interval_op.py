@@ -79,16 +79,18 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
-def _native_forward(query, key, value, lo, hi, scale, dropout, seed) -> tuple[Tensor, Tensor]:
+def _native_forward(query, key, value, lo, hi, scale, dropout, seed, softcap, alibi) -> tuple[Tensor, Tensor]:
     """The native kernel over each of the rows' ranges (one call each), merged."""
     return _merge([native.interval_forward(query, key, value, lo[:, r], hi[:, r], scale, dropout=dropout,
-                                           seed=_seed_value(seed)) for r in range(lo.shape[1])])
+                                           seed=_seed_value(seed), softcap=softcap, alibi_slopes=alibi)
+                   for r in range(lo.shape[1])])
 
 
-def _native_backward(grad_out, grad_lse, query, key, value, out, lse, lo, hi, scale, dropout, seed):
+def _native_backward(grad_out, grad_lse, query, key, value, out, lse, lo, hi, scale, dropout, seed, softcap, alibi):
     """Its gradients: each range's, from the merged output and lse (split-key), summed."""
     grads = [native.interval_backward(grad_out, query, key, value, out, lse, lo[:, r], hi[:, r], scale, grad_lse,
-                                      dropout=dropout, seed=_seed_value(seed)) for r in range(lo.shape[1])]
+                                      dropout=dropout, seed=_seed_value(seed), softcap=softcap, alibi_slopes=alibi)
+             for r in range(lo.shape[1])]
     return tuple(sum(parts[1:], parts[0]) for parts in zip(*grads))
 
 
@@ -100,7 +102,7 @@ def interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi
     kernel = policy.kernel_for(query, key, value, lo, hi, bias, dropout, causal_only, sparse_only, softcap,
                                alibi_slopes, seed)
     if kernel == "native":
-        out, lse = _native_forward(query, key, value, lo, hi, scale, dropout, seed)
+        out, lse = _native_forward(query, key, value, lo, hi, scale, dropout, seed, softcap, alibi_slopes)
     else:
         out, lse = blockwise.forward(query, key, value, lo, hi, bias, scale, dropout, seed, softcap=softcap,
                                      alibi=alibi_slopes, dense=kernel == "dense", causal_only=causal_only)
@@ -125,7 +127,8 @@ def interval_attention_backward(grad_out: Tensor, grad_lse: Tensor | None, query
     kernel = policy.kernel_for(query, key, value, lo, hi, bias, dropout, causal_only, sparse_only, softcap,
                                alibi_slopes, seed)
     if kernel == "native":
-        dq, dk, dv = _native_backward(grad_out, grad_lse, query, key, value, out, lse, lo, hi, scale, dropout, seed)
+        dq, dk, dv = _native_backward(grad_out, grad_lse, query, key, value, out, lse, lo, hi, scale, dropout, seed,
+                                      softcap, alibi_slopes)
         dbias = None
     else:
         dq, dk, dv, dbias = blockwise.backward(grad_out, grad_lse, query, key, value, out, lse, lo, hi, bias, scale,

@@ -83,12 +83,12 @@ def kernel_for(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor
                alibi: Tensor | None = None, seed: Tensor | None = None) -> str:
     """Which kernel the interval op runs: ``"native"``, ``"blocks"`` (PyTorch's kernel block by
     block) or ``"dense"`` (PyTorch's fused kernel over every key, the mask as a tensor).
-    ``sparse_only`` (an explicit ``backend="tiled"``) leaves out the dense kernel. Soft-capping and
-    ALiBi run on plain ops per block (``"blocks"``; dense, per sequence, where short or dense), and so
-    does dropout in a piece of a larger call (a ``seed`` with offsets: the native kernel's hash takes
-    none yet)."""
+    ``sparse_only`` (an explicit ``backend="tiled"``) leaves out the dense kernel. The native
+    kernel computes soft-capping and ALiBi itself; elsewhere they run on plain ops per block
+    (``"blocks"``; dense, per sequence, where short or dense). Dropout in a piece of a larger call
+    (a ``seed`` with offsets) runs on plain ops too: the native kernel's hash takes no offsets yet."""
     offsets = dropout > 0 and _dropout.has_offsets(seed)
-    if softcap is None and alibi is None and not offsets and native.applies(query, key, value, bias is not None):
+    if not offsets and native.applies(query, key, value, bias is not None):
         if sparse_only or dropout > 0:
             return "native"
         pairs = query.shape[2] * key.shape[2]

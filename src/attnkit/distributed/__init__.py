@@ -10,9 +10,9 @@ One code path for every backend of ``torch.distributed`` (tested on gloo, CPU; N
 
 from .comm import Traffic, traffic
 from .layout import LAYOUTS, even_lengths, shard, unshard
-from .parallel import sequence_parallel
+from .parallel import attention_fn, sequence_parallel
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 
-__all__ = ["ring_attention", "ulysses_attention", "sequence_parallel", "shard", "unshard", "even_lengths",
+__all__ = ["ring_attention", "ulysses_attention", "sequence_parallel", "attention_fn", "shard", "unshard", "even_lengths",
            "traffic", "Traffic", "LAYOUTS"]

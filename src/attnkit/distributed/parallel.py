@@ -1,44 +1,64 @@
-"""Running ``attnkit.nn`` layers sequence-parallel: :func:`sequence_parallel`."""
+"""Running layers and models sequence-parallel: :func:`sequence_parallel` for ``attnkit.nn`` layers,
+:func:`attention_fn` for a model's pluggable attention call (``GPT.set_attention_fn``)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from ..nn import _routing
 from .layout import check_layout
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 
-__all__ = ["sequence_parallel"]
+__all__ = ["sequence_parallel", "attention_fn"]
 
 METHODS = ("ring", "ulysses")
+
+
+def attention_fn(method: str = "ring", *, group: dist.ProcessGroup | None = None,
+                 layout: str = "contiguous") -> Callable[..., Tensor]:
+    """A function with :func:`attnkit.attention`'s signature that runs across the ranks of ``group``
+    (``method``: ``"ring"`` or ``"ulysses"``, ``layout`` as in :func:`attnkit.distributed.shard`):
+    each rank passes its shard ``[B, H, n, D]`` and gets its shard of the output. For models with a
+    pluggable attention call: ``gpt.set_attention_fn(attnkit.distributed.attention_fn("ring"))``.
+    Weights, soft-capping, ALiBi and sinks are refused (ValueError); ``backend`` is used by Ulysses."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_layout(layout)
+
+    def parallel(query: Tensor, key: Tensor, value: Tensor, *, mask: object = None, causal: bool = False,
+                 scale: float | None = None, dropout: float = 0.0, generator: torch.Generator | None = None,
+                 return_weights: bool = False, backend: str = "auto", softcap: float | None = None,
+                 alibi_slopes: Tensor | None = None, sinks: Tensor | None = None) -> Tensor:
+        unsupported = [name for name, given in (("return_weights", return_weights), ("softcap", softcap),
+                                                ("alibi_slopes", alibi_slopes), ("sinks", sinks))
+                       if given is not None and given is not False]
+        if unsupported:
+            raise ValueError(f"sequence-parallel attention ({method}) does not take {', '.join(unsupported)}")
+        common = dict(mask=mask, causal=causal, scale=scale, dropout=dropout, generator=generator, group=group,
+                      layout=layout)
+        if method == "ring":
+            return ring_attention(query, key, value, **common)
+        return ulysses_attention(query, key, value, backend=backend, **common)
+
+    return parallel
 
 
 @contextlib.contextmanager
 def sequence_parallel(method: str = "ring", *, group: dist.ProcessGroup | None = None,
                       layout: str = "contiguous") -> Iterator[None]:
     """Within the block, :class:`attnkit.nn.MultiHeadAttention` layers run their self-attention across
-    the ranks of ``group``: each rank passes its shard of the sequence (``[B, n, E]``, positions
-    laid out by ``layout``, see :func:`attnkit.distributed.shard`) and gets its shard of the output.
-    ``method``: ``"ring"`` (:func:`ring_attention`) or ``"ulysses"`` (:func:`ulysses_attention`, with
-    the layer's backend). Masks must be structured, over global positions; ``causal`` is global.
+    the ranks of ``group`` (:func:`attention_fn`): each rank passes its shard of the sequence
+    (``[B, n, E]``, positions laid out by ``layout``, see :func:`attnkit.distributed.shard`) and gets
+    its shard of the output. Masks must be structured, over global positions; ``causal`` is global.
     Everything else in a model (projections, MLPs, norms) is per token and needs no change; the
     position ids must be the shard's global ones, and the loss and parameter gradients are summed
     over ranks by the caller (``all_reduce``). Cross-attention (``key`` given) runs locally.
-    Dropout uses the global RNG (rank 0's seed, broadcast)."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    check_layout(layout)
-
-    def route(queries, keys, values, *, mask, causal, dropout, backend):
-        if method == "ring":
-            return ring_attention(queries, keys, values, mask=mask, causal=causal, dropout=dropout, group=group,
-                                  layout=layout)
-        return ulysses_attention(queries, keys, values, mask=mask, causal=causal, dropout=dropout, group=group,
-                                 layout=layout, backend=backend)
-
-    with _routing.routed(route):
+    Dropout uses the global RNG (every rank draws, rank 0's seed is broadcast). Eager only."""
+    with _routing.routed(attention_fn(method, group=group, layout=layout)):
         yield

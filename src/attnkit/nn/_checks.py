@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
+import torch
 from torch import Tensor
 
 from .._backends import backends
@@ -82,3 +84,24 @@ def weight_tensors(**weights: object) -> None:
     for name, weight in weights.items():
         if not isinstance(weight, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")
+
+
+def optional_softcap(value: object) -> float | None:
+    """``None`` or a positive finite float (the soft-capping of the scores)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"softcap must be None or a positive finite number, got {value!r}")
+    return float(value)
+
+
+def optional_head_vector(name: str, value: object, heads: int, device: torch.device | str | None) -> Tensor | None:
+    """``None`` or a floating tensor ``[heads]`` (a per-head constant such as ALiBi's slopes), copied."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor [num_heads] or None, got {type(value).__name__}"
+                        + (f" of dtype {value.dtype}" if isinstance(value, torch.Tensor) else ""))
+    if value.shape != (heads,):
+        raise ValueError(f"{name} must have shape [num_heads] = [{heads}], got {list(value.shape)}")
+    return value.detach().to(device=device).clone()

@@ -3,7 +3,7 @@
 :func:`attnkit.distributed.sequence_parallel` sets a route here for the duration of a ``with``
 block; :class:`attnkit.nn.MultiHeadAttention` sends its self-attention calls (no cache, no weights)
 through it. ``attnkit.nn`` never imports ``attnkit.distributed``: the route is a plain callable
-taking ``(queries, keys, values, *, mask, causal, dropout, backend)``.
+taking ``(queries, keys, values, *, mask, causal, dropout, backend, softcap, alibi_slopes, sinks)``.
 
 A module-level stack rather than a ``ContextVar``: ``torch.compile`` reads (and guards on) a global
 without a graph break, where ``ContextVar.get`` cannot be traced; a compiled layer inside the block

@@ -96,6 +96,9 @@ class TorchConversions:
                 f"head_dim={self.head_dim}, value_head_dim={self.value_head_dim}, out_dim={self.out_dim}, "
                 f"out_proj={type(self.out_proj).__name__}"
             )
+        modifiers = [name for name in ("softcap", "alibi_slopes", "sinks") if getattr(self, name, None) is not None]
+        if modifiers:
+            raise ValueError(f"torch.nn.MultiheadAttention has no {', '.join(modifiers)}: this layer cannot convert")
         weight = self.q_proj.weight
         module = nn.MultiheadAttention(
             self.embed_dim, self.num_heads, dropout=self.dropout, bias=self.q_proj.bias is not None,

@@ -43,6 +43,12 @@ class MultiHeadAttention(HeadConversions, TorchConversions, AttentionSettings, n
         out_dim: features of the output; default ``embed_dim``.
         output_projection: ``False`` drops ``out_proj`` (it becomes ``nn.Identity``): the output
             is the concatenated heads, as in seeds 001 and 002's list of heads.
+        softcap: Gemma 2's attention-logit soft-capping ``softcap * tanh(score / softcap)``
+            (``attnkit.attention(softcap=)``); default none.
+        alibi_slopes: ALiBi's per-head slopes ``[num_heads]`` (FlashAttention's ``-slope * |p - j|``,
+            bottom-right), kept as a buffer; default none.
+        sinks: give each query head a learned sink logit (GPT-OSS): the parameter ``sinks``
+            ``[num_heads]``, zeros at first, takes probability mass without a value.
 
     Projections are ``nn.Linear`` modules named ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``
     with PyTorch's default ``nn.Linear`` initialisation (``nn.MultiheadAttention`` uses
@@ -74,6 +80,9 @@ class MultiHeadAttention(HeadConversions, TorchConversions, AttentionSettings, n
         value_head_dim: int | None = None,
         out_dim: int | None = None,
         output_projection: bool = True,
+        softcap: float | None = None,
+        alibi_slopes: Tensor | None = None,
+        sinks: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -112,6 +121,11 @@ class MultiHeadAttention(HeadConversions, TorchConversions, AttentionSettings, n
         self.v_proj = nn.Linear(self.vdim, self.num_kv_heads * self.value_head_dim, bias=bias, **factory)
         self.out_proj: nn.Module = (nn.Linear(concatenated, self.out_dim, bias=bias, **factory)
                                     if output_projection else nn.Identity())
+        self.softcap = _checks.optional_softcap(softcap)
+        self.register_buffer("alibi_slopes", _checks.optional_head_vector("alibi_slopes", alibi_slopes,
+                                                                           self.num_heads, device))
+        self.sinks = (nn.Parameter(torch.zeros(self.num_heads, **factory))
+                      if _checks.boolean("sinks", sinks) else None)
 
     @traced_call
     def forward(
@@ -174,7 +188,8 @@ class MultiHeadAttention(HeadConversions, TorchConversions, AttentionSettings, n
         _steps.record("values", values)
 
         settings = dict(mask=mask, causal=self.causal if causal is None else causal,
-                        dropout=self.dropout if self.training else 0.0, backend=self.backend)
+                        dropout=self.dropout if self.training else 0.0, backend=self.backend,
+                        softcap=self.softcap, alibi_slopes=self.alibi_slopes, sinks=self.sinks)
         route = _routing.current() if key is query else None
         if route is not None:  # sequence parallel (attnkit.distributed.sequence_parallel): x is this rank's shard
             if need_weights or cache is not None:

@@ -36,7 +36,11 @@ import torch
 from ... import _torch_private
 
 SOURCE = Path(__file__).with_name("interval_attention.cpp")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+# -ffp-contract=off: GCC would otherwise fuse a * b - c into one FMA in C++ (its default there is
+# "fast"), skipping the rounding of a * b that the forward made: the backward's weights
+# exp(scale * s - lse) must round as the forward's did (huge scores make the difference 0 vs 1).
+# The kernel asks for FMA explicitly where it wants one.
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 
 
 def cache_dir() -> Path:

@@ -4,11 +4,11 @@
 // keys (causal, sliding window, documents, prefix-LM, padding and their intersections). This
 // kernel cuts the rows into blocks; a block computes scores only over the span of its rows'
 // intervals, masks each row to its own interval while taking the softmax (no mask tensor), and
-// multiplies by the values: two matrix products per block through the BLAS sgemm that PyTorch
-// itself links (MKL on x86), with a flash-style running softmax when the span is longer than
-// one chunk of keys. Compared with PyTorch's fused CPU kernel on the same blocks it avoids the
-// kernel's fixed 512-key chunks (a 512 window's 543-key span would run as 512 + 31), the
-// additive mask pass, and partial outputs merged in Python.
+// multiplies by the values, with a flash-style running softmax over chunks of keys. The forward's
+// two products are register-tiled here (see "The forward's products"); the backward's five go
+// through the BLAS sgemm that PyTorch itself links (MKL on x86). Compared with PyTorch's fused CPU
+// kernel on the same blocks it avoids the kernel's fixed 512-key chunks (a 512 window's 543-key
+// span would run as 512 + 31), the additive mask pass, and partial outputs merged in Python.
 //
 // Layout: query [B, H, Lq, D], key [B, Hkv, Lk, D], value [B, Hkv, Lk, Dv], float32, any strides
 // with a unit last-dim stride; lo, hi int64 [S, Lq] with S = 1 (shared) or B. H % Hkv == 0 (GQA:
@@ -22,6 +22,7 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <sys/mman.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
@@ -37,6 +38,8 @@
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                        const float* beta, float* c, const int* ldc);
+// MKL's per-thread thread count (weak: absent where PyTorch links another BLAS).
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));  // the C interface (lower case is Fortran's)
 
 namespace {
 
@@ -49,6 +52,23 @@ void gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha
   const int LDA = static_cast<int>(lda), LDB = static_cast<int>(ldb), LDC = static_cast<int>(ldc);
   sgemm_(&transa, &transb, &M, &N, &K, &alpha, a, &LDA, b, &LDB, &beta, c, &LDC);
 }
+
+// Within one of our parallel tasks, BLAS must run on the calling thread: under torch.compile's
+// inductor (OpenMP threads already busy) MKL otherwise starts its own threads inside each call,
+// oversubscribing the cores (measured: compiled training 0.58x eager at L = 4096, H = 4, window
+// 256; eager itself 27 -> 22 ms with this). Restores the thread's setting on scope exit.
+class SequentialBlas {
+ public:
+  SequentialBlas() : previous_(MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0) {}
+  ~SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(previous_);
+  }
+  SequentialBlas(const SequentialBlas&) = delete;
+  SequentialBlas& operator=(const SequentialBlas&) = delete;
+
+ private:
+  int previous_;
+};
 
 // exp(x) for x <= 0, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by the classic
 // degree-6 single-precision polynomial, 2^n put in the exponent bits. Below -87 (where expf turns
@@ -92,6 +112,75 @@ inline float exp_nonpositive(float x) {
   return p * two_n;
 }
 
+// tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2 |y|) <= 1: exact at +-inf (+-1) and NaN
+// (NaN); near 0 the subtraction 1 - e costs about eps / |y| of relative accuracy (|y| = 0.01:
+// ~1e-5, within what the tests allow Gemma 2's caps of 30-50 on scores of order 1). The scalar
+// and vector forms compute the same operations, so the backward's weights match the forward's.
+inline float tanh_via_exp(float y) {
+  const float e = exp_nonpositive(-2.0f * std::fabs(y));
+  return std::copysign((1.0f - e) / (1.0f + e), y);
+}
+
+inline __m256 tanh_via_exp(__m256 y) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+  const __m256 e = exp_nonpositive(_mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(sign, y)));
+  const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  return _mm256_or_ps(t, _mm256_and_ps(sign, y));  // t >= 0 (or NaN): y's sign
+}
+
+// What turns a product q . k into a score: the scale, then Gemma 2's soft-capping
+// cap * tanh(x / cap) when `cap` > 0, then ALiBi's -slope * |p - j| (FlashAttention's: p the
+// row's key position i + Lk - Lq, bottom-right) when `alibi`. One per (sequence, head).
+struct ScoreMods {
+  float scale = 1.0f, cap = 0.0f, slope = 0.0f;
+  bool alibi = false;
+  int64_t offset = 0;  // Lk - Lq: row i sits at key position i + offset
+
+  float apply(float product, int64_t row, int64_t key, float* cap_grad) const {
+    float x = product * scale;
+    if (cap > 0.0f) {
+      const float t = tanh_via_exp(x / cap);
+      x = cap * t;
+      if (cap_grad) *cap_grad = 1.0f - t * t;
+    }
+    if (alibi) x -= slope * static_cast<float>(std::llabs(row + offset - key));
+    return x;
+  }
+};
+
+// The call's modifiers for sequence b, head h: `slopes` [S, H] float32 (S = 1 or B) or undefined.
+ScoreMods score_mods(double scale, double softcap, const at::Tensor& slopes, int64_t b, int64_t h, int64_t Lq,
+                     int64_t Lk) {
+  ScoreMods m;
+  m.scale = static_cast<float>(scale);
+  m.cap = static_cast<float>(softcap);
+  m.offset = Lk - Lq;
+  if (slopes.defined()) {
+    m.alibi = true;
+    m.slope = slopes.data_ptr<float>()[(slopes.size(0) == 1 ? 0 : b) * slopes.size(1) + h];
+  }
+  return m;
+}
+
+// ScoreMods::apply for 8 pairs at once: rows at key positions `row_pos` (minus the offset) and keys
+// `keys` (int32 lanes), the same operations in the same order; `cap_grad` receives 1 - t^2.
+inline __m256 apply8(const ScoreMods& m, __m256 product, __m256i rows, __m256i keys, __m256* cap_grad) {
+  __m256 x = _mm256_mul_ps(product, _mm256_set1_ps(m.scale));
+  if (m.cap > 0.0f) {
+    const __m256 cap = _mm256_set1_ps(m.cap);
+    const __m256 t = tanh_via_exp(_mm256_div_ps(x, cap));
+    x = _mm256_mul_ps(cap, t);
+    if (cap_grad) *cap_grad = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(t, t));
+  }
+  if (m.alibi) {
+    const __m256i distance =
+        _mm256_abs_epi32(_mm256_sub_epi32(_mm256_add_epi32(rows, _mm256_set1_epi32(static_cast<int>(m.offset))), keys));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(_mm256_set1_ps(m.slope), _mm256_cvtepi32_ps(distance)));
+  }
+  return x;
+}
+
+
 inline float horizontal_max(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -118,14 +207,18 @@ struct Dropout {
   uint32_t threshold = 0;  // keep when bits >= threshold
   float keep_scale = 1.0f;
   uint32_t seed_low = 0, seed_high = 0;
+  // Where this call's rows and keys sit in the pattern (a shard of a longer sequence draws the
+  // pattern of its global positions).
+  int64_t row_start = 0, key_start = 0;
 };
 
 struct DropoutRow {
   uint32_t a = 0, c = 0;
 };
 
-inline Dropout make_dropout(double p, int64_t seed) {
+inline Dropout make_dropout(double p, int64_t seed, int64_t row_start, int64_t key_start) {
   Dropout d;
+  d.row_start = row_start, d.key_start = key_start;
   if (p > 0.0) {
     d.active = true;
     d.threshold = static_cast<uint32_t>(std::min(std::floor(p * 4294967296.0), 4294967295.0));
@@ -149,7 +242,7 @@ inline uint32_t mix(uint32_t x, uint32_t v) { return fmix32(x ^ fmix32(v + 0x9E3
 // The two keys of query row i of head h of sequence b.
 inline DropoutRow dropout_row(const Dropout& d, int64_t b, int64_t h, int64_t i) {
   const auto chain = [&](uint32_t x) {
-    return mix(mix(mix(x, static_cast<uint32_t>(b)), static_cast<uint32_t>(h)), static_cast<uint32_t>(i));
+    return mix(mix(mix(x, static_cast<uint32_t>(b)), static_cast<uint32_t>(h)), static_cast<uint32_t>(i + d.row_start));
   };
   return {chain(d.seed_low), chain(d.seed_high)};
 }
@@ -164,13 +257,14 @@ inline __m256i fmix32(__m256i x) {
 
 // The factor of weight (row, key): 1 / (1 - p) when kept, 0 when dropped.
 inline float dropout_factor(const Dropout& d, DropoutRow r, int64_t key) {
-  const uint32_t bits = fmix32(fmix32(static_cast<uint32_t>(key) ^ r.a) ^ r.c);
+  const uint32_t bits = fmix32(fmix32(static_cast<uint32_t>(key + d.key_start) ^ r.a) ^ r.c);
   return bits >= d.threshold ? d.keep_scale : 0.0f;
 }
 
 // The factors of keys key .. key + 7.
 inline __m256 dropout_factor8(const Dropout& d, DropoutRow r, int64_t key) {
-  const __m256i keys = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(key)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i keys =
+      _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(key + d.key_start)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   __m256i bits = fmix32(_mm256_xor_si256(keys, _mm256_set1_epi32(static_cast<int>(r.a))));
   bits = fmix32(_mm256_xor_si256(bits, _mm256_set1_epi32(static_cast<int>(r.c))));
   // unsigned bits >= threshold, as a signed comparison of both with the sign bit flipped
@@ -178,53 +272,6 @@ inline __m256 dropout_factor8(const Dropout& d, DropoutRow r, int64_t key) {
   const __m256i below = _mm256_cmpgt_epi32(_mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(d.threshold)), sign),
                                            _mm256_xor_si256(bits, sign));
   return _mm256_andnot_ps(_mm256_castsi256_ps(below), _mm256_set1_ps(d.keep_scale));
-}
-
-// Softmax numerators of one row over its keys [lo, hi) of a chunk (scores elsewhere become 0),
-// folded into the row's running max and sum, then dropped out (the sum is taken before: dropout
-// acts on the normalised weights); returns the factor that rescales its accumulator. `key0` is the
-// chunk's first key. A NaN or +inf score makes the sum NaN (exp(NaN) and exp(inf - inf)), which
-// the caller turns into a NaN row; scores of -inf weigh 0, and a chunk whose scores are all -inf
-// adds nothing (rather than exp(-inf + inf)). The max may skip a NaN (maxps returns its second
-// operand): the NaN's own exp still reaches the sum.
-inline float softmax_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi, float& row_max, float& row_sum,
-                               const Dropout& dropout, DropoutRow dropout_keys, int64_t key0) {
-  if (lo >= hi) {
-    std::fill(row, row + width, 0.0f);
-    return 1.0f;
-  }
-  __m256 max8 = _mm256_set1_ps(kNegInf);
-  int64_t t = lo;
-  for (; t + 8 <= hi; t += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(row + t));
-  float chunk_max = horizontal_max(max8);
-  for (; t < hi; ++t) chunk_max = std::max(chunk_max, row[t]);
-  const float new_max = std::max(row_max, chunk_max);
-  if (new_max == kNegInf) {  // the max passes over NaN: only -inf and NaN scores come here
-    if (std::any_of(row + lo, row + hi, [](float x) { return std::isnan(x); })) {
-      row_sum = std::numeric_limits<float>::quiet_NaN();
-    }
-    std::fill(row, row + width, 0.0f);
-    return 1.0f;
-  }
-  const float rescale = row_max == kNegInf ? 0.0f : exp_nonpositive(row_max - new_max);
-  std::fill(row, row + lo, 0.0f);
-  const __m256 shift = _mm256_set1_ps(new_max);
-  __m256 sum8 = _mm256_setzero_ps();
-  for (t = lo; t + 8 <= hi; t += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + t), shift));
-    sum8 = _mm256_add_ps(sum8, e);
-    _mm256_storeu_ps(row + t, dropout.active ? _mm256_mul_ps(e, dropout_factor8(dropout, dropout_keys, key0 + t)) : e);
-  }
-  float sum = horizontal_sum(sum8);
-  for (; t < hi; ++t) {
-    const float e = exp_nonpositive(row[t] - new_max);
-    sum += e;
-    row[t] = dropout.active ? e * dropout_factor(dropout, dropout_keys, key0 + t) : e;
-  }
-  std::fill(row + hi, row + width, 0.0f);
-  row_sum = row_sum * rescale + sum;
-  row_max = new_max;
-  return rescale;
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -286,13 +333,14 @@ inline void zero_and_check(float* x, int64_t n, __m256& bad) {
 // or +inf score makes the row NaN; all scores -inf (or none) make it zeros with lse -inf. `s` is
 // scratch for the row's scores.
 void exact_forward_row(const float* q_row, const float* k_head, int64_t k2s, const float* v_head, int64_t v2s,
-                       int64_t D, int64_t Dv, int64_t lo, int64_t hi, float scale, const Dropout& dropout,
-                       DropoutRow dropout_keys, std::vector<float>& s, float* out, float* lse) {
+                       int64_t D, int64_t Dv, int64_t lo, int64_t hi, const ScoreMods& mods, int64_t row,
+                       const Dropout& dropout, DropoutRow dropout_keys, std::vector<float>& s, float* out,
+                       float* lse) {
   float row_max = kNegInf;
   bool nan_row = false;
   if (static_cast<int64_t>(s.size()) < hi - lo) s.resize(hi - lo);
   for (int64_t t = lo; t < hi; ++t) {
-    const float x = scale * dot(q_row, k_head + t * k2s, D);
+    const float x = mods.apply(dot(q_row, k_head + t * k2s, D), row, t, nullptr);
     s[t - lo] = x;
     nan_row = nan_row || std::isnan(x) || x == std::numeric_limits<float>::infinity();
     row_max = std::max(row_max, x);
@@ -316,6 +364,20 @@ void exact_forward_row(const float* q_row, const float* k_head, int64_t k2s, con
   const float inverse = 1.0f / sum;
   for (int64_t d = 0; d < Dv; ++d) out[d] *= inverse;
   *lse = row_max + std::log(sum);
+}
+
+// A fresh tensor of >= 32 MiB is a fresh mapping (glibc maps such allocations anew each time),
+// whose every 4 KiB page faults on first touch. Asking for transparent huge pages where the
+// system offers them on request cuts the faults 512-fold. Only the 2 MiB-aligned interior can
+// use them; the advice is dropped with the mapping when the tensor is freed.
+at::Tensor with_huge_pages(at::Tensor t) {
+#ifdef MADV_HUGEPAGE
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = (begin + t.nbytes()) & ~(kHuge - 1);
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // advice: failure is harmless
+#endif
+  return t;
 }
 
 // The sizes of a call, from inputs checked alike for both directions: query [B, H, Lq, D], key
@@ -343,6 +405,16 @@ Sizes check_inputs(const char* op, const at::Tensor& query, const at::Tensor& ke
   return n;
 }
 
+// ALiBi slopes as float32 [1 or B, H] (contiguous), or undefined when there are none.
+at::Tensor checked_slopes(const char* op, const std::optional<at::Tensor>& slopes, int64_t B, int64_t H, double softcap) {
+  TORCH_CHECK(softcap >= 0.0, op, ": softcap must be >= 0 (0: none)");
+  if (!slopes.has_value() || !slopes->defined()) return {};
+  TORCH_CHECK(slopes->scalar_type() == at::kFloat && slopes->device().is_cpu() && slopes->dim() == 2 &&
+                  (slopes->size(0) == 1 || slopes->size(0) == B) && slopes->size(1) == H,
+              op, ": alibi_slopes must be float32 CPU [1 or B, H]");
+  return slopes->contiguous();
+}
+
 // The intervals of a block's `rows` rows clipped to the keys [0, Lk) into row_lo, row_hi (a row
 // whose lse is -inf, when `lse` is given, gets none: it has no weights, and takes no part in the
 // gradients); returns the span [first, last) of the non-empty ones, empty (first >= last) when
@@ -362,18 +434,239 @@ std::pair<int64_t, int64_t> block_span(const int64_t* lo, const int64_t* hi, int
   return {first, last};
 }
 
+// ---- The forward's products, register-tiled (no BLAS) --------------------------------------------
+//
+// A block's rows are padded to groups of 32 (4 vectors of 8 rows) and everything it computes is
+// laid out key-major (or feature-major) with the rows as the vector dimension: scores S[t][r],
+// the scaled queries Qt[d][r], the output accumulator Ot[dv][r], each row of length `rs` (the
+// padded row count). Both products then broadcast one element of K or V, which are read in place
+// (rows of D or Dv floats), against 4 row vectors: S[t][.] += K[t][d] Qt[d][.] and
+// Ot[dv][.] += V[t][dv] P[t][.]. Nothing is packed per call (MKL's sgemm spent a fifth of its time
+// copying the key span of every block), the softmax runs on whole vectors of rows (no horizontal
+// max, masks by integer compares), and the running rescale is applied as the accumulators load.
+
+constexpr int64_t kGroup = 32;  // rows per register tile: 4 vectors of 8
+
+// The asm makes GCC keep the four row vectors in registers: folded into each FMA as a memory
+// operand (its choice otherwise) they are loaded once per key, 10 loads per 8 FMA instead of 6,
+// and the loop becomes load-bound.
+#define ATTNKIT_IN_REGISTERS(a, b, c, d) asm("" : "+x"(a), "+x"(b), "+x"(c), "+x"(d))
+
+// s[0][.] = sum_d k0[d] qt[d][.], s[ss][.] = sum_d k1[d] qt[d][.] over 32 rows (qt row stride rs).
+inline void scores_tile2(const float* k0, const float* k1, int64_t D, const float* qt, int64_t rs, float* s,
+                         int64_t ss) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  for (int64_t d = 0; d < D; ++d) {
+    const float* row = qt + d * rs;
+    __m256 q0 = _mm256_loadu_ps(row), q1 = _mm256_loadu_ps(row + 8), q2 = _mm256_loadu_ps(row + 16),
+           q3 = _mm256_loadu_ps(row + 24);
+    ATTNKIT_IN_REGISTERS(q0, q1, q2, q3);
+    const __m256 x = _mm256_broadcast_ss(k0 + d), y = _mm256_broadcast_ss(k1 + d);
+    a0 = _mm256_fmadd_ps(x, q0, a0), a1 = _mm256_fmadd_ps(x, q1, a1);
+    a2 = _mm256_fmadd_ps(x, q2, a2), a3 = _mm256_fmadd_ps(x, q3, a3);
+    b0 = _mm256_fmadd_ps(y, q0, b0), b1 = _mm256_fmadd_ps(y, q1, b1);
+    b2 = _mm256_fmadd_ps(y, q2, b2), b3 = _mm256_fmadd_ps(y, q3, b3);
+  }
+  _mm256_storeu_ps(s, a0), _mm256_storeu_ps(s + 8, a1), _mm256_storeu_ps(s + 16, a2), _mm256_storeu_ps(s + 24, a3);
+  s += ss;
+  _mm256_storeu_ps(s, b0), _mm256_storeu_ps(s + 8, b1), _mm256_storeu_ps(s + 16, b2), _mm256_storeu_ps(s + 24, b3);
+}
+
+inline void scores_tile1(const float* k0, int64_t D, const float* qt, int64_t rs, float* s) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t d = 0; d < D; ++d) {
+    const float* row = qt + d * rs;
+    const __m256 x = _mm256_broadcast_ss(k0 + d);
+    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(row), a0), a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(row + 8), a1);
+    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(row + 16), a2), a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(row + 24), a3);
+  }
+  _mm256_storeu_ps(s, a0), _mm256_storeu_ps(s + 8, a1), _mm256_storeu_ps(s + 16, a2), _mm256_storeu_ps(s + 24, a3);
+}
+
+// S[t][r] = sum_d K[t][d] Qt[d][r] for the W keys from k (row stride k2s), all `rs` rows.
+void block_scores(const float* k, int64_t k2s, int64_t W, int64_t D, const float* qt, int64_t rs, float* s) {
+  for (int64_t g = 0; g < rs; g += kGroup) {
+    int64_t t = 0;
+    for (; t + 2 <= W; t += 2) scores_tile2(k + t * k2s, k + (t + 1) * k2s, D, qt + g, rs, s + t * rs + g, rs);
+    if (t < W) scores_tile1(k + t * k2s, D, qt + g, rs, s + t * rs + g);
+  }
+}
+
+// How the output accumulators start a chunk: zero, as they are, or rescaled row by row.
+enum class Start { kZero, kKeep, kRescale };
+
+inline void load_accumulators(const float* ot, Start start, const __m256* rescale, __m256& a0, __m256& a1,
+                              __m256& a2, __m256& a3) {
+  if (start == Start::kZero) {
+    a0 = a1 = a2 = a3 = _mm256_setzero_ps();
+    return;
+  }
+  a0 = _mm256_loadu_ps(ot), a1 = _mm256_loadu_ps(ot + 8), a2 = _mm256_loadu_ps(ot + 16), a3 = _mm256_loadu_ps(ot + 24);
+  if (start == Start::kRescale) {
+    a0 = _mm256_mul_ps(a0, rescale[0]), a1 = _mm256_mul_ps(a1, rescale[1]);
+    a2 = _mm256_mul_ps(a2, rescale[2]), a3 = _mm256_mul_ps(a3, rescale[3]);
+  }
+}
+
+// ot[0][.] and ot[rs][.] (two features, v and v + 1) (+)= sum_t V[t][.] P[t][.] over 32 rows.
+inline void values_tile2(const float* v, int64_t v2s, int64_t W, const float* p, int64_t rs, float* ot, Start start,
+                         const __m256* rescale) {
+  __m256 a0, a1, a2, a3, b0, b1, b2, b3;
+  load_accumulators(ot, start, rescale, a0, a1, a2, a3);
+  load_accumulators(ot + rs, start, rescale, b0, b1, b2, b3);
+  for (int64_t t = 0; t < W; ++t) {
+    const float* row = p + t * rs;
+    __m256 p0 = _mm256_loadu_ps(row), p1 = _mm256_loadu_ps(row + 8), p2 = _mm256_loadu_ps(row + 16),
+           p3 = _mm256_loadu_ps(row + 24);
+    ATTNKIT_IN_REGISTERS(p0, p1, p2, p3);
+    const __m256 x = _mm256_broadcast_ss(v + t * v2s), y = _mm256_broadcast_ss(v + t * v2s + 1);
+    a0 = _mm256_fmadd_ps(x, p0, a0), a1 = _mm256_fmadd_ps(x, p1, a1);
+    a2 = _mm256_fmadd_ps(x, p2, a2), a3 = _mm256_fmadd_ps(x, p3, a3);
+    b0 = _mm256_fmadd_ps(y, p0, b0), b1 = _mm256_fmadd_ps(y, p1, b1);
+    b2 = _mm256_fmadd_ps(y, p2, b2), b3 = _mm256_fmadd_ps(y, p3, b3);
+  }
+  _mm256_storeu_ps(ot, a0), _mm256_storeu_ps(ot + 8, a1), _mm256_storeu_ps(ot + 16, a2), _mm256_storeu_ps(ot + 24, a3);
+  ot += rs;
+  _mm256_storeu_ps(ot, b0), _mm256_storeu_ps(ot + 8, b1), _mm256_storeu_ps(ot + 16, b2), _mm256_storeu_ps(ot + 24, b3);
+}
+
+inline void values_tile1(const float* v, int64_t v2s, int64_t W, const float* p, int64_t rs, float* ot, Start start,
+                         const __m256* rescale) {
+  __m256 a0, a1, a2, a3;
+  load_accumulators(ot, start, rescale, a0, a1, a2, a3);
+  for (int64_t t = 0; t < W; ++t) {
+    const float* row = p + t * rs;
+    const __m256 x = _mm256_broadcast_ss(v + t * v2s);
+    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(row), a0), a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(row + 8), a1);
+    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(row + 16), a2), a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(row + 24), a3);
+  }
+  _mm256_storeu_ps(ot, a0), _mm256_storeu_ps(ot + 8, a1), _mm256_storeu_ps(ot + 16, a2), _mm256_storeu_ps(ot + 24, a3);
+}
+
+// Ot[dv][r] (+)= sum_t V[t][dv] P[t][r] for the W keys from v (row stride v2s), all `rs` rows;
+// `start[g]` and `rescale + 4 g` say how group g's accumulators begin.
+void block_values(const float* v, int64_t v2s, int64_t W, int64_t Dv, const float* p, int64_t rs, float* ot,
+                  const Start* start, const __m256* rescale) {
+  for (int64_t g = 0; g < rs; g += kGroup) {
+    const Start s = start[g / kGroup];
+    const __m256* r = rescale + g / kGroup * 4;
+    int64_t d = 0;
+    for (; d + 2 <= Dv; d += 2) values_tile2(v + d, v2s, W, p + g, rs, ot + d * rs + g, s, r);
+    if (d < Dv) values_tile1(v + d, v2s, W, p + g, rs, ot + d * rs + g, s, r);
+  }
+}
+
+// dst[c][r] = factor * src[r][c] for r < rows, c < cols (src row stride ss, dst row stride ds),
+// by 8 x 8 tiles in registers where whole, element by element at the edges.
+void transpose(const float* src, int64_t ss, int64_t rows, int64_t cols, float factor, float* dst, int64_t ds) {
+  const __m256 f = _mm256_set1_ps(factor);
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) {
+    int64_t c = 0;
+    for (; c + 8 <= cols; c += 8) {
+      __m256 x[8];
+      for (int i = 0; i < 8; ++i) x[i] = _mm256_mul_ps(_mm256_loadu_ps(src + (r + i) * ss + c), f);
+      const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(x[4], x[5]), t5 = _mm256_unpackhi_ps(x[4], x[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(x[6], x[7]), t7 = _mm256_unpackhi_ps(x[6], x[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      const __m256 y[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+                           _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+                           _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+                           _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + (c + i) * ds + r, y[i]);
+    }
+    for (; c < cols; ++c) {
+      for (int64_t i = r; i < r + 8; ++i) dst[c * ds + i] = factor * src[i * ss + c];
+    }
+  }
+  for (; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) dst[c * ds + r] = factor * src[r * ss + c];
+  }
+}
+
+// The dropout factors of 8 rows (their keys a, c as lanes) for one key.
+inline __m256 dropout_factor_rows(const Dropout& d, __m256i a, __m256i c, int64_t key) {
+  __m256i bits = fmix32(_mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(key + d.key_start)), a));
+  bits = fmix32(_mm256_xor_si256(bits, c));
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256i below = _mm256_cmpgt_epi32(_mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(d.threshold)), sign),
+                                           _mm256_xor_si256(bits, sign));
+  return _mm256_andnot_ps(_mm256_castsi256_ps(below), _mm256_set1_ps(d.keep_scale));
+}
+
+// The running softmax of 8 rows (one vector) over a chunk of W keys from key0, in place in
+// S[t][.] (row stride rs): the products q . k become scores by `mods` (the scale after the product,
+// as the definition orders them: scaling q first would overflow where the score does not; `rows`
+// the lanes' row indices), scores outside each row's [lo, hi) become -inf, then the weights
+// exp(s - max) (times the dropout factors; the sum is taken before). Keys [all_lo, all_hi)
+// (chunk-relative) are attended by all 8 rows and need no mask (most keys of a block: all but
+// the two triangles at a window's or a diagonal's ends). Folds the chunk into the rows' running
+// max and sum and returns the factor that rescales their accumulators. Lanes whose max is still
+// -inf shift by 0 (all weights 0, no exp(-inf + inf)); a NaN or +inf score makes the sum NaN,
+// which becomes a NaN row.
+inline __m256 softmax_rows(float* s, int64_t rs, int64_t W, int64_t key0, __m256i lo, __m256i hi, int64_t all_lo,
+                           int64_t all_hi, const ScoreMods& mods, __m256i rows, __m256& row_max, __m256& row_sum,
+                           const Dropout& dropout, __m256i drop_a, __m256i drop_c) {
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf), scale = _mm256_set1_ps(mods.scale);
+  const bool plain = mods.cap <= 0.0f && !mods.alibi;
+  const auto score = [&](int64_t t) {
+    const __m256 product = _mm256_loadu_ps(s + t * rs);
+    return plain ? _mm256_mul_ps(product, scale)
+                 : apply8(mods, product, rows, _mm256_set1_epi32(static_cast<int>(key0 + t)), nullptr);
+  };
+  __m256 chunk_max = row_max;
+  const auto masked = [&](int64_t from, int64_t to) {
+    __m256i key = _mm256_set1_epi32(static_cast<int>(key0 + from));
+    for (int64_t t = from; t < to; ++t, key = _mm256_add_epi32(key, _mm256_set1_epi32(1))) {
+      const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(lo, key), _mm256_cmpgt_epi32(hi, key));
+      const __m256 x = _mm256_blendv_ps(neg_inf, score(t), _mm256_castsi256_ps(in));
+      _mm256_storeu_ps(s + t * rs, x);
+      chunk_max = _mm256_max_ps(chunk_max, x);
+    }
+  };
+  const int64_t a = std::clamp<int64_t>(all_lo - key0, 0, W), z = std::clamp<int64_t>(all_hi - key0, a, W);
+  masked(0, a);
+  for (int64_t t = a; t < z; ++t) {
+    const __m256 x = score(t);
+    _mm256_storeu_ps(s + t * rs, x);
+    chunk_max = _mm256_max_ps(chunk_max, x);
+  }
+  masked(z, W);
+  const __m256 shift = _mm256_andnot_ps(_mm256_cmp_ps(chunk_max, neg_inf, _CMP_EQ_OQ), chunk_max);
+  const __m256 rescale =
+      _mm256_andnot_ps(_mm256_cmp_ps(row_max, neg_inf, _CMP_EQ_OQ), exp_nonpositive(_mm256_sub_ps(row_max, shift)));
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < W; ++t) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t * rs), shift));
+    sum = _mm256_add_ps(sum, e);
+    _mm256_storeu_ps(s + t * rs, dropout.active ? _mm256_mul_ps(e, dropout_factor_rows(dropout, drop_a, drop_c, key0 + t)) : e);
+  }
+  row_sum = _mm256_fmadd_ps(row_sum, rescale, sum);
+  row_max = chunk_max;
+  return rescale;
+}
+
 std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, const at::Tensor& key,
                                                     const at::Tensor& value, const at::Tensor& lo_rows,
                                                     const at::Tensor& hi_rows, double scale, int64_t block,
-                                                    int64_t chunk, double dropout_p, int64_t seed) {
+                                                    int64_t chunk, double dropout_p, int64_t seed, double softcap,
+                                                    const std::optional<at::Tensor>& alibi_slopes,
+                                                    int64_t dropout_row_start, int64_t dropout_key_start) {
   at::Tensor lo, hi;
   const Sizes n = check_inputs("interval_forward", query, key, value, lo_rows, hi_rows, lo, hi);
   const int64_t B = n.B, H = n.H, Lq = n.Lq, D = n.D, Hkv = n.Hkv, Lk = n.Lk, Dv = n.Dv;  // the lambdas capture these
   TORCH_CHECK(block > 0 && chunk > 0, "interval_forward: block and chunk must be positive");
+  TORCH_CHECK(Lk < (int64_t{1} << 31), "interval_forward: at most 2^31 - 1 keys");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "interval_forward: dropout must be in [0, 1)");
-  const Dropout dropout = make_dropout(dropout_p, seed);
+  const Dropout dropout = make_dropout(dropout_p, seed, dropout_row_start, dropout_key_start);
+  const at::Tensor slopes = checked_slopes("interval_forward", alibi_slopes, B, H, softcap);
 
-  at::Tensor out = at::empty({B, H, Lq, Dv}, query.options());
+  at::Tensor out = with_huge_pages(at::empty({B, H, Lq, Dv}, query.options()));
   at::Tensor lse = at::empty({B, H, Lq}, query.options());
   if (lse.numel() == 0) return {out, lse};
   const int64_t group = H / Hkv, blocks = (Lq + block - 1) / block;
@@ -390,22 +683,22 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   const int64_t shared_rows = lo.size(0) == 1;
 
   // Tasks run (batch, head, block) in order: a thread's consecutive blocks share most keys.
+  const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
   at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(block * chunk), row_max(block), row_sum(block), rescale(block);
-    std::vector<int64_t> row_lo(block), row_hi(block);
-    std::vector<DropoutRow> row_keys(block);
+    std::vector<float> qt(D * padded), scores(chunk * padded), ot(Dv * padded), row_max(padded), row_sum(padded);
+    std::vector<__m256> max8(padded / 8), sum8(padded / 8), rescale8(padded / 8);
+    std::vector<__m256i> lo8(padded / 8), hi8(padded / 8), drop_a8(padded / 8), drop_c8(padded / 8);
+    std::vector<Start> start(padded / kGroup);
+    std::vector<int64_t> row_lo(padded), row_hi(padded), all_lo(padded / 8), all_hi(padded / 8);
+    std::vector<DropoutRow> row_keys(padded);
     std::vector<float> exact_scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (H * blocks), h = (task / blocks) % H, first = (task % blocks) * block;
-      const int64_t rows = std::min(block, Lq - first);
+      const ScoreMods mods = score_mods(scale, softcap, slopes, b, h, Lq, Lk);
+      const int64_t rows = std::min(block, Lq - first), rs = (rows + kGroup - 1) / kGroup * kGroup;
       const int64_t* lo_seq = lo_data + (shared_rows ? 0 : b * Lq) + first;
       const int64_t* hi_seq = hi_data + (shared_rows ? 0 : b * Lq) + first;
       const auto [span_lo, span_hi] = block_span(lo_seq, hi_seq, rows, Lk, nullptr, row_lo.data(), row_hi.data());
-      for (int64_t j = 0; j < rows; ++j) {
-        row_max[j] = kNegInf;
-        row_sum[j] = 0.0f;
-        if (dropout.active) row_keys[j] = dropout_row(dropout, b, h, first + j);
-      }
       const float* q_block = q + b * q0s + h * q1s + first * q2s;
       const float* k_head = k + b * k0s + (h / group) * k1s;
       const float* v_head = v + b * v0s + (h / group) * v1s;
@@ -416,31 +709,56 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
         std::fill(l_block, l_block + rows, kNegInf);
         continue;
       }
+      // Rows past the block's last (padding up to a whole group, queries 0) attend the whole span, so
+      // that they do not narrow the keys all rows of their vector attend; their results are dropped.
+      for (int64_t j = rows; j < rs; ++j) row_lo[j] = span_lo, row_hi[j] = span_hi;
+      for (int64_t j = 0; j < rs; ++j) {
+        if (dropout.active) row_keys[j] = j < rows ? dropout_row(dropout, b, h, first + j) : DropoutRow{};
+      }
+      for (int64_t u = 0; u < rs / 8; ++u) {
+        alignas(32) int32_t lo_lanes[8], hi_lanes[8], a_lanes[8], c_lanes[8];
+        all_lo[u] = 0, all_hi[u] = Lk;
+        for (int i = 0; i < 8; ++i) {
+          all_lo[u] = std::max(all_lo[u], row_lo[8 * u + i]), all_hi[u] = std::min(all_hi[u], row_hi[8 * u + i]);
+          lo_lanes[i] = static_cast<int32_t>(row_lo[8 * u + i]);
+          hi_lanes[i] = static_cast<int32_t>(row_hi[8 * u + i]);
+          a_lanes[i] = static_cast<int32_t>(row_keys[8 * u + i].a);
+          c_lanes[i] = static_cast<int32_t>(row_keys[8 * u + i].c);
+        }
+        lo8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo_lanes));
+        hi8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi_lanes));
+        drop_a8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(a_lanes));
+        drop_c8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c_lanes));
+        max8[u] = _mm256_set1_ps(kNegInf);
+        sum8[u] = _mm256_setzero_ps();
+      }
+      // Qt[d][r] = q_r[d], padding rows 0
+      transpose(q_block, q2s, rows, D, 1.0f, qt.data(), rs);
+      for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
       for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
         const int64_t width = std::min(chunk, span_hi - c0);
         float* s = scores.data();
-        // scores[j][t] = scale * q_j . k_(c0+t): column-major S^T (width x rows) = K_chunk Q^T.
-        gemm('T', 'N', width, rows, D, static_cast<float>(scale), k_head + c0 * k2s, k2s, q_block, q2s, 0.0f, s,
-             width);
-        for (int64_t j = 0; j < rows; ++j) {
-          const int64_t a = std::clamp<int64_t>(row_lo[j] - c0, 0, width);
-          const int64_t z = std::clamp<int64_t>(row_hi[j] - c0, 0, width);
-          rescale[j] = softmax_chunk_row(s + j * width, width, a, z, row_max[j], row_sum[j], dropout, row_keys[j], c0);
+        block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s);
+        for (int64_t u = 0; u < rs / 8; ++u) {
+          rescale8[u] = softmax_rows(s + 8 * u, rs, width, c0, lo8[u], hi8[u], all_lo[u], all_hi[u], mods,
+                                     _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first + 8 * u)),
+                                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                     max8[u], sum8[u],
+                                     dropout, drop_a8[u], drop_c8[u]);
         }
-        const bool first_chunk = c0 == span_lo;
-        if (!first_chunk) {
-          for (int64_t j = 0; j < rows; ++j) {
-            if (rescale[j] != 1.0f) {
-              float* acc = o_block + j * Dv;
-              for (int64_t d = 0; d < Dv; ++d) acc[d] *= rescale[j];
-            }
+        for (int64_t g = 0; g < rs / kGroup; ++g) {
+          bool ones = true;
+          for (int i = 0; i < 4; ++i) {
+            ones = ones && _mm256_movemask_ps(_mm256_cmp_ps(rescale8[4 * g + i], _mm256_set1_ps(1.0f), _CMP_EQ_OQ)) == 0xFF;
           }
+          start[g] = c0 == span_lo ? Start::kZero : ones ? Start::kKeep : Start::kRescale;
         }
-        // out[j] (+)= sum_t p[j][t] v_(c0+t): column-major O^T (Dv x rows) = V_chunk^T P^T.
-        if (Dv > 0) {  // BLAS rejects a leading dimension of 0
-          gemm('N', 'N', Dv, rows, width, 1.0f, v_head + c0 * v2s, v2s, s, width, first_chunk ? 0.0f : 1.0f,
-               o_block, Dv);
-        }
+        block_values(v_head + c0 * v2s, v2s, width, Dv, s, rs, ot.data(), start.data(), rescale8.data());
+      }
+      transpose(ot.data(), rs, Dv, rows, 1.0f, o_block, Dv);  // out[r][dv] = Ot[dv][r], normalised below
+      for (int64_t u = 0; u < rs / 8; ++u) {
+        _mm256_storeu_ps(row_max.data() + 8 * u, max8[u]);
+        _mm256_storeu_ps(row_sum.data() + 8 * u, sum8[u]);
       }
       // A non-finite value in an accumulator came from a value the block multiplied by a weight:
       // a masked key's (weight 0, which must not count) or an attended one's, where the running
@@ -455,8 +773,8 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           if (scale_and_check(acc, Dv, 1.0f / sum)) {
             l_block[j] = row_max[j] + std::log(sum);
           } else {
-            exact_forward_row(q_block + j * q2s, k_head, k2s, v_head, v2s, D, Dv, row_lo[j], row_hi[j],
-                              static_cast<float>(scale), dropout, row_keys[j], exact_scores, acc, l_block + j);
+            exact_forward_row(q_block + j * q2s, k_head, k2s, v_head, v2s, D, Dv, row_lo[j], row_hi[j], mods,
+                              first + j, dropout, row_keys[j], exact_scores, acc, l_block + j);
           }
         } else {  // no key, or only scores of -inf
           std::fill(acc, acc + Dv, 0.0f);
@@ -468,30 +786,49 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   return {out, lse};
 }
 
-// P = exp(row - lse) on the row's keys [lo, hi) of a chunk, 0 elsewhere (the softmax weights,
-// recomputed from the forward's log-sum-exp: no running max is needed). The scores it zeroes are
-// checked into `bad` first: a non-finite one there would reach dQ or dK through a weight of 0.
-inline void weights_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi, float lse, __m256& bad) {
+// P = exp(score - lse) on the row's keys [lo, hi) of a chunk whose first key is key0, 0 elsewhere
+// (the softmax weights, recomputed from the forward's log-sum-exp: no running max is needed); the
+// score is the product's by `mods` for row `row`, the forward's operations. With soft-capping,
+// cap_grad gets each key's 1 - t^2 (the cap's derivative). The products it zeroes are checked into
+// `bad` first: a non-finite one there would reach dQ or dK through a weight of 0.
+inline void weights_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi, const ScoreMods& mods, int64_t i,
+                              int64_t key0, float lse, float* cap_grad, __m256& bad) {
   zero_and_check(row, lo, bad);
-  const __m256 shift = _mm256_set1_ps(lse), zero = _mm256_setzero_ps();
+  const __m256 shift = _mm256_set1_ps(lse), zero = _mm256_setzero_ps(), scale8 = _mm256_set1_ps(mods.scale);
+  const bool plain = mods.cap <= 0.0f && !mods.alibi;
+  const __m256i rows = _mm256_set1_epi32(static_cast<int>(i));
   int64_t t = lo;
   for (; t + 8 <= hi; t += 8) {
+    // not fused: the forward rounded scale * q.k before subtracting (an fma would leave that
+    // rounding, huge for huge scores, in the weight)
+    const __m256 product = _mm256_loadu_ps(row + t);
+    __m256 grad;
+    const __m256 x = plain ? _mm256_mul_ps(product, scale8)
+                           : apply8(mods, product, rows,
+                                    _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(key0 + t)),
+                                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                    &grad);
+    if (mods.cap > 0.0f) _mm256_storeu_ps(cap_grad + t, grad);
     // min(0, .): a recomputed score may exceed the forward's lse by a rounding error (minps
     // returns its second operand, a NaN, when there is one)
-    const __m256 x = _mm256_min_ps(zero, _mm256_sub_ps(_mm256_loadu_ps(row + t), shift));
-    _mm256_storeu_ps(row + t, exp_nonpositive(x));
+    _mm256_storeu_ps(row + t, exp_nonpositive(_mm256_min_ps(zero, _mm256_sub_ps(x, shift))));
   }
-  for (; t < hi; ++t) row[t] = exp_nonpositive(std::min(row[t] - lse, 0.0f));  // std::min keeps a NaN first argument
+  for (; t < hi; ++t) {
+    const float x = mods.apply(row[t], i, key0 + t, cap_grad + t);
+    row[t] = exp_nonpositive(std::min(x - lse, 0.0f));  // std::min keeps a NaN first argument
+  }
   zero_and_check(row + hi, width - hi, bad);
 }
 
-// dS = scale * P * (f * dP - delta) in place of dP, for one row of a chunk, f the dropout factor
+// dS = scale * P * (f * dP - delta) in place of dP (times 1 - t^2 from `cap_grad` under
+// soft-capping, when not null), for one row of a chunk, f the dropout factor
 // of each key (0 or 1 / (1 - p); 1 without dropout): the output used f * P. With dropout P also
 // becomes f * P, for dV. Outside the row's keys [lo, hi), P is 0 and so is dS; the dP it zeroes
 // are checked into `bad` first (a non-finite one means a non-finite dO, which would reach dV
 // through a weight of 0).
 inline void score_grad_row(float* p, float* dp, int64_t width, int64_t lo, int64_t hi, float delta, float scale,
-                           const Dropout& dropout, DropoutRow keys, int64_t key0, __m256& bad) {
+                           const float* cap_grad, const Dropout& dropout, DropoutRow keys, int64_t key0,
+                           __m256& bad) {
   zero_and_check(dp, lo, bad);
   const __m256 d8 = _mm256_set1_ps(delta), s8 = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f);
   int64_t t = lo;
@@ -499,12 +836,13 @@ inline void score_grad_row(float* p, float* dp, int64_t width, int64_t lo, int64
     const __m256 f = dropout.active ? dropout_factor8(dropout, keys, key0 + t) : one;
     const __m256 weight = _mm256_loadu_ps(p + t);
     const __m256 g = _mm256_mul_ps(weight, _mm256_sub_ps(_mm256_mul_ps(f, _mm256_loadu_ps(dp + t)), d8));
-    _mm256_storeu_ps(dp + t, _mm256_mul_ps(g, s8));
+    const __m256 chain = cap_grad ? _mm256_mul_ps(s8, _mm256_loadu_ps(cap_grad + t)) : s8;
+    _mm256_storeu_ps(dp + t, _mm256_mul_ps(g, chain));
     if (dropout.active) _mm256_storeu_ps(p + t, _mm256_mul_ps(weight, f));
   }
   for (; t < hi; ++t) {
     const float f = dropout.active ? dropout_factor(dropout, keys, key0 + t) : 1.0f;
-    dp[t] = scale * (p[t] * (f * dp[t] - delta));
+    dp[t] = (cap_grad ? scale * cap_grad[t] : scale) * (p[t] * (f * dp[t] - delta));
     p[t] *= f;
   }
   zero_and_check(dp + hi, width - hi, bad);
@@ -547,7 +885,8 @@ void exact_backward_chunk(int64_t rows, int64_t width, int64_t c0, const int64_t
 std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& lse_rows, const at::Tensor& delta_rows, const at::Tensor& lo_rows, const at::Tensor& hi_rows,
-    double scale, int64_t block, int64_t chunk, int64_t parts, double dropout_p, int64_t seed) {
+    double scale, int64_t block, int64_t chunk, int64_t parts, double dropout_p, int64_t seed, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t dropout_row_start, int64_t dropout_key_start) {
   at::Tensor lo, hi;
   const Sizes n = check_inputs("interval_backward", query, key, value, lo_rows, hi_rows, lo, hi);
   const int64_t B = n.B, H = n.H, Lq = n.Lq, D = n.D, Hkv = n.Hkv, Lk = n.Lk, Dv = n.Dv;  // the lambdas capture these
@@ -557,15 +896,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               "interval_backward: grad_out must be float32 CPU with a unit stride along the head dimension");
   TORCH_CHECK(block > 0 && chunk > 0 && parts > 0, "interval_backward: block, chunk and parts must be positive");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "interval_backward: dropout must be in [0, 1)");
-  const Dropout dropout = make_dropout(dropout_p, seed);
+  const Dropout dropout = make_dropout(dropout_p, seed, dropout_row_start, dropout_key_start);
+  const at::Tensor slopes = checked_slopes("interval_backward", alibi_slopes, B, H, softcap);
   const at::Tensor lse = lse_rows.contiguous(), delta = delta_rows.contiguous();
   TORCH_CHECK(lse.scalar_type() == at::kFloat && delta.scalar_type() == at::kFloat &&
                   lse.sizes() == at::IntArrayRef({B, H, Lq}) && delta.sizes() == lse.sizes(),
               "interval_backward: lse and delta must be float32 [B, H, Lq]");
 
-  at::Tensor dq = at::empty({B, H, Lq, D}, query.options());  // each block writes its rows
-  at::Tensor dk = at::zeros({B, Hkv, parts, Lk, D}, query.options());
-  at::Tensor dv = at::zeros({B, Hkv, parts, Lk, Dv}, query.options());
+  at::Tensor dq = with_huge_pages(at::empty({B, H, Lq, D}, query.options()));  // each block writes its rows
+  at::Tensor dk = with_huge_pages(at::empty({B, Hkv, parts, Lk, D}, query.options())).zero_();
+  at::Tensor dv = with_huge_pages(at::empty({B, Hkv, parts, Lk, Dv}, query.options())).zero_();
   const int64_t group = H / Hkv, blocks = (Lq + block - 1) / block;
   const int64_t blocks_per_part = (blocks + parts - 1) / parts;
   if (dq.numel() > 0 && Lk > 0) {
@@ -587,7 +927,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const bool shared_rows = lo.size(0) == 1;
 
     at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> weights(block * chunk), grads(block * chunk);
+      const SequentialBlas sequential_blas;
+      std::vector<float> weights(block * chunk), grads(block * chunk), cap_grads(softcap > 0.0 ? block * chunk : 0);
+      // The scores come from the forward's register tiles, bit for bit the forward's: the weights
+      // recomputed from its lse must round alike (a score one ulp lower under a huge scale would
+      // weigh 0 here where the forward gave it 1).
+      const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
+      std::vector<float> qt(D * padded, 0.0f), scores(chunk * padded);
       std::vector<int64_t> row_lo(block), row_hi(block);
       std::vector<DropoutRow> row_keys(block);
       for (int64_t task = begin; task < end; ++task) {
@@ -600,6 +946,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
         float* dv_head = dv_data + ((b * Hkv + kv) * parts + part) * Lk * Dv;
         const int64_t block_end = std::min(blocks, (part + 1) * blocks_per_part);
         for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+          const ScoreMods mods = score_mods(scale, softcap, slopes, b, h, Lq, Lk);
           for (int64_t index = part * blocks_per_part; index < block_end; ++index) {
             const int64_t first = index * block, rows = std::min(block, Lq - first);
             const float* l_block = l + (b * H + h) * Lq + first;
@@ -615,6 +962,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
             }
             const float* q_block = q + b * q0s + h * q1s + first * q2s;
             const float* go_block = go + b * g0s + h * g1s + first * g2s;
+            const int64_t rs = (rows + kGroup - 1) / kGroup * kGroup;
+            transpose(q_block, q2s, rows, D, 1.0f, qt.data(), rs);  // Qt[d][r], padding rows 0
+            for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
             const float* delta_block = dl + (b * H + h) * Lq + first;
             for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
               const int64_t width = std::min(chunk, span_hi - c0);
@@ -622,12 +972,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               float* ds = grads.data();
               __m256 bad = _mm256_setzero_ps();
               // Row-major [rows][width] buffers are column-major (width x rows) for BLAS.
-              gemm('T', 'N', width, rows, D, static_cast<float>(scale), k_head + c0 * k2s, k2s, q_block, q2s, 0.0f,
-                   p, width);
+              // S[t][r] = q_r . k_t as the forward computes it, then P [rows][width] (the scale applies
+              // to the products in weights_chunk_row, as in the forward)
+              block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, scores.data());
+              transpose(scores.data(), rs, width, rows, 1.0f, p, width);
               for (int64_t j = 0; j < rows; ++j) {
                 const int64_t a = std::clamp<int64_t>(row_lo[j] - c0, 0, width);
-                weights_chunk_row(p + j * width, width, a, std::clamp<int64_t>(row_hi[j] - c0, a, width), l_block[j],
-                                  bad);
+                weights_chunk_row(p + j * width, width, a, std::clamp<int64_t>(row_hi[j] - c0, a, width), mods,
+                                  first + j, c0, l_block[j], cap_grads.empty() ? nullptr : cap_grads.data() + j * width, bad);
               }
               if (Dv > 0) {  // BLAS rejects a leading dimension of 0
                 // dP^T (width x rows) = V_chunk (width x Dv) dO^T (Dv x rows)
@@ -638,7 +990,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               for (int64_t j = 0; j < rows; ++j) {  // with dropout, also turns P into the weights the output used
                 const int64_t a = std::clamp<int64_t>(row_lo[j] - c0, 0, width);
                 score_grad_row(p + j * width, ds + j * width, width, a, std::clamp<int64_t>(row_hi[j] - c0, a, width),
-                               delta_block[j], static_cast<float>(scale), dropout, row_keys[j], c0, bad);
+                               delta_block[j], static_cast<float>(scale),
+                               cap_grads.empty() ? nullptr : cap_grads.data() + j * width, dropout, row_keys[j], c0,
+                               bad);
               }
               const bool first_chunk = c0 == span_lo;
               if (any_bits(bad)) {
@@ -670,10 +1024,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
 
 TORCH_LIBRARY(attnkit_native, m) {
   m.def("interval_forward(Tensor query, Tensor key, Tensor value, Tensor lo, Tensor hi, float scale, int block, "
-        "int chunk, float dropout, int seed) -> (Tensor, Tensor)");
+        "int chunk, float dropout, int seed, float softcap, Tensor? alibi_slopes, int dropout_row_start, "
+        "int dropout_key_start) -> (Tensor, Tensor)");
   m.def("interval_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor lse, Tensor delta, "
-        "Tensor lo, Tensor hi, float scale, int block, int chunk, int parts, float dropout, int seed) "
-        "-> (Tensor, Tensor, Tensor)");
+        "Tensor lo, Tensor hi, float scale, int block, int chunk, int parts, float dropout, int seed, "
+        "float softcap, Tensor? alibi_slopes, int dropout_row_start, int dropout_key_start) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {

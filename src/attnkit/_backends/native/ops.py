@@ -15,10 +15,12 @@ from .tile_tables import backward_parts, backward_tiles, tiles
 #: The schemas the library must register (checked by the probe and after loading).
 EXPECTED_SCHEMAS = {
     "interval_forward": "attnkit_native::interval_forward(Tensor query, Tensor key, Tensor value, Tensor lo, "
-                        "Tensor hi, float scale, int block, int chunk, float dropout, int seed) -> (Tensor, Tensor)",
+                        "Tensor hi, float scale, int block, int chunk, float dropout, int seed, float softcap, "
+                        "Tensor? alibi_slopes, int dropout_row_start, int dropout_key_start) -> (Tensor, Tensor)",
     "interval_backward": "attnkit_native::interval_backward(Tensor grad_out, Tensor query, Tensor key, "
                          "Tensor value, Tensor lse, Tensor delta, Tensor lo, Tensor hi, float scale, int block, "
-                         "int chunk, int parts, float dropout, int seed) -> (Tensor, Tensor, Tensor)",
+                         "int chunk, int parts, float dropout, int seed, float softcap, Tensor? alibi_slopes, "
+                         "int dropout_row_start, int dropout_key_start) -> (Tensor, Tensor, Tensor)",
 }
 
 
@@ -35,7 +37,8 @@ def registered_schemas() -> dict[str, str]:
 
 def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, scale: float,
                      block: int | None = None, chunk: int | None = None, dropout: float = 0.0,
-                     seed: int = 0) -> tuple[Tensor, Tensor]:
+                     seed: int = 0, softcap: float | None = None, alibi_slopes: Tensor | None = None,
+                     dropout_start: tuple[int, int] = (0, 0)) -> tuple[Tensor, Tensor]:
     """``(output [B, H, Lq, Dv], lse [B, H, Lq])`` of attention where row ``i`` of sequence ``b``
     attends keys ``lo[s, i] <= j < hi[s, i]`` (``s = b``, or 0 when ``lo`` has one row).
 
@@ -44,22 +47,31 @@ def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: 
     computed together) and ``chunk`` (keys per step of the running softmax) default to
     :func:`.tile_tables.tiles`. ``dropout`` drops each weight with that probability (and scales the kept
     ones by ``1 / (1 - dropout)``) by :mod:`attnkit._backends.dropout`'s hash of ``seed`` and the
-    position; the lse is the one before dropout."""
+    position; the lse is the one before dropout. ``dropout_start = (row, key)`` places the call's
+    rows and keys at those positions of the pattern (a shard of a longer sequence).
+
+    The score of a pair is ``scale * q.k``, then ``softcap * tanh(score / softcap)`` with a
+    ``softcap``, then ``- slope * |i + Lk - Lq - j|`` with ``alibi_slopes`` (float32 ``[H]`` or
+    ``[B, H]``: FlashAttention's ALiBi)."""
     if block is None or chunk is None:
         default_block, default_chunk = tiles(lo, hi)
         block, chunk = block or default_block, chunk or default_chunk
     _require_library()
     query, key, value = _blas_rows(query, key, value)
-    return torch.ops.attnkit_native.interval_forward(query, key, value, lo, hi, scale, block, chunk, dropout, seed)
+    return torch.ops.attnkit_native.interval_forward(query, key, value, lo, hi, scale, block, chunk, dropout, seed,
+                                                     softcap or 0.0, _slopes(alibi_slopes), *dropout_start)
 
 
 def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
                       lo: Tensor, hi: Tensor, scale: float, grad_lse: Tensor | None = None,
                       block: int | None = None, chunk: int | None = None, parts: int | None = None,
-                      dropout: float = 0.0, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                      dropout: float = 0.0, seed: int = 0, softcap: float | None = None,
+                      alibi_slopes: Tensor | None = None,
+                      dropout_start: tuple[int, int] = (0, 0)) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`interval_forward` (same shapes as its inputs) from
     ``grad_out [B, H, Lq, Dv]`` and, when the lse was used too, ``grad_lse [B, H, Lq]``; ``out`` and
-    ``lse`` are the forward's, ``dropout`` and ``seed`` too. ``parts`` cuts each (sequence, kv
+    ``lse`` are the forward's, ``dropout``, ``seed``, ``softcap``, ``alibi_slopes`` and ``dropout_start``
+    too. ``parts`` cuts each (sequence, kv
     head)'s rows into that many pieces computed in parallel (default :func:`.tile_tables.backward_parts`)."""
     if block is None or chunk is None:
         default_block, default_chunk = backward_tiles(lo, hi)
@@ -74,7 +86,15 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
     _require_library()
     grad_out, query, key, value = _blas_rows(grad_out, query, key, value)
     return torch.ops.attnkit_native.interval_backward(grad_out, query, key, value, lse, delta, lo, hi, scale, block,
-                                                      chunk, parts, dropout, seed)
+                                                      chunk, parts, dropout, seed, softcap or 0.0,
+                                                      _slopes(alibi_slopes), *dropout_start)
+
+
+def _slopes(alibi_slopes: Tensor | None) -> Tensor | None:
+    """ALiBi slopes as the kernel takes them: float32 ``[1 or B, H]``."""
+    if alibi_slopes is None:
+        return None
+    return alibi_slopes.to(torch.float32).reshape(-1, alibi_slopes.shape[-1]).contiguous()
 
 
 def _require_library() -> None:

@@ -10,11 +10,15 @@ import torch
 from torch import Tensor
 
 #: (query rows per block, keys per chunk of the running softmax) by the mean number of keys a
-#: row attends, smallest first: a 512 window (span 543 per 32 rows, one chunk; 64-row blocks were
-#: as fast, 128 8% slower); 8 documents, ~2300 keys per row (64 rows 4% faster than 32); causal +
-#: padding, ~7700 keys per row (128 x 512 7% faster than 32 x 1024). A chunk's scores (rows x keys
-#: floats, <= 256 KiB) stay in L2.
-TILES = ((1024, (32, 1024)), (4096, (64, 1024)), (float("inf"), (128, 512)))
+#: row attends, smallest first, for the forward's register tiles (the rows of a block are padded
+#: to groups of 32). A chunk's scores, weights and values stay in L1 at 64 keys; 128-key chunks
+#: spill the weights (32 KiB with 64 rows) and ran 10-25% slower. Min of 3-7 runs at L = 16384,
+#: H = 8, D = 64, 2 threads (a shared machine): window 512 (span 543 per 32 rows) 32 x 64 140 ms,
+#: 32 x 32 146, 32 x 128 148, 64 x 64 162; 8 documents (~2300 keys per row) 32 x 64 658 ms,
+#: 64 x 64 675-777, 64 x 128 897; causal + padding (~7700 keys per row) 64 x 64 1902 ms,
+#: 32 x 64 1980, 32 x 128 2093, 64 x 128 2173-2380 (64 rows halve the key and value traffic of
+#: the long spans).
+TILES = ((4096, (32, 64)), (float("inf"), (64, 64)))
 
 #: The backward's tiles, the same way (its chunk holds two score buffers: weights and their
 #: gradients). Median of 3 at L = 16384: the window and the documents within 4% from 16 x 1024 to

@@ -1,0 +1,83 @@
+"""The native kernel alone: its raw forward and backward ops on the three masks of masks.py,
+against a 2048^3 fp32 matmul timed in the same run (interleaved), with tile overrides.
+
+masks.py times whole attention calls (Python, autograd, delta) next to SDPA and Flex, minutes per
+run; this times only the kernel, seconds per run, so tile sweeps and profiles stay cheap. Useful
+GFLOP/s as in masks.py: 4 * D flops per attended pair and head for the forward, 2.5x that for the
+backward (FlashAttention's count), 3.5x for both.
+
+    python benchmarks/native_kernel.py                          # forward and backward, default tiles
+    python benchmarks/native_kernel.py --forward --tiles 64x512 128x512
+    python benchmarks/native_kernel.py --backward --mask window --tiles 32x1024 64x256
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from attnkit._backends import native  # noqa: E402
+from common import describe_machine, median_times  # noqa: E402
+from masks import HEAD_DIM, HEADS, attended_pairs, inputs, mask_set, square_matmul  # noqa: E402
+
+SHORT = {"window": 0, "documents": 1, "padding": 2}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--length", type=int, default=16384)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--mask", choices=sorted(SHORT), nargs="+", default=sorted(SHORT, key=SHORT.get))
+    parser.add_argument("--forward", action="store_true", help="forward only")
+    parser.add_argument("--backward", action="store_true", help="backward only")
+    parser.add_argument("--tiles", nargs="+", default=[None], metavar="BLOCKxCHUNK",
+                        help="tiles to compare (default: the tables' choice)")
+    parser.add_argument("--parts", type=int, default=None, help="backward row parts (default: the table's)")
+    parser.add_argument("--dropout", type=float, default=0.0)
+    args = parser.parse_args()
+    if not native.available():
+        sys.exit(f"native kernel: {native.why_unavailable()}")
+    directions = ["forward"] * (not args.backward) + ["backward"] * (not args.forward)
+    length = args.length
+    query, key, value = inputs(length)
+    scale = HEAD_DIM ** -0.5
+    flops, matmul = square_matmul()
+    print(f"# native kernel, B=1, H={HEADS}, D={HEAD_DIM}, fp32, L={length} ({describe_machine()}); "
+          f"median of {args.repeats} interleaved runs; ours / matmul in useful GFLOP/s\n")
+    print("| mask | direction | tiles | ms | useful GFLOP/s | matmul GFLOP/s | ours / matmul |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    all_masks = list(mask_set(length).items())
+    for short in args.mask:
+        name, (structured, _) = all_masks[SHORT[short]]
+        lo, hi = structured.row_bounds(length, length)
+        lo, hi = lo.reshape(1, -1), hi.reshape(1, -1)
+        pairs = attended_pairs(structured, length)
+        out, lse = native.interval_forward(query, key, value, lo, hi, scale, dropout=args.dropout, seed=1)
+        grad_out = torch.randn_like(out)
+        contenders = {"matmul": matmul}
+        for tile in args.tiles:
+            block, chunk = (None, None) if tile is None else map(int, tile.split("x"))
+            label = tile or "default"
+            if "forward" in directions:
+                contenders[("forward", label)] = (
+                    lambda b=block, c=chunk: native.interval_forward(query, key, value, lo, hi, scale, block=b,
+                                                                     chunk=c, dropout=args.dropout, seed=1))
+            if "backward" in directions:
+                contenders[("backward", label)] = (
+                    lambda b=block, c=chunk: native.interval_backward(grad_out, query, key, value, out, lse, lo, hi,
+                                                                      scale, block=b, chunk=c, parts=args.parts,
+                                                                      dropout=args.dropout, seed=1))
+        times = median_times(contenders, repeats=args.repeats)
+        peak = flops / times.pop("matmul") / 1e9
+        for (direction, label), seconds in times.items():
+            useful = (1.0 if direction == "forward" else 2.5) * 4 * HEAD_DIM * pairs * HEADS / seconds / 1e9
+            print(f"| {name} | {direction} | {label} | {seconds * 1e3:.1f} | {useful:.0f} | {peak:.0f} "
+                  f"| {useful / peak:.0%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

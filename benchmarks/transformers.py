@@ -1,0 +1,197 @@
+"""A transformers decoder on attnkit vs transformers' own attention implementations.
+
+The same random weights (seed 0) run with ``attn_implementation`` = ``"attnkit"``, ``"sdpa"``,
+``"eager"``, ``"flex_attention"`` (where it runs on this machine) and ``"noop"``: an attention
+function that returns the values unchanged (reshaped to the query heads) with no mask built,
+the limit no attention implementation can beat. ``forward time - noop time`` is what attention
+costs; its share of the forward is ``1 - noop / time``.
+
+Each (implementation, length) runs in a fresh process (peak memory is per process): one warm-up
+forward, then ``--repeats`` timed ones under ``torch.no_grad()``, median reported; the extra
+peak memory is the process's peak resident set minus its resident set before the first forward
+(the model and inputs already built), so it counts masks, scores and activations.
+
+    python benchmarks/transformers.py                                    # Mistral-style, L = 4096 8192
+    python benchmarks/transformers.py --lengths 16384 --repeats 1        # the issue's main size
+    python benchmarks/transformers.py --lengths 131072 --implementations attnkit noop --repeats 1
+    python benchmarks/transformers.py --model llama --lengths 8192       # full causal
+    python benchmarks/transformers.py --model llama --generate 2048 128  # generate() with the cache
+
+Model (the issue's): 4 layers, hidden 512, intermediate 1792, 8 heads, 2 kv heads, head dim 64,
+window 512 (Mistral) or full causal (Llama), fp32, batch 1, no LM head (the base model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+# This file is named like the library it measures: take its own folder off the import path, or
+# `import transformers` would import this script.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+IMPLEMENTATIONS = ("attnkit", "sdpa", "eager", "flex_attention", "noop")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _register_noop() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def noop_attention(module, query, key, value, attention_mask, **kwargs):
+        groups = query.shape[1] // value.shape[1]
+        out = value[:, :, None].expand(-1, -1, groups, -1, -1).reshape(query.shape[0], query.shape[1], -1,
+                                                                        value.shape[-1])
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("noop", noop_attention)
+    AttentionMaskInterface.register("noop", lambda *args, **kwargs: None)
+
+
+def _model(kind: str, implementation: str, args):
+    import torch
+    import transformers
+
+    import attnkit.integrations.transformers  # noqa: F401  registers "attnkit"
+
+    _register_noop()
+    torch.manual_seed(0)
+    common = dict(vocab_size=1000, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                  num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                  max_position_embeddings=max(args.lengths + [sum(args.generate or [0])]) + 16)
+    if kind == "mistral":
+        config = transformers.MistralConfig(sliding_window=args.window, **common)
+    else:
+        config = transformers.LlamaConfig(**common)
+    config._attn_implementation = implementation
+    cls = {"mistral": (transformers.MistralModel, transformers.MistralForCausalLM),
+           "llama": (transformers.LlamaModel, transformers.LlamaForCausalLM)}[kind][1 if args.generate else 0]
+    return cls(config).eval()
+
+
+def _child(args) -> None:
+    """Run one (implementation, length) and print a JSON line."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    implementation, length = args.child
+    length = int(length)
+    model = _model(args.model, implementation, args)
+    model.set_attn_implementation(implementation)
+    ids = torch.randint(0, 1000, (1, length))
+    if args.generate:
+        prompt, new = args.generate
+        ids = torch.randint(0, 1000, (1, prompt))
+
+        def run():
+            out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            return out[:, prompt:]
+    else:
+        def run():
+            return model(input_ids=ids).last_hidden_state
+    before = _rss_bytes()
+    times = []
+    result = None
+    with torch.no_grad():
+        for i in range(args.repeats + (1 if args.warmup else 0)):
+            start = time.perf_counter()
+            result = run()
+            elapsed = time.perf_counter() - start
+            if i >= (1 if args.warmup else 0):
+                times.append(elapsed)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    summary = float(result.float().abs().mean()) if result.is_floating_point() else result[0].tolist()
+    print(json.dumps({"time": statistics.median(times), "times": times, "extra_peak": peak - before,
+                      "summary": summary}))
+
+
+def _measure(implementation: str, length: int, args) -> dict:
+    command = [sys.executable, __file__, "--child", implementation, str(length)] + args.passthrough
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"over {args.timeout} s"}
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        why = "killed (out of memory?)" if done.returncode < 0 else (lines[-1] if lines else f"exit {done.returncode}")
+        return {"error": why[:160]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("mistral", "llama"), default="mistral")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
+    parser.add_argument("--generate", type=int, nargs=2, metavar=("PROMPT", "NEW"), default=None,
+                        help="time generate() with the cache instead of one forward")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--intermediate", type=int, default=1792)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per (implementation, length)")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(args)
+        return
+    args.passthrough = [a for a in sys.argv[1:]]
+    if args.generate:
+        args.lengths = [args.generate[0]]
+    import torch
+    import transformers
+
+    what = (f"generate(), prompt {args.generate[0]}, {args.generate[1]} new tokens" if args.generate
+            else "forward")
+    shape = (f"{args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, {args.heads} heads, "
+             f"{args.kv_heads} kv heads" + (f", window {args.window}" if args.model == "mistral" else ", full causal"))
+    print(f"# {args.model}-style decoder ({shape}), {what}, fp32, batch 1 "
+          f"(torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, cpu); "
+          f"median of {args.repeats}")
+    print()
+    print("| L | implementation | time (s) | vs sdpa | attention share (1 - noop/time) | extra peak (GiB) |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for length in args.lengths:
+        results = {}
+        order = args.implementations if length % 2 == 0 else args.implementations[::-1]
+        for implementation in order:
+            results[implementation] = _measure(implementation, length, args)
+        noop = results.get("noop", {}).get("time")
+        sdpa = results.get("sdpa", {}).get("time")
+        for implementation in args.implementations:
+            r = results[implementation]
+            if "error" in r:
+                print(f"| {length} | {implementation} | fails: {r['error']} | | | |")
+                continue
+            ratio = f"{sdpa / r['time']:.2f}x" if sdpa else ""
+            share = f"{1 - noop / r['time']:.1%}" if noop and implementation != "noop" else ""
+            print(f"| {length} | {implementation} | {r['time']:.2f} | {ratio} | {share} | {_gib(r['extra_peak'])} |",
+                  flush=True)
+        if args.generate:
+            tokens = {k: v["summary"] for k, v in results.items() if "summary" in v and k != "noop"}
+            same = len({json.dumps(t) for t in tokens.values()}) <= 1
+            print(f"\n(generated tokens identical across {sorted(tokens)}: {same})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Local Hugging Face checkpoints of other families for ``attnkit show`` and ``attnkit explain``.
+
+attnkit's own loader (:mod:`attnkit.models`) reads BERT-family encoders without transformers. A
+directory holding any other model type (GPT-2, Llama, Mistral, Qwen2, Gemma 2, GPT-OSS, T5, ...)
+is loaded here with transformers, its attention on ``attn_implementation="attnkit"``, so the
+weights shown are the ones :func:`attnkit.attention` applied: decoders with their causal (and
+sliding-window) masks, encoder-decoders by their encoder's self-attention.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .._optional import require
+
+#: Model types attnkit's own loader reads without transformers.
+OWN_MODEL_TYPES = frozenset({"bert"})
+
+
+def model_type(name_or_path: str | Path) -> str | None:
+    """The ``model_type`` in ``config.json`` of a directory, or None (not a directory, no config)."""
+    config = Path(name_or_path) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (ValueError, OSError):
+        return None
+
+
+def wants_transformers(name_or_path: str | Path) -> bool:
+    """True for a directory whose model type attnkit's own loader does not read."""
+    kind = model_type(name_or_path)
+    return kind is not None and kind not in OWN_MODEL_TYPES
+
+
+@dataclass
+class Encoded:
+    """One text through a checkpoint: its tokens and every layer's weights ``[1, H, T, T]``."""
+
+    tokens: list[list[str]]
+    attentions: list[Tensor]
+
+
+class Checkpoint:
+    """A local transformers checkpoint with its tokenizer, attention on attnkit."""
+
+    def __init__(self, path: str | Path) -> None:
+        require("transformers", f"model directory {str(path)!r} ({model_type(path)})", extra="transformers")
+        from transformers import AutoModel, AutoTokenizer
+
+        from . import transformers as _registered  # noqa: F401  registers "attnkit"
+
+        self.path = Path(path)
+        self.name = self.path.name or str(self.path)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"model directory {str(self.path)!r}: no usable tokenizer ({error})") from None
+        from transformers.utils import logging
+
+        bar = logging.is_progress_bar_enabled()
+        logging.disable_progress_bar()  # no "Loading weights" bar in the command's output
+        try:
+            self.model = AutoModel.from_pretrained(self.path, attn_implementation="attnkit",
+                                                   local_files_only=True).eval()
+        finally:
+            if bar:
+                logging.enable_progress_bar()
+        config = self.model.config
+        self.is_encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+        self.has_sinks = any(isinstance(getattr(m, "sinks", None), Tensor) for m in self.model.modules())
+        self.num_layers = getattr(config, "num_layers", None) or config.num_hidden_layers
+        self.num_heads = getattr(config, "num_heads", None) or config.num_attention_heads
+
+    def _forward(self, input_ids: Tensor):
+        network = self.model.get_encoder() if self.is_encoder_decoder else self.model
+        with torch.no_grad():
+            return network(input_ids=input_ids, output_attentions=True)
+
+    def encode(self, text: str) -> Encoded:
+        """``text`` alone (a batch of one: no padding), every layer's attention weights. With learned
+        sinks (GPT-OSS) a row's weights sum to less than 1; they are renormalised over the keys."""
+        input_ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
+        if input_ids.shape[1] == 0:
+            raise ValueError(f"text {text!r} gives no tokens")
+        attentions = [a.float() for a in self._forward(input_ids).attentions]
+        if self.has_sinks:
+            attentions = [a / a.sum(-1, keepdim=True).clamp_min(torch.finfo(a.dtype).tiny) for a in attentions]
+        tokens = self.tokenizer.convert_ids_to_tokens(input_ids[0].tolist())
+        return Encoded([tokens], attentions)
+
+    def trace(self, text: str):
+        """Every attention call of ``text`` (batch of one) recorded by :func:`attnkit.trace.record`,
+        with its tokens. Call ``i`` is layer ``i`` (the encoder's layers for encoder-decoders)."""
+        from .. import trace
+
+        input_ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
+        with trace.record() as recorded:
+            self._forward(input_ids)
+        return recorded, self.tokenizer.convert_ids_to_tokens(input_ids[0].tolist())
+
+
+def records(checkpoint: Checkpoint, texts: Sequence[str]) -> list:
+    """One :class:`~attnkit.viz.AttentionRecord` per text."""
+    from ..viz import AttentionRecord
+
+    result = []
+    for text in texts:
+        out = checkpoint.encode(text)
+        weights = torch.stack([a[0] for a in out.attentions])  # [layers, H, T, T]
+        result.append(AttentionRecord(text, out.tokens[0], weights, model=checkpoint.name))
+    return result

@@ -1,0 +1,128 @@
+"""Text generation with a :class:`~attnkit.models.gpt.GPT` and its KV cache.
+
+Prompts of different lengths run as one batch, **left-padded**: each row's rotary positions
+start at its own first real token and a key-padding mask hides the pad keys, so every row
+computes exactly what it would alone. The prompt runs once (prefill), then one token a step
+reads the cache; bottom-right causal alignment makes the step's query the last row::
+
+    prompt lengths 3 and 5, left-padded to 5        decode step (Lq = 1, Lk = 6)
+    row 0:  p p a b c     keys 0, 1 hidden           row 0: . . # # # #
+    row 1:  a b c d e                                row 1: # # # # # #
+
+Sampling: ``temperature=0`` is greedy (argmax); otherwise logits / temperature, then top-k,
+then top-p (nucleus), drawn with ``torch.multinomial`` from ``generator``, never the global RNG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .gpt import GPT
+
+
+def _check_sampling(temperature: float, top_k: int | None, top_p: float | None, max_new_tokens: int) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or not temperature >= 0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+
+
+def next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+               generator: torch.Generator | None = None) -> Tensor:
+    """Pick one token per row from ``logits [B, vocab]`` -> ``[B]``."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already hold top_p of the mass (the
+        # first token is always kept).
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        logits = logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: GPT,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int = 0,
+) -> list[list[int]]:
+    """Continue each prompt (a list of token ids, at least one) by up to ``max_new_tokens``.
+
+    Returns the new tokens of each prompt; a row stops after ``eos_token_id`` (included).
+    """
+    _check_sampling(temperature, top_k, top_p, max_new_tokens)
+    if isinstance(prompts, Tensor) or not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty lists of token ids")
+    device = model.lm_head.weight.device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    width = int(lengths.max())
+    pads = width - lengths                                                       # [B]
+    tokens = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
+    if int(tokens.min()) < 0 or int(tokens.max()) >= model.config.vocab_size:
+        raise ValueError(f"prompts hold token ids outside [0, {model.config.vocab_size})")
+
+    was_training = model.training
+    model.eval()
+    cache = model.new_cache(len(prompts), width + max_new_tokens)
+    padded = bool(pads.any())
+
+    def key_mask(k_len: int) -> Tensor | None:  # [B, 1, 1, Lk]: True = a real token
+        return (torch.arange(k_len, device=device) >= pads[:, None])[:, None, None] if padded else None
+
+    positions = (torch.arange(width, device=device) - pads[:, None]).clamp(min=0)
+    logits = model(tokens, positions=positions, mask=key_mask(width), cache=cache)[:, -1]
+    out: list[list[int]] = [[] for _ in prompts]
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        chosen = next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        for row in (~done).nonzero().flatten().tolist():
+            out[row].append(int(chosen[row]))
+        if eos_token_id is not None:
+            done |= chosen == eos_token_id
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        chosen = chosen.masked_fill(done, pad_token_id)
+        logits = model(chosen[:, None], positions=(lengths + step)[:, None],
+                       mask=key_mask(width + step + 1), cache=cache)[:, -1]
+    model.train(was_training)
+    return out
+
+
+def generate_text(model: GPT, tokenizer, texts: Sequence[str], max_new_tokens: int, **sampling) -> list[str]:
+    """:func:`generate` on texts with a ``tokenizers.Tokenizer``; returns prompt + continuation.
+    An empty text starts from the model's ``bos_token_id``."""
+    _check_sampling(sampling.get("temperature", 0.0), sampling.get("top_k"), sampling.get("top_p"), max_new_tokens)
+    prompts = []
+    for text in texts:
+        ids = tokenizer.encode(text).ids
+        if not ids:
+            if model.config.bos_token_id is None:
+                raise ValueError("an empty prompt needs a model with a bos_token_id")
+            ids = [model.config.bos_token_id]
+        prompts.append(ids)
+    sampling.setdefault("eos_token_id", model.config.eos_token_id)
+    new = generate(model, prompts, max_new_tokens, **sampling)
+    return [tokenizer.decode(p + n) for p, n in zip(prompts, new)]

@@ -1,0 +1,250 @@
+"""Train a :class:`~attnkit.models.gpt.GPT` on the Python Language Reference, nanoGPT style.
+
+::
+
+    sections -> train / validation -> byte-level BPE -> documents packed into rows    corpus, packing
+    for step in range(steps):
+        rows = batch_order(step, seed)                     (a pure function: resumable)
+        loss = cross_entropy(GPT(inputs, mask=document(ids), positions=per document), targets)
+        backward, clip the gradient norm, AdamW with warm-up + cosine learning rate
+        every eval_interval: validation loss;  every checkpoint_interval: checkpoint
+    export the model as a Hugging Face Llama directory, print a sample
+
+Everything random comes from the seed: the model's initial weights (drawn inside
+``torch.random.fork_rng``, so the caller's global RNG is left as it was), the row order, and a
+``torch.Generator`` for attention dropout whose state the checkpoint keeps. Resuming from a
+checkpoint continues bit for bit (tested) on the same machine and thread count.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from ..masks import document
+from ..models.generate import generate_text
+from ..models.gpt import GPT, GPTConfig, document_positions, language_model_loss
+from ..models.llama_export import save_llama
+from . import checkpoint, corpus
+from .packing import Rows, batch_order, pack_documents
+
+
+@dataclass
+class TrainConfig:
+    """What :func:`train` does; the defaults finish in a few minutes on 2 CPU cores."""
+
+    out: str = "attnkit-gpt"
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 128
+    learning_rate: float = 3e-3
+    min_learning_rate: float = 3e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_interval: int = 100
+    eval_rows: int = 32
+    checkpoint_interval: int = 100
+    seed: int = 0
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 352
+    attention_dropout: float = 0.0
+    max_documents: int | None = None  # use only the first N sections (tests)
+    sample_tokens: int = 80
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "warmup_steps", "eval_interval", "eval_rows",
+                     "checkpoint_interval", "vocab_size", "sample_tokens"):
+            value, least = getattr(self, name), 0 if name in ("warmup_steps", "sample_tokens") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        for name in ("learning_rate", "min_learning_rate", "grad_clip"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+    def model_config(self, vocab_size: int, eos: int) -> GPTConfig:
+        return GPTConfig(vocab_size=vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+                         num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                         intermediate_size=self.intermediate_size, max_position_embeddings=max(self.seq_len, 256),
+                         attention_dropout=self.attention_dropout, bos_token_id=eos, eos_token_id=eos)
+
+
+@dataclass
+class TrainResult:
+    model: GPT
+    tokenizer: object
+    losses: list[tuple[int, float]] = field(default_factory=list)       # (step, training loss)
+    evals: list[tuple[int, float]] = field(default_factory=list)        # (step, validation loss)
+    tokens_per_second: float = 0.0
+    model_dir: Path | None = None
+    sample: str = ""
+
+
+# Settings that do not change what a step computes (steps stretches the schedule: resuming with the
+# same steps is what continues bit for bit).
+_MAY_CHANGE = ("steps", "out", "eval_interval", "checkpoint_interval", "sample_tokens")
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    """Linear warm-up to ``learning_rate``, then a cosine down to ``min_learning_rate``."""
+    if step < config.warmup_steps:
+        return config.learning_rate * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return config.min_learning_rate + cosine * (config.learning_rate - config.min_learning_rate)
+
+
+def row_loss(model: GPT, rows: Rows, generator: torch.Generator | None = None):
+    """Mean next-token loss of packed rows (document mask, positions restarting per document)."""
+    logits = model(rows.inputs, mask=document(ids=rows.doc_ids), positions=document_positions(rows.doc_ids),
+                   generator=generator)
+    return language_model_loss(logits, rows.targets)
+
+
+@torch.no_grad()
+def evaluate(model: GPT, rows: Rows, batch_size: int) -> float:
+    """Validation loss, weighted by each batch's real tokens."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(rows), batch_size):
+        batch = rows.select(slice(start, start + batch_size))
+        total += float(row_loss(model, batch)) * batch.real_tokens
+        count += batch.real_tokens
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+class Progress:
+    """One status line on ``stream``: redrawn in place on a terminal, a line per report otherwise."""
+
+    def __init__(self, total: int, stream: TextIO | None) -> None:
+        self.total, self.stream = total, stream
+        self.tty = bool(stream is not None and getattr(stream, "isatty", lambda: False)())
+        self.started = time.perf_counter()
+
+    def update(self, step: int, loss: float, tokens_per_second: float, note: str = "", *, force: bool = False) -> None:
+        if self.stream is None or not (self.tty or force):
+            return
+        filled = 20 * step // self.total
+        line = (f"step {step:>5}/{self.total} [{'#' * filled}{'.' * (20 - filled)}] loss {loss:.3f} "
+                f"| {tokens_per_second:,.0f} tok/s | {time.perf_counter() - self.started:.0f}s{note}")
+        self.stream.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
+        if self.tty and force:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def prepare_data(config: TrainConfig, tokenizer=None):
+    """``(tokenizer, train rows, validation rows)``; the tokenizer is trained unless given."""
+    sections = corpus.python_reference_sections()
+    if config.max_documents is not None:
+        sections = sections[: config.max_documents]
+    train_docs, val_docs = corpus.split_documents(sections)
+    if not val_docs:  # tiny runs: hold out the last document
+        train_docs, val_docs = train_docs[:-1], train_docs[-1:]
+    if tokenizer is None:
+        tokenizer = corpus.train_tokenizer(train_docs, config.vocab_size)
+    marker = tokenizer.token_to_id(corpus.END_OF_TEXT)
+    train_rows = pack_documents(corpus.encode_documents(tokenizer, train_docs), config.seq_len, pad_token_id=marker)
+    val_rows = pack_documents(corpus.encode_documents(tokenizer, val_docs), config.seq_len, pad_token_id=marker)
+    return tokenizer, train_rows, val_rows.select(slice(0, config.eval_rows))
+
+
+def train(config: TrainConfig, *, resume: bool = False, until: int | None = None,
+          log: TextIO | None = None, quiet: bool = False) -> TrainResult:
+    """Train (or resume) as ``config`` says; writes checkpoints to ``out/checkpoint`` and the
+    final model, in Hugging Face Llama format, to ``out/model``.
+
+    ``until`` stops after that step (with a checkpoint) as if interrupted there: the schedule
+    still runs to ``config.steps``, and ``resume=True`` later continues exactly. Progress goes to
+    ``log`` (default stderr) unless ``quiet``.
+    """
+    log = None if quiet else (log or sys.stderr)
+    out = Path(config.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out: {str(out)!r} is a file; give a directory")
+    checkpoint_dir = out / "checkpoint"
+    tokenizer = None
+    if resume:
+        saved = checkpoint.read_state(checkpoint_dir)["train_config"]
+        differing = sorted(key for key, value in asdict(config).items()
+                           if key not in _MAY_CHANGE and saved.get(key) != value)
+        if differing:
+            raise ValueError(f"resume: the checkpoint in {str(checkpoint_dir)!r} was trained with other settings "
+                             f"({', '.join(differing)}); only {', '.join(_MAY_CHANGE)} may change")
+        tokenizer = checkpoint.read_tokenizer(checkpoint_dir)
+    tokenizer, train_rows, val_rows = prepare_data(config, tokenizer)
+    eos = tokenizer.token_to_id(corpus.END_OF_TEXT)
+    model_config = config.model_config(tokenizer.get_vocab_size(), eos)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = GPT(model_config)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=config.learning_rate, betas=(0.9, 0.95), eps=1e-8)
+    generator = torch.Generator().manual_seed(config.seed)
+    result = TrainResult(model, tokenizer)
+    start = 0
+    if resume:
+        record = checkpoint.load_checkpoint(checkpoint_dir, model=model, optimizer=optimizer, generator=generator)
+        start = record["step"]
+        result.losses = [tuple(x) for x in record["losses"]]
+        result.evals = [tuple(x) for x in record["evals"]]
+
+    if log is not None:
+        print(f"training a {model.num_parameters() / 1e6:.2f}M-parameter GPT on {len(train_rows)} rows x "
+              f"{config.seq_len} tokens ({train_rows.real_tokens:,} real) for {config.steps} steps"
+              + (f", resuming at step {start}" if start else ""), file=log)
+    progress = Progress(config.steps, log)
+    tokens, elapsed, loss_value = 0, 0.0, float("nan")
+
+    def save(step: int) -> None:
+        state = {"step": step, "train_config": asdict(config), "model_config": model_config.to_dict(),
+                 "losses": result.losses, "evals": result.evals}
+        checkpoint.save_checkpoint(checkpoint_dir, model=model, optimizer=optimizer, generator=generator,
+                                   state=state, tokenizer=tokenizer)
+
+    last = config.steps if until is None else min(until, config.steps)
+    for step in range(start, last):
+        began = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, config)
+        batch = train_rows.select(batch_order(len(train_rows), config.batch_size, step, config.seed))
+        loss = row_loss(model, batch, generator)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        result.losses.append((step + 1, loss_value))
+        elapsed += time.perf_counter() - began
+        tokens += batch.real_tokens
+        done = step + 1
+        note, report = "", False
+        if done % config.eval_interval == 0 or done == config.steps:
+            result.evals.append((done, evaluate(model, val_rows, config.batch_size)))
+            note, report = f" | validation {result.evals[-1][1]:.3f}", True
+        progress.update(done, loss_value, tokens / elapsed, note, force=report)
+        if done % config.checkpoint_interval == 0 or done == last:
+            save(done)
+    result.tokens_per_second = tokens / elapsed if elapsed else 0.0
+    model.eval()
+    result.model_dir = save_llama(model, out / "model", tokenizer)
+    if config.sample_tokens:
+        result.sample = generate_text(model, tokenizer, ["The "], config.sample_tokens, temperature=0.8, top_k=40,
+                                      generator=torch.Generator().manual_seed(config.seed))[0]
+    return result
