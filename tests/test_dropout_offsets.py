@@ -1,6 +1,6 @@
 """A piece of a call draws the whole call's dropout pattern at its own positions (the private
 seed-with-offsets of attnkit.distributed): the same weights kept as the corresponding slice of the
-whole call, on every Python path; the native kernel, which takes no offsets yet, is kept out."""
+whole call, on every Python path and in the native kernel (dropout_start)."""
 
 from __future__ import annotations
 
@@ -40,8 +40,7 @@ def test_a_piece_keeps_the_slice_of_the_whole_pattern(backend):
 
 
 def test_the_op_path_computes_the_whole_calls_rows():
-    """Through the interval op (PyTorch's kernels block by block), float32 where the native kernel
-    would otherwise run: rows 5..20 over keys 10..30 equal those rows of the whole call whose mask
+    """Through the interval op in float32 (the native kernel where it is built): rows 5..20 over keys 10..30 equal those rows of the whole call whose mask
     allows exactly those keys (1e-6: float32 sums of 20 terms in a different blocking)."""
     q, k, v = _inputs(torch.float32)
     allowed = masks.key_ranges(torch.full((30,), 10), torch.full((30,), 30))
@@ -50,17 +49,24 @@ def test_the_op_path_computes_the_whole_calls_rows():
     torch.testing.assert_close(piece, whole[:, :, 5:20], atol=1e-6, rtol=1e-6)
 
 
-def test_offsets_keep_the_native_kernel_out():
-    q, k, v = _inputs(torch.float32)
-    lo, hi = torch.zeros(1, 1, 30, dtype=torch.int64), torch.full((1, 1, 30), 40, dtype=torch.int64)
-    offsets = _dropout.at_positions(_seed(), 0, 5, 10)
+def test_the_native_kernel_draws_a_piece_at_its_offsets():
+    """The same piece through the native kernel and through PyTorch's kernels block by block: the
+    same weights dropped (read back through identity values: a dropped weight is exactly 0)."""
+    native = attnkit._backends.native
+    if not native.available():
+        pytest.skip(f"native kernel: {native.why_unavailable()}")
+    q, k, _ = _inputs(torch.float32)
+    identity = torch.eye(20).expand(2, 2, 20, 20)
+    lo, hi = torch.zeros(1, 1, 15, dtype=torch.int64), torch.full((1, 1, 15), 20, dtype=torch.int64)
+    offsets = _dropout.at_positions(_seed(), 2, 5, 10)
     assert offsets.shape == (4,) and _dropout.has_offsets(offsets)
-    assert policy.kernel_for(q, k, v, lo, hi, None, P, False, True, seed=offsets) == "blocks"
-    # no offsets: an ordinary seed, which the native kernel serves where it is built
-    plain = _dropout.at_positions(_seed())
-    assert plain.dim() == 0 and not _dropout.has_offsets(plain)
-    expected = "native" if attnkit._backends.native.applies(q, k, v, False) else "blocks"
-    assert policy.kernel_for(q, k, v, lo, hi, None, P, False, True, seed=plain) == expected
+    piece = (q[:, 2:4, 5:20] * 0.01, k[:, 1:2, 10:30].expand(2, 2, 20, 8), identity)
+    assert policy.kernel_for(*piece, lo, hi, None, P, False, True, seed=offsets) == "native"
+    ours = attention_piece(*piece, seed=_seed(), heads=2, rows=5, keys=10, dropout=P, backend="tiled")
+    with native.turned_off():
+        theirs = attention_piece(*piece, seed=_seed(), heads=2, rows=5, keys=10, dropout=P, backend="tiled")
+    assert 0.2 < (ours == 0).double().mean() < 0.4
+    assert torch.equal(ours == 0, theirs == 0)
 
 
 def test_attention_piece_takes_a_seed_not_a_generator():

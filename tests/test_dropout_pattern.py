@@ -48,15 +48,16 @@ def test_the_tensor_hash_is_the_native_kernels_bit_for_bit(p, seed):
 
 @needs_native
 def test_the_native_kernel_places_a_shard_at_its_global_positions():
-    """dropout_start = (row, key): a shard of rows and keys draws its slice of the whole pattern."""
+    """dropout_start = (head, row, key): a piece of heads, rows and keys draws its slice of the whole
+    pattern."""
     seed, p = 2**40 + 7, 0.4
     g = torch.Generator().manual_seed(2)
-    q, k = torch.randn(B, H, 9, 8, generator=g) * 0.01, torch.randn(B, HKV, 13, 8, generator=g)
+    q, k = torch.randn(B, 2, 9, 8, generator=g) * 0.01, torch.randn(B, 1, 13, 8, generator=g)
     lo, hi = torch.zeros(1, 9, dtype=torch.long), torch.full((1, 9), 13)
-    weights, _ = native.interval_forward(q, k, torch.eye(13).expand(B, HKV, 13, 13), lo, hi, 1.0, dropout=p,
-                                         seed=seed, block=4, chunk=5, dropout_start=(21, 30))
+    weights, _ = native.interval_forward(q, k, torch.eye(13).expand(B, 1, 13, 13), lo, hi, 1.0, dropout=p,
+                                         seed=seed, block=4, chunk=5, dropout_start=(2, 21, 30))
     whole = dropout.keep_mask(torch.tensor(seed), B, H, 40, 50, p)
-    assert torch.equal(weights != 0, whole[:, :, 21:30, 30:43])
+    assert torch.equal(weights != 0, whole[:, 2:4, 21:30, 30:43])
 
 
 def test_the_pattern_depends_on_the_position_only():

@@ -38,13 +38,20 @@ import torch
 from torch import Tensor
 
 from . import blockwise, native, policy
+from . import dropout as _dropout
 from .numerics import all_finite, can_read, needs_pairwise, work_dtype
 
 __all__ = ["interval_attention", "IntervalAttention"]
 
 
-def _seed_value(seed: Tensor | None) -> int:
-    return 0 if seed is None else int(seed)
+def _seed_value(seed: Tensor | None) -> tuple[int, tuple[int, int, int]]:
+    """The kernel's seed and the piece's (head, row, key) offsets (see :func:`.dropout.at_positions`)."""
+    if seed is None:
+        return 0, (0, 0, 0)
+    if _dropout.has_offsets(seed):
+        value, heads, rows, keys = (int(x) for x in seed.tolist())
+        return value, (heads, rows, keys)
+    return int(seed), (0, 0, 0)
 
 
 def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -81,15 +88,19 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
 
 def _native_forward(query, key, value, lo, hi, scale, dropout, seed, softcap, alibi) -> tuple[Tensor, Tensor]:
     """The native kernel over each of the rows' ranges (one call each), merged."""
+    seed_value, offsets = _seed_value(seed)
     return _merge([native.interval_forward(query, key, value, lo[:, r], hi[:, r], scale, dropout=dropout,
-                                           seed=_seed_value(seed), softcap=softcap, alibi_slopes=alibi)
+                                           seed=seed_value, dropout_start=offsets, softcap=softcap,
+                                           alibi_slopes=alibi)
                    for r in range(lo.shape[1])])
 
 
 def _native_backward(grad_out, grad_lse, query, key, value, out, lse, lo, hi, scale, dropout, seed, softcap, alibi):
     """Its gradients: each range's, from the merged output and lse (split-key), summed."""
+    seed_value, offsets = _seed_value(seed)
     grads = [native.interval_backward(grad_out, query, key, value, out, lse, lo[:, r], hi[:, r], scale, grad_lse,
-                                      dropout=dropout, seed=_seed_value(seed), softcap=softcap, alibi_slopes=alibi)
+                                      dropout=dropout, seed=seed_value, dropout_start=offsets, softcap=softcap,
+                                      alibi_slopes=alibi)
              for r in range(lo.shape[1])]
     return tuple(sum(parts[1:], parts[0]) for parts in zip(*grads))
 

@@ -86,9 +86,8 @@ def kernel_for(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor
     ``sparse_only`` (an explicit ``backend="tiled"``) leaves out the dense kernel. The native
     kernel computes soft-capping and ALiBi itself; elsewhere they run on plain ops per block
     (``"blocks"``; dense, per sequence, where short or dense). Dropout in a piece of a larger call
-    (a ``seed`` with offsets) runs on plain ops too: the native kernel's hash takes no offsets yet."""
-    offsets = dropout > 0 and _dropout.has_offsets(seed)
-    if not offsets and native.applies(query, key, value, bias is not None):
+    (a ``seed`` with offsets) runs wherever plain dropout does: every kernel takes the offsets."""
+    if native.applies(query, key, value, bias is not None):
         if sparse_only or dropout > 0:
             return "native"
         pairs = query.shape[2] * key.shape[2]

@@ -207,18 +207,18 @@ struct Dropout {
   uint32_t threshold = 0;  // keep when bits >= threshold
   float keep_scale = 1.0f;
   uint32_t seed_low = 0, seed_high = 0;
-  // Where this call's rows and keys sit in the pattern (a shard of a longer sequence draws the
-  // pattern of its global positions).
-  int64_t row_start = 0, key_start = 0;
+  // Where this call's query heads, rows and keys sit in the pattern (a piece of a larger call,
+  // such as a sequence-parallel shard, draws the pattern of its positions in the whole).
+  int64_t head_start = 0, row_start = 0, key_start = 0;
 };
 
 struct DropoutRow {
   uint32_t a = 0, c = 0;
 };
 
-inline Dropout make_dropout(double p, int64_t seed, int64_t row_start, int64_t key_start) {
+inline Dropout make_dropout(double p, int64_t seed, int64_t head_start, int64_t row_start, int64_t key_start) {
   Dropout d;
-  d.row_start = row_start, d.key_start = key_start;
+  d.head_start = head_start, d.row_start = row_start, d.key_start = key_start;
   if (p > 0.0) {
     d.active = true;
     d.threshold = static_cast<uint32_t>(std::min(std::floor(p * 4294967296.0), 4294967295.0));
@@ -242,7 +242,8 @@ inline uint32_t mix(uint32_t x, uint32_t v) { return fmix32(x ^ fmix32(v + 0x9E3
 // The two keys of query row i of head h of sequence b.
 inline DropoutRow dropout_row(const Dropout& d, int64_t b, int64_t h, int64_t i) {
   const auto chain = [&](uint32_t x) {
-    return mix(mix(mix(x, static_cast<uint32_t>(b)), static_cast<uint32_t>(h)), static_cast<uint32_t>(i + d.row_start));
+    return mix(mix(mix(x, static_cast<uint32_t>(b)), static_cast<uint32_t>(h + d.head_start)),
+               static_cast<uint32_t>(i + d.row_start));
   };
   return {chain(d.seed_low), chain(d.seed_high)};
 }
@@ -656,14 +657,15 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
                                                     const at::Tensor& hi_rows, double scale, int64_t block,
                                                     int64_t chunk, double dropout_p, int64_t seed, double softcap,
                                                     const std::optional<at::Tensor>& alibi_slopes,
-                                                    int64_t dropout_row_start, int64_t dropout_key_start) {
+                                                    int64_t dropout_head_start, int64_t dropout_row_start,
+                                                    int64_t dropout_key_start) {
   at::Tensor lo, hi;
   const Sizes n = check_inputs("interval_forward", query, key, value, lo_rows, hi_rows, lo, hi);
   const int64_t B = n.B, H = n.H, Lq = n.Lq, D = n.D, Hkv = n.Hkv, Lk = n.Lk, Dv = n.Dv;  // the lambdas capture these
   TORCH_CHECK(block > 0 && chunk > 0, "interval_forward: block and chunk must be positive");
   TORCH_CHECK(Lk < (int64_t{1} << 31), "interval_forward: at most 2^31 - 1 keys");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "interval_forward: dropout must be in [0, 1)");
-  const Dropout dropout = make_dropout(dropout_p, seed, dropout_row_start, dropout_key_start);
+  const Dropout dropout = make_dropout(dropout_p, seed, dropout_head_start, dropout_row_start, dropout_key_start);
   const at::Tensor slopes = checked_slopes("interval_forward", alibi_slopes, B, H, softcap);
 
   at::Tensor out = with_huge_pages(at::empty({B, H, Lq, Dv}, query.options()));
@@ -886,7 +888,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& lse_rows, const at::Tensor& delta_rows, const at::Tensor& lo_rows, const at::Tensor& hi_rows,
     double scale, int64_t block, int64_t chunk, int64_t parts, double dropout_p, int64_t seed, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t dropout_row_start, int64_t dropout_key_start) {
+    const std::optional<at::Tensor>& alibi_slopes, int64_t dropout_head_start, int64_t dropout_row_start,
+    int64_t dropout_key_start) {
   at::Tensor lo, hi;
   const Sizes n = check_inputs("interval_backward", query, key, value, lo_rows, hi_rows, lo, hi);
   const int64_t B = n.B, H = n.H, Lq = n.Lq, D = n.D, Hkv = n.Hkv, Lk = n.Lk, Dv = n.Dv;  // the lambdas capture these
@@ -896,7 +899,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               "interval_backward: grad_out must be float32 CPU with a unit stride along the head dimension");
   TORCH_CHECK(block > 0 && chunk > 0 && parts > 0, "interval_backward: block, chunk and parts must be positive");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "interval_backward: dropout must be in [0, 1)");
-  const Dropout dropout = make_dropout(dropout_p, seed, dropout_row_start, dropout_key_start);
+  const Dropout dropout = make_dropout(dropout_p, seed, dropout_head_start, dropout_row_start, dropout_key_start);
   const at::Tensor slopes = checked_slopes("interval_backward", alibi_slopes, B, H, softcap);
   const at::Tensor lse = lse_rows.contiguous(), delta = delta_rows.contiguous();
   TORCH_CHECK(lse.scalar_type() == at::kFloat && delta.scalar_type() == at::kFloat &&
@@ -1024,11 +1027,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
 
 TORCH_LIBRARY(attnkit_native, m) {
   m.def("interval_forward(Tensor query, Tensor key, Tensor value, Tensor lo, Tensor hi, float scale, int block, "
-        "int chunk, float dropout, int seed, float softcap, Tensor? alibi_slopes, int dropout_row_start, "
-        "int dropout_key_start) -> (Tensor, Tensor)");
+        "int chunk, float dropout, int seed, float softcap, Tensor? alibi_slopes, int dropout_head_start, "
+        "int dropout_row_start, int dropout_key_start) -> (Tensor, Tensor)");
   m.def("interval_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor lse, Tensor delta, "
         "Tensor lo, Tensor hi, float scale, int block, int chunk, int parts, float dropout, int seed, "
-        "float softcap, Tensor? alibi_slopes, int dropout_row_start, int dropout_key_start) -> (Tensor, Tensor, Tensor)");
+        "float softcap, Tensor? alibi_slopes, int dropout_head_start, int dropout_row_start, int dropout_key_start) "
+        "-> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {

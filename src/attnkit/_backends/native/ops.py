@@ -16,11 +16,12 @@ from .tile_tables import backward_parts, backward_tiles, tiles
 EXPECTED_SCHEMAS = {
     "interval_forward": "attnkit_native::interval_forward(Tensor query, Tensor key, Tensor value, Tensor lo, "
                         "Tensor hi, float scale, int block, int chunk, float dropout, int seed, float softcap, "
-                        "Tensor? alibi_slopes, int dropout_row_start, int dropout_key_start) -> (Tensor, Tensor)",
+                        "Tensor? alibi_slopes, int dropout_head_start, int dropout_row_start, int dropout_key_start) "
+                        "-> (Tensor, Tensor)",
     "interval_backward": "attnkit_native::interval_backward(Tensor grad_out, Tensor query, Tensor key, "
                          "Tensor value, Tensor lse, Tensor delta, Tensor lo, Tensor hi, float scale, int block, "
                          "int chunk, int parts, float dropout, int seed, float softcap, Tensor? alibi_slopes, "
-                         "int dropout_row_start, int dropout_key_start) -> (Tensor, Tensor, Tensor)",
+                         "int dropout_head_start, int dropout_row_start, int dropout_key_start) -> (Tensor, Tensor, Tensor)",
 }
 
 
@@ -38,7 +39,7 @@ def registered_schemas() -> dict[str, str]:
 def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, scale: float,
                      block: int | None = None, chunk: int | None = None, dropout: float = 0.0,
                      seed: int = 0, softcap: float | None = None, alibi_slopes: Tensor | None = None,
-                     dropout_start: tuple[int, int] = (0, 0)) -> tuple[Tensor, Tensor]:
+                     dropout_start: tuple[int, int, int] = (0, 0, 0)) -> tuple[Tensor, Tensor]:
     """``(output [B, H, Lq, Dv], lse [B, H, Lq])`` of attention where row ``i`` of sequence ``b``
     attends keys ``lo[s, i] <= j < hi[s, i]`` (``s = b``, or 0 when ``lo`` has one row).
 
@@ -47,8 +48,8 @@ def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: 
     computed together) and ``chunk`` (keys per step of the running softmax) default to
     :func:`.tile_tables.tiles`. ``dropout`` drops each weight with that probability (and scales the kept
     ones by ``1 / (1 - dropout)``) by :mod:`attnkit._backends.dropout`'s hash of ``seed`` and the
-    position; the lse is the one before dropout. ``dropout_start = (row, key)`` places the call's
-    rows and keys at those positions of the pattern (a shard of a longer sequence).
+    position; the lse is the one before dropout. ``dropout_start = (head, row, key)`` places the
+    call's query heads, rows and keys at those positions of the pattern (a piece of a larger call).
 
     The score of a pair is ``scale * q.k``, then ``softcap * tanh(score / softcap)`` with a
     ``softcap``, then ``- slope * |i + Lk - Lq - j|`` with ``alibi_slopes`` (float32 ``[H]`` or
@@ -67,7 +68,7 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
                       block: int | None = None, chunk: int | None = None, parts: int | None = None,
                       dropout: float = 0.0, seed: int = 0, softcap: float | None = None,
                       alibi_slopes: Tensor | None = None,
-                      dropout_start: tuple[int, int] = (0, 0)) -> tuple[Tensor, Tensor, Tensor]:
+                      dropout_start: tuple[int, int, int] = (0, 0, 0)) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`interval_forward` (same shapes as its inputs) from
     ``grad_out [B, H, Lq, Dv]`` and, when the lse was used too, ``grad_lse [B, H, Lq]``; ``out`` and
     ``lse`` are the forward's, ``dropout``, ``seed``, ``softcap``, ``alibi_slopes`` and ``dropout_start``
