@@ -89,6 +89,7 @@ def _score_gradient_atol(q, k, v, up, scale):
     cancels exactly to 0 and a kernel's leaves ``scale * rounding``: bound it by twice
     ``scale * DIM * eps * max|dO| max|V| max|K or Q|`` (LENGTH keys, each one rounding)."""
     eps = torch.finfo(torch.float32).eps
+    q, k, v, up = (t.detach() for t in (q, k, v, up))
     largest = max(q.abs().max(), k.abs().max())
     return 2 * scale * DIM * LENGTH * eps * float(up.abs().max() * v.abs().max() * largest)
 
