@@ -39,3 +39,26 @@ def test_pyproject_admits_the_tested_torch_releases_only():
 def test_outside_the_tested_releases_the_private_kernels_are_not_used(monkeypatch):
     monkeypatch.setattr(_torch_private, "TESTED", ((1, 0),))
     assert not _torch_private.supported() and _torch_private.flash_cpu_ops() is None
+
+
+def test_an_eager_program_never_loads_dynamo_or_sympy():
+    """Custom ops wrap their implementations so that the first call imports torch._dynamo, and
+    torch.broadcast_shapes imports sympy: together ~3 s on the first call of a structured mask
+    (8x a sliding-window call at L = 16384). Eager attention, forward and backward, on every
+    path (native kernel or PyTorch's), loads neither."""
+    import subprocess
+    import sys
+
+    program = """
+import sys, torch, attnkit
+from attnkit import masks
+q = torch.randn(1, 2, 300, 16, requires_grad=True)
+for mask in (masks.sliding_window(32), masks.document([100, 200]) & masks.causal()):
+    attnkit.attention(q, q, q, mask=mask, backend="tiled").sum().backward()
+    with attnkit._backends.native.turned_off():
+        attnkit.attention(q, q, q, mask=mask, backend="tiled", dropout=0.1).sum().backward()
+print(sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules))
+"""
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import _torch_private
 from . import blockwise, native, policy
 from . import dropout as _dropout
 from .numerics import all_finite, can_read, needs_pairwise, work_dtype
@@ -240,6 +241,8 @@ def _zeros_if_none(grad: Tensor | None, like: Tensor | None) -> Tensor | None:
 
 
 interval_attention.register_autograd(_backward, setup_context=_setup_context)
+_torch_private.eager_first_call(interval_attention)
+_torch_private.eager_first_call(interval_attention_backward)
 
 
 class IntervalAttention(torch.autograd.Function):

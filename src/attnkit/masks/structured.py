@@ -99,9 +99,10 @@ class StructuredMask:
         aligner = self.aligner()
         positions = rows + (k_len - q_len) if aligner is None else aligner.positions(rows, k_len)
         parts = [(lo.clamp(0, k_len), hi.clamp(0, k_len)) for lo, hi in self.ranges(positions, rows)]
-        shape = torch.broadcast_shapes(*(t.shape for pair in parts for t in pair), rows.shape)
-        lo = torch.stack([t.expand(shape) for t, _ in parts], dim=-2)
-        hi = torch.stack([t.expand(shape) for _, t in parts], dim=-2)
+        # broadcast_tensors, not broadcast_shapes: the latter imports sympy on first use (~1.5 s)
+        expanded = torch.broadcast_tensors(*(t for pair in parts for t in pair), rows)[:-1]
+        lo = torch.stack(expanded[0::2], dim=-2)
+        hi = torch.stack(expanded[1::2], dim=-2)
         return (lo[None], hi[None]) if lo.dim() == 2 else (lo, hi)
 
     def row_bounds(self, q_len: int, k_len: int | None = None, *,
