@@ -412,6 +412,13 @@ def test_auto_runs_long_structured_masks_tiled_and_everything_else_fused(forward
     # on long rows
     assert _auto(_call(4096, masks.causal())) == ("tiled" if native_runs else "torch")
     assert auto_runs(_call(8192, masks.causal())) == "torch"  # as causal=True: SDPA's causal path
+    # one decoding step (GQA): bottom-right causal is every key, SDPA without planning, same numbers
+    step = [torch.randn(1, 8, 1, 64), torch.randn(1, 2, 300, 64), torch.randn(1, 2, 300, 64)]
+    call = make_call(*step, mask=masks.causal(), causal=False, scale=None, dropout=0.0, generator=None,
+                     return_weights=False)
+    assert auto_runs(call) == "torch"
+    torch.testing.assert_close(attnkit.attention(*step, mask=masks.causal()),
+                               attnkit.attention(*step, mask=masks.causal(), backend="reference"))
     assert auto_runs(_call(4096, None)) == "torch"
     assert auto_runs(_call(16, None, return_lse=True)) == ("tiled:native" if native_runs else "tiled:blocks")
 
