@@ -15,6 +15,18 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for a module of tiny problems (``pytestmark = pytest.mark.usefixtures(
+    "one_thread")``): cut into many small kernel calls, they run fastest on one thread, which does
+    not stall at every call's thread barrier (measured: up to 10x slower on two threads when other
+    jobs share the machine's cores); results do not depend on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @contextmanager
 def tiled_kernel(name: str) -> Iterator[None]:
     """Run the tiled backend on ``"native"`` (attnkit's kernel; the test skips where it is not

@@ -14,14 +14,8 @@ from attnkit.models.gpt import GPT, GPTConfig, document_positions, language_mode
 from attnkit.models.llama_export import load_llama, save_llama
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: on a shared 2-core machine PyTorch's second thread mostly spins waiting
-    (measured: up to 10x slower here under load); results do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny problems: one thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = dict(vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=96, max_position_embeddings=64, rope_theta=500.0)

@@ -11,14 +11,8 @@ import torch
 from attnkit.models import induction
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: on a shared 2-core machine PyTorch's second thread mostly spins waiting
-    (measured: up to 10x slower here under load); results do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny problems: one thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

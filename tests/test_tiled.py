@@ -28,14 +28,8 @@ def forward_kernel(request):
         yield request.param
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These problems are tiny and cut into many kernel calls: one thread runs them fastest, and
-    does not stall at every call's thread barrier when other jobs share the machine's cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny problems: one thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # fp32 against float64 over <= 40 keys and <= 16 features of O(1) randn values: a few ulp

@@ -15,14 +15,8 @@ from attnkit.training import TrainConfig, batch_order, learning_rate, pack_docum
 from attnkit.training.corpus import python_reference_sections, split_documents  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: on a shared 2-core machine PyTorch's second thread mostly spins waiting
-    (measured: up to 10x slower here under load); results do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny problems: one thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=300,
             seq_len=32, batch_size=4, max_documents=8, eval_rows=4, sample_tokens=0)
