@@ -4,7 +4,9 @@ The same random weights (seed 0) run with ``attn_implementation`` = ``"attnkit"`
 ``"eager"``, ``"flex_attention"`` (where it runs on this machine) and ``"noop"``: an attention
 function that returns the values unchanged (reshaped to the query heads) with no mask built,
 the limit no attention implementation can beat. ``forward time - noop time`` is what attention
-costs; its share of the forward is ``1 - noop / time``.
+costs; its share of the forward is ``1 - noop / time``. Below each length's table, the floor: the
+attention's useful flops at a square matmul's rate measured in the same run, the least time any
+exact attention can take on this machine, and the share of the forward that leaves.
 
 Each (implementation, length) runs in a fresh process (peak memory is per process): one warm-up
 forward, then ``--repeats`` timed ones under ``torch.no_grad()``, median reported; the extra
@@ -13,7 +15,7 @@ peak memory is the process's peak resident set minus its resident set before the
 
     python benchmarks/transformers.py                                    # Mistral-style, L = 4096 8192
     python benchmarks/transformers.py --lengths 16384 --repeats 1        # the issue's main size
-    python benchmarks/transformers.py --lengths 131072 --implementations attnkit noop --repeats 1
+    python benchmarks/transformers.py --lengths 131072 --repeats 1 --memory-limit 20  # the others fail
     python benchmarks/transformers.py --model llama --lengths 8192       # full causal
     python benchmarks/transformers.py --model llama --generate 2048 128  # generate() with the cache
 
@@ -85,6 +87,9 @@ def _child(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.memory_limit:  # fail with an allocation error instead of waking the kernel's OOM killer
+        limit = int(args.memory_limit * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     implementation, length = args.child
     length = int(length)
     model = _model(args.model, implementation, args)
@@ -129,6 +134,30 @@ def _measure(implementation: str, length: int, args) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _matmul_rate(threads: int) -> float:
+    """GFLOP/s of a square fp32 matmul on this machine now (median of 7): the rate no attention
+    kernel's two products can beat."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    times = []
+    for _ in range(8):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    return 2 * 2048**3 / statistics.median(times[1:]) / 1e9
+
+
+def _attention_gflop(kind: str, length: int, args) -> float:
+    """The useful work of the model's attention in one forward: 4 * head_dim flops per attended
+    (query, key) pair, head and layer (the products q.k and p.v), with transformers' masks
+    (causal; Mistral's window: query i sees keys i - window + 1 .. i)."""
+    window = args.window if kind == "mistral" else length
+    pairs = sum(min(i + 1, window) for i in range(length))
+    return 4 * (args.hidden // args.heads) * pairs * args.heads * args.layers / 1e9
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
@@ -150,6 +179,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per (implementation, length)")
+    parser.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
+                        help="address-space limit of each measured process (an allocation beyond it fails)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -187,6 +218,12 @@ def main() -> None:
             share = f"{1 - noop / r['time']:.1%}" if noop and implementation != "noop" else ""
             print(f"| {length} | {implementation} | {r['time']:.2f} | {ratio} | {share} | {_gib(r['extra_peak'])} |",
                   flush=True)
+        if noop and not args.generate:
+            rate = _matmul_rate(args.threads)
+            floor = _attention_gflop(args.model, length, args) / rate
+            print(f"\nfloor at L = {length}: attention's useful work {_attention_gflop(args.model, length, args):.1f} "
+                  f"GFLOP at this run's square-matmul rate ({rate:.0f} GFLOP/s) takes {floor:.3f} s, so no "
+                  f"attention can be under {floor / (noop + floor):.1%} of this forward (noop {noop:.2f} s)\n")
         if args.generate:
             tokens = {k: v["summary"] for k, v in results.items() if "summary" in v and k != "noop"}
             same = len({json.dumps(t) for t in tokens.values()}) <= 1

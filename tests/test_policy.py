@@ -62,3 +62,24 @@ def test_auto_runs_names_the_kernel_the_op_picks():
     assert auto_runs(_call(mask=masks.sliding_window(256))) in ("tiled:native", "tiled:blocks")
     assert auto_runs(_call(mask=masks.padding([4096]))) == "tiled:dense"  # nothing to skip
     assert auto_runs(_call()) == "torch"
+
+
+@pytest.mark.parametrize("mask", [None, masks.causal()])
+def test_a_decoding_step_under_causal_reaches_sdpa_with_no_mask(monkeypatch, mask):
+    # Bottom-right causal gives one query row every key: building a [1, Lk] mask for it made
+    # SDPA take its masked path on every generated token (0.95x transformers' sdpa in generate()).
+    import torch.nn.functional as F
+
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("attn_mask"))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    query, key, value = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    out = attnkit.attention(query, key, value, mask=mask, causal=mask is None)
+    expected = attnkit.attention(query, key, value, backend="reference")  # one row: every key
+    assert seen == [None]
+    torch.testing.assert_close(out, expected)

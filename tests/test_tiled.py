@@ -364,8 +364,8 @@ def test_a_sliding_window_runs_even_key_spans():
 
 def _call(length, mask, heads=8, **kwargs):
     q = torch.empty(1, heads, length, 64)
-    return make_call(q, q, q, mask=mask, causal=False, scale=None, dropout=0.0, generator=None,
-                     return_weights=False, **kwargs)
+    options = dict(causal=False, scale=None, dropout=0.0, generator=None, return_weights=False) | kwargs
+    return make_call(q, q, q, mask=mask, **options)
 
 
 def test_the_plan_computes_little_more_than_the_attended_pairs_in_few_calls():
@@ -402,10 +402,14 @@ def test_auto_runs_long_structured_masks_tiled_and_everything_else_fused(forward
     assert _auto(_call(4096, masks.padding([3600]))) == ("tiled" if native_runs else "torch")
     assert _auto(_call(4096, masks.padding([4000]))) == "torch"  # 98% of the pairs
     assert _auto(_call(4096, masks.causal() & masks.padding([3000]))) == "tiled"
-    # SDPA's own causal path is as fast as PyTorch's kernel block by block, and as the native one
-    # on long rows
-    assert _auto(_call(4096, masks.causal())) == ("tiled" if native_runs else "torch")
-    assert auto_runs(_call(8192, masks.causal())) == "torch"  # as causal=True: SDPA's causal path
+    # Plain causal, masks.causal() or causal=True alike: the native kernel beat SDPA's causal path
+    # (forward and backward) below 4096 x 4096; from there, and without the native kernel, SDPA's
+    # causal path (PyTorch's kernel block by block is no faster)
+    for length, native_wins in ((128, True), (2048, True), (4096, False), (8192, False), (64, False)):
+        expected = "tiled:native" if native_runs and native_wins else "torch"
+        assert auto_runs(_call(length, masks.causal())) == expected, length
+        assert auto_runs(_call(length, None, causal=True)) == expected, length
+    assert auto_runs(_call(2048, masks.causal(), causal=True)) == ("tiled:native" if native_runs else "torch")
     # one decoding step (GQA): bottom-right causal is every key, SDPA without planning, same numbers
     step = [torch.randn(1, 8, 1, 64), torch.randn(1, 2, 300, 64), torch.randn(1, 2, 300, 64)]
     call = make_call(*step, mask=masks.causal(), causal=False, scale=None, dropout=0.0, generator=None,

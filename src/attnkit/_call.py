@@ -86,7 +86,7 @@ class AttentionCall:
         Boolean when ``mask`` is boolean or absent, additive (:func:`bias_dtype`) when ``mask`` is floating.
         Broadcastable to ``scores_shape``; not expanded, so no ``Lq x Lk`` copy per batch/head.
         """
-        if not self.causal:
+        if not self.causal or self.q_len == 1:  # bottom-right, one query row sees every key
             return self.mask
         causal = _masks.causal_mask(self.q_len, self.k_len, device=self.query.device)
         return _masks.combine(self.mask, causal, dtype=bias_dtype(self.query.dtype))

@@ -8,9 +8,12 @@ traced by ``torch.compile``), in order:
    the CPU today), PyTorch's fused kernels (``"torch"``): attnkit never routes a call to code whose
    speed nobody measured there.
 3. ``return_weights``: ``"torch"``'s materialised path of fused ops (weights are ``Lq x Lk`` anyway).
-4. A structured mask, soft-capping, ALiBi or sinks (SDPA has none of these), or dropout where
+4. Plain causal (``causal=True`` or ``masks.causal()``, nothing else): attnkit's native kernel for
+   square calls from 128 x 128 to below 4096 x 4096, where it beat SDPA's causal path; else
+   SDPA's causal path.
+5. A structured mask, soft-capping, ALiBi or sinks (SDPA has none of these), or dropout where
    attnkit's native kernel runs: the interval op with its kernel left to :func:`kernel_for`.
-5. Else ``"torch"``.
+6. Else ``"torch"``.
 
 :func:`kernel_for` runs inside the op (``attnkit::interval_attention``, :mod:`.interval_op`), on the
 real row bounds: attnkit's native kernel, PyTorch's kernel block by block, or PyTorch's fused
@@ -47,11 +50,12 @@ AUTO_MAX_VISITED = ((1024 * 1024, 0.3), (float("inf"), 0.6))  # (pairs below, vi
 #: the differences were microseconds either way (0.80-1.36x over two runs). The share is the
 #: kernel's own (each block over its rows' key span, :func:`native.computed_fraction`), which
 #: needs no plan.
-#: A plain causal mask it ran in 0.61-0.97x SDPA's own causal path up to 4096 x 4096, 0.96-1.00x
-#: at 8192 and 16384: SDPA keeps that one from 8192 x 8192.
+#: A plain causal mask (forward) it ran in 0.61-0.97x SDPA's own causal path up to 4096 x 4096,
+#: 0.96-1.00x at 8192 and 16384; forward + backward (GQA and not, D = 16 to 128, 1 and 2 threads)
+#: in 0.53-0.94x SDPA's time from 128 to 2048, 1.06x at 4096: SDPA keeps it from 4096 x 4096.
 NATIVE_MIN_PAIRS = 128 * 128
 NATIVE_MAX_COMPUTED = 0.9
-NATIVE_CAUSAL_MAX_PAIRS = 8192 * 8192
+NATIVE_CAUSAL_MAX_PAIRS = 4096 * 4096
 
 
 def choose(call: AttentionCall) -> str:
@@ -61,18 +65,16 @@ def choose(call: AttentionCall) -> str:
         return "tiled"
     if call.query.device.type not in MEASURED_DEVICES or call.return_weights:
         return "torch"
-    if (call.structure is not None and call.structure.is_causal and not call.modifies_scores and call.dropout == 0
-            and (call.q_len == 1  # one decoding step: bottom-right causal is every key
-                 or (call.q_len == call.k_len
-                     and (call.q_len * call.k_len >= NATIVE_CAUSAL_MAX_PAIRS
-                          or not _native_serves(call.query.device.type, call.query.dtype,
-                                                call.mask is not None))))):
-        # masks.causal() alone for one query row (a decoding step: the op's per-call planning cost
-        # 1.2 ms against SDPA's 0.15 ms), or where the op would run PyTorch's fused kernel over every key: that is
-        # causal=True (the call densifies to exactly it), SDPA's own causal path, GQA included,
-        # where the op's dense kernel builds the mask (L = 8192, 8 query / 2 kv heads: 3.9 s
-        # against 1.0 s, and an L x L mask in memory)
-        return "torch"
+    plain_causal = call.mask is None and (call.structure.is_causal if call.structure is not None else call.causal)
+    if plain_causal and not call.modifies_scores and call.dropout == 0:
+        # masks.causal() and causal=True are one rule: the native kernel where it is faster than
+        # SDPA's causal path (square, NATIVE_MIN_PAIRS <= L * L < NATIVE_CAUSAL_MAX_PAIRS), else SDPA's
+        # causal path, GQA included. Never the op's dense kernel, which builds the L x L mask (L =
+        # 8192, 8 query / 2 kv heads: 3.9 s against 1.0 s); never the op for one query row (a
+        # decoding step sees every key: the op's planning cost 1.2 ms against SDPA's 0.15 ms).
+        native_faster = (call.q_len == call.k_len and NATIVE_MIN_PAIRS <= call.q_len * call.k_len < NATIVE_CAUSAL_MAX_PAIRS
+                         and _native_serves(call.query.device.type, call.query.dtype, False))
+        return "interval" if native_faster else "torch"
     if call.structure is not None or call.modifies_scores:
         return "interval"  # soft-capping, ALiBi and sinks: SDPA has none of them
     if call.dropout > 0 and _native_serves(call.query.device.type, call.query.dtype, call.mask is not None):
