@@ -158,6 +158,15 @@ def _attention_gflop(kind: str, length: int, args) -> float:
     return 4 * (args.hidden // args.heads) * pairs * args.heads * args.layers / 1e9
 
 
+def _model_gflop(length: int, args) -> float:
+    """The no-op forward's work: the projections and the SwiGLU feed-forward, 2 flops per
+    multiply-add (norms, rotary and the embedding lookup are a rounding error)."""
+    head_dim = args.hidden // args.heads
+    per_token = (2 * args.hidden * args.heads * head_dim + 2 * args.hidden * args.kv_heads * head_dim
+                 + 3 * args.hidden * args.intermediate)
+    return 2 * per_token * length * args.layers / 1e9
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
@@ -220,10 +229,15 @@ def main() -> None:
                   flush=True)
         if noop and not args.generate:
             rate = _matmul_rate(args.threads)
-            floor = _attention_gflop(args.model, length, args) / rate
-            print(f"\nfloor at L = {length}: attention's useful work {_attention_gflop(args.model, length, args):.1f} "
-                  f"GFLOP at this run's square-matmul rate ({rate:.0f} GFLOP/s) takes {floor:.3f} s, so no "
-                  f"attention can be under {floor / (noop + floor):.1%} of this forward (noop {noop:.2f} s)\n")
+            attention, rest = _attention_gflop(args.model, length, args), _model_gflop(length, args)
+            floor = attention / rate
+            needed = attention / (0.05 / 0.95 * noop)
+            print(f"\nfloor at L = {length}: attention's useful work is {attention:.1f} GFLOP, the rest of the "
+                  f"forward's {rest:.1f} GFLOP ({attention / (attention + rest):.1%} of the work). The no-op forward ran "
+                  f"at {rest / noop:.0f} GFLOP/s, a square matmul at {rate:.0f} GFLOP/s (measured after it); at that "
+                  f"rate attention takes at least {floor:.3f} s, {floor / (noop + floor):.1%} of this forward. "
+                  f"Attention at 5% would need {needed:.0f} GFLOP/s, {needed / rate:.1f}x that matmul and "
+                  f"{needed / (rest / noop):.1f}x the model's own linear layers.\n")
         if args.generate:
             tokens = {k: v["summary"] for k, v in results.items() if "summary" in v and k != "noop"}
             same = len({json.dumps(t) for t in tokens.values()}) <= 1
