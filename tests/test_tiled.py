@@ -410,6 +410,12 @@ def test_auto_runs_long_structured_masks_tiled_and_everything_else_fused(forward
         assert auto_runs(_call(length, masks.causal())) == expected, length
         assert auto_runs(_call(length, None, causal=True)) == expected, length
     assert auto_runs(_call(2048, masks.causal(), causal=True)) == ("tiled:native" if native_runs else "torch")
+    # a chunk of rows after a cache (bottom-right): the op on the rows' spans, either spelling
+    chunk = [torch.empty(1, 8, 2048, 64), torch.empty(1, 8, 4096, 64), torch.empty(1, 8, 4096, 64)]
+    for mask, causal in ((masks.causal(), False), (None, True)):
+        call = make_call(*chunk, mask=mask, causal=causal, scale=None, dropout=0.0, generator=None,
+                         return_weights=False)
+        assert auto_runs(call) == ("tiled:native" if native_runs else "tiled:dense")  # 75% of the pairs
     # one decoding step (GQA): bottom-right causal is every key, SDPA without planning, same numbers
     step = [torch.randn(1, 8, 1, 64), torch.randn(1, 2, 300, 64), torch.randn(1, 2, 300, 64)]
     call = make_call(*step, mask=masks.causal(), causal=False, scale=None, dropout=0.0, generator=None,
