@@ -173,10 +173,8 @@ class Attention(MultiHeadAttention):
         queries, keys = rotate(queries, cos, sin), rotate(keys, cos, sin)
         if cache is not None:
             keys, values = cache.stage(keys, values)
-        # One new query is the causal mask's last row, which sees every key: saying causal=False
-        # there is the same computation and spares the backends building a mask (decoding's case).
-        result = self.attention_fn(
-            queries, keys, values, mask=mask, causal=length > 1,
+        result = self.attention_fn(  # causal is bottom-right: a decoding step's one row sees every key
+            queries, keys, values, mask=mask, causal=True,
             dropout=self.dropout if self.training else 0.0, generator=generator,
             return_weights=need_weights, backend=self.backend,
         )
