@@ -38,14 +38,22 @@ def interval_cases(draw, max_len=40):
     # query [B, Lq, H, D] transposed to [B, H, Lq, D]: the kernel reads any row strides
     query = torch.randn(batch, lq, heads, dk, generator=g).transpose(1, 2) if draw(st.booleans()) else \
         torch.randn(batch, heads, lq, dk, generator=g)
-    key = torch.randn(batch, kv_heads, lk, dk, generator=g)
-    value = torch.randn(batch, kv_heads, lk, dv, generator=g)
+    key_rows_outer = draw(st.booleans())  # keys and values as a model's projections give them, or not
+    key, value = (torch.randn(batch, lk, kv_heads, dim, generator=g).transpose(1, 2) if key_rows_outer else
+                  torch.randn(batch, kv_heads, lk, dim, generator=g) for dim in (dk, dv))
     rows = draw(st.sampled_from([1, batch]))
     lo = torch.randint(-3, lk + 2, (rows, lq), generator=g)
     width = torch.randint(0, lk + 3, (rows, lq), generator=g)
     hi = lo + width  # may be empty, start before key 0 or end past the last key
     return dict(query=query, key=key, value=value, lo=lo, hi=hi,
                 scale=draw(st.floats(0.05, 3.0)), block=draw(st.integers(1, 9)), chunk=draw(st.integers(1, 17)))
+
+
+def assert_laid_out_like(result, like):
+    """Dense, with rows outer to heads ([B, L, H, C] in memory) exactly where ``like`` has them so:
+    a model's ``view(B, L, H * C)`` of the result, or of a gradient, needs no copy (as SDPA's)."""
+    rows_outer = like.shape[1] > 1 and like.shape[2] > 1 and like.stride(1) < like.stride(2)
+    assert (result.transpose(1, 2) if rows_outer else result).is_contiguous(), (result.stride(), like.stride())
 
 
 def _allowed(lo, hi, lk):
@@ -60,7 +68,8 @@ def test_output_and_lse_match_the_oracle(c):
                                        block=c["block"], chunk=c["chunk"])
     allowed = _allowed(c["lo"], c["hi"], c["key"].shape[2])
     expected, _ = oracle_attention(c["query"], c["key"], c["value"], mask=allowed, scale=c["scale"])
-    assert out.shape == expected.shape and out.dtype == torch.float32 and out.is_contiguous()
+    assert out.shape == expected.shape and out.dtype == torch.float32
+    assert_laid_out_like(out, c["query"])
     torch.testing.assert_close(out, expected.float(), **FP32)
     expected_lse = oracle_lse(c["query"], c["key"], allowed, c["scale"])
     assert torch.equal(torch.isneginf(lse), torch.isneginf(expected_lse))  # rows with no key: -inf
@@ -94,6 +103,7 @@ def test_gradients_match_the_oracle(c, parts, with_lse, seed):
     expected = _oracle_gradients(c, grad_out, grad_lse)
     for name, grad, want, like in zip("qkv", grads, expected, (c["query"], c["key"], c["value"])):
         assert grad.shape == like.shape and grad.dtype == torch.float32, name
+        assert_laid_out_like(grad, like)
         # Relative to the largest gradient: scores reach |s| ~ 50 here (scale 3, 16 features), whose
         # fp32 rounding (ulp 4e-6) enters every weight exp(s - lse) recomputed from the lse. Over
         # 2000 cases the error was <= 1.5e-5 of the largest gradient; PyTorch's own fused fp32

@@ -12,8 +12,8 @@
 //
 // Layout: query [B, H, Lq, D], key [B, Hkv, Lk, D], value [B, Hkv, Lk, Dv], float32, any strides
 // with a unit last-dim stride; lo, hi int64 [S, Lq] with S = 1 (shared) or B. H % Hkv == 0 (GQA:
-// query head h reads key/value head h / (H / Hkv)). Returns output [B, H, Lq, Dv] (contiguous)
-// and the natural-log sum-exp [B, H, Lq] (before dropout); a row with no key gives zeros and -inf.
+// query head h reads key/value head h / (H / Hkv)). Returns output [B, H, Lq, Dv] (laid out as the
+// query: see like_layout) and the natural-log sum-exp [B, H, Lq] (before dropout); a row with no key gives zeros and -inf.
 // Optional dropout on the weights, from a seed (see Dropout). interval_backward (further down)
 // gives the gradients from the same intervals, seed and the saved lse.
 //
@@ -371,6 +371,18 @@ void exact_forward_row(const float* q_row, const float* k_head, int64_t k2s, con
 // whose every 4 KiB page faults on first touch. Asking for transparent huge pages where the
 // system offers them on request cuts the faults 512-fold. Only the 2 MiB-aligned interior can
 // use them; the advice is dropped with the mapping when the tensor is freed.
+at::Tensor with_huge_pages(at::Tensor t);
+
+// A fresh [B, heads, L, C] tensor (C the last dim), with its rows outer to its heads where `like`
+// has them so ([B, L, H, D] in memory, as a model's projections viewed as heads give): then the
+// caller's view back to [B, L, H * C] needs no copy, as with SDPA's outputs and gradients.
+at::Tensor like_layout(const at::Tensor& like, int64_t B, int64_t heads, int64_t L, int64_t C) {
+  const bool rows_outer = like.size(1) > 1 && like.size(2) > 1 && like.stride(1) < like.stride(2);
+  const auto options = like.options();
+  return with_huge_pages(rows_outer ? at::empty({B, L, heads, C}, options).transpose(1, 2)
+                                    : at::empty({B, heads, L, C}, options));
+}
+
 at::Tensor with_huge_pages(at::Tensor t) {
 #ifdef MADV_HUGEPAGE
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
@@ -668,7 +680,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   const Dropout dropout = make_dropout(dropout_p, seed, dropout_head_start, dropout_row_start, dropout_key_start);
   const at::Tensor slopes = checked_slopes("interval_forward", alibi_slopes, B, H, softcap);
 
-  at::Tensor out = with_huge_pages(at::empty({B, H, Lq, Dv}, query.options()));
+  at::Tensor out = like_layout(query, B, H, Lq, Dv);
   at::Tensor lse = at::empty({B, H, Lq}, query.options());
   if (lse.numel() == 0) return {out, lse};
   const int64_t group = H / Hkv, blocks = (Lq + block - 1) / block;
@@ -682,6 +694,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   const int64_t q0s = query.stride(0), q1s = query.stride(1), q2s = query.stride(2);
   const int64_t k0s = key.stride(0), k1s = key.stride(1), k2s = key.stride(2);
   const int64_t v0s = value.stride(0), v1s = value.stride(1), v2s = value.stride(2);
+  const int64_t o0s = out.stride(0), o1s = out.stride(1), o2s = out.stride(2);
   const int64_t shared_rows = lo.size(0) == 1;
 
   // Tasks run (batch, head, block) in order: a thread's consecutive blocks share most keys.
@@ -704,10 +717,10 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
       const float* q_block = q + b * q0s + h * q1s + first * q2s;
       const float* k_head = k + b * k0s + (h / group) * k1s;
       const float* v_head = v + b * v0s + (h / group) * v1s;
-      float* o_block = o + ((b * H + h) * Lq + first) * Dv;
+      float* o_block = o + b * o0s + h * o1s + first * o2s;
       float* l_block = l + (b * H + h) * Lq + first;
       if (span_lo >= span_hi) {  // no row of the block attends any key
-        std::fill(o_block, o_block + rows * Dv, 0.0f);
+        for (int64_t j = 0; j < rows; ++j) std::fill(o_block + j * o2s, o_block + j * o2s + Dv, 0.0f);
         std::fill(l_block, l_block + rows, kNegInf);
         continue;
       }
@@ -757,7 +770,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
         }
         block_values(v_head + c0 * v2s, v2s, width, Dv, s, rs, ot.data(), start.data(), rescale8.data());
       }
-      transpose(ot.data(), rs, Dv, rows, 1.0f, o_block, Dv);  // out[r][dv] = Ot[dv][r], normalised below
+      transpose(ot.data(), rs, Dv, rows, 1.0f, o_block, o2s);  // out[r][dv] = Ot[dv][r], normalised below
       for (int64_t u = 0; u < rs / 8; ++u) {
         _mm256_storeu_ps(row_max.data() + 8 * u, max8[u]);
         _mm256_storeu_ps(row_sum.data() + 8 * u, sum8[u]);
@@ -766,7 +779,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
       // a masked key's (weight 0, which must not count) or an attended one's, where the running
       // rescaling may have turned a weight into 0 early; such rows are redone by attended pairs.
       for (int64_t j = 0; j < rows; ++j) {
-        float* acc = o_block + j * Dv;
+        float* acc = o_block + j * o2s;
         const float sum = row_sum[j];
         if (std::isnan(sum)) {  // a NaN or +inf score among the attended ones
           std::fill(acc, acc + Dv, std::numeric_limits<float>::quiet_NaN());
@@ -858,26 +871,27 @@ inline void score_grad_row(float* p, float* dp, int64_t width, int64_t lo, int64
 void exact_backward_chunk(int64_t rows, int64_t width, int64_t c0, const int64_t* row_lo, const int64_t* row_hi,
                           const float* p, const float* ds, const float* q_block, int64_t q2s,
                           const float* go_block, int64_t g2s, const float* k_head, int64_t k2s, float* dq_block,
-                          float* dk_head, float* dv_head, int64_t D, int64_t Dv, bool first_chunk) {
-  if (first_chunk) std::fill(dq_block, dq_block + rows * D, 0.0f);
+                          int64_t dq2s, float* dk_head, int64_t dk2s, float* dv_head, int64_t dv2s, int64_t D,
+                          int64_t Dv, bool first_chunk) {
+  for (int64_t j = 0; j < rows && first_chunk; ++j) std::fill(dq_block + j * dq2s, dq_block + j * dq2s + D, 0.0f);
   for (int64_t j = 0; j < rows; ++j) {
     const int64_t a = std::clamp<int64_t>(row_lo[j] - c0, 0, width), z = std::clamp<int64_t>(row_hi[j] - c0, 0, width);
     const float* q_row = q_block + j * q2s;
     const float* go_row = go_block + j * g2s;
-    float* dq_row = dq_block + j * D;
+    float* dq_row = dq_block + j * dq2s;
     for (int64_t t = a; t < z; ++t) {
       const float g = ds[j * width + t];
       const int64_t key = c0 + t;
       axpy(dq_row, g, k_head + key * k2s, D);
-      axpy(dk_head + key * D, g, q_row, D);
-      axpy(dv_head + key * Dv, p[j * width + t], go_row, Dv);
+      axpy(dk_head + key * dk2s, g, q_row, D);
+      axpy(dv_head + key * dv2s, p[j * width + t], go_row, Dv);
     }
   }
 }
 
 // Gradients of interval_forward: given grad_out [B, H, Lq, Dv], the forward's lse [B, H, Lq] and
 // delta [B, H, Lq] = rowsum(grad_out * out) - grad_lse, returns (dq, dk, dv) in float32, each
-// contiguous in the shape of its input. FlashAttention's backward, by query blocks: per block and
+// in the shape of its input, laid out as like_layout gives. FlashAttention's backward, by query blocks: per block and
 // chunk of keys, P from the lse, dP = dO V^T, dS = scale * P * (f dP - delta) with f the dropout
 // factors (1 without dropout), dV += (f P)^T dO, dQ += dS K, dK += dS^T Q; five sgemm calls,
 // nothing of size Lq x Lk is ever stored.
@@ -906,9 +920,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                   lse.sizes() == at::IntArrayRef({B, H, Lq}) && delta.sizes() == lse.sizes(),
               "interval_backward: lse and delta must be float32 [B, H, Lq]");
 
-  at::Tensor dq = with_huge_pages(at::empty({B, H, Lq, D}, query.options()));  // each block writes its rows
-  at::Tensor dk = with_huge_pages(at::empty({B, Hkv, parts, Lk, D}, query.options())).zero_();
-  at::Tensor dv = with_huge_pages(at::empty({B, Hkv, parts, Lk, Dv}, query.options())).zero_();
+  at::Tensor dq = like_layout(query, B, H, Lq, D);  // each block writes its rows
+  // [B, Hkv, parts, Lk, C]: each part's copy laid out like key (value), summed over parts at the end
+  at::Tensor dk = like_layout(key, B, Hkv, parts * Lk, D).view({B, Hkv, parts, Lk, D}).zero_();
+  at::Tensor dv = like_layout(value, B, Hkv, parts * Lk, Dv).view({B, Hkv, parts, Lk, Dv}).zero_();
   const int64_t group = H / Hkv, blocks = (Lq + block - 1) / block;
   const int64_t blocks_per_part = (blocks + parts - 1) / parts;
   if (dq.numel() > 0 && Lk > 0) {
@@ -927,6 +942,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const int64_t k0s = key.stride(0), k1s = key.stride(1), k2s = key.stride(2);
     const int64_t v0s = value.stride(0), v1s = value.stride(1), v2s = value.stride(2);
     const int64_t g0s = grad_out.stride(0), g1s = grad_out.stride(1), g2s = grad_out.stride(2);
+    const int64_t dq0s = dq.stride(0), dq1s = dq.stride(1), dq2s = dq.stride(2);
+    const int64_t dk0s = dk.stride(0), dk1s = dk.stride(1), dk2s = dk.stride(2), dk3s = dk.stride(3);
+    const int64_t dv0s = dv.stride(0), dv1s = dv.stride(1), dv2s = dv.stride(2), dv3s = dv.stride(3);
     const bool shared_rows = lo.size(0) == 1;
 
     at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
@@ -945,8 +963,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
         const int64_t* hi_seq = hi_data + (shared_rows ? 0 : b * Lq);
         const float* k_head = k + b * k0s + kv * k1s;
         const float* v_head = v + b * v0s + kv * v1s;
-        float* dk_head = dk_data + ((b * Hkv + kv) * parts + part) * Lk * D;
-        float* dv_head = dv_data + ((b * Hkv + kv) * parts + part) * Lk * Dv;
+        float* dk_head = dk_data + b * dk0s + kv * dk1s + part * dk2s;
+        float* dv_head = dv_data + b * dv0s + kv * dv1s + part * dv2s;
         const int64_t block_end = std::min(blocks, (part + 1) * blocks_per_part);
         for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
           const ScoreMods mods = score_mods(scale, softcap, slopes, b, h, Lq, Lk);
@@ -958,9 +976,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
             for (int64_t j = 0; j < rows && dropout.active; ++j) {
               row_keys[j] = dropout_row(dropout, b, h, first + j);
             }
-            float* dq_block = dq_data + ((b * H + h) * Lq + first) * D;
+            float* dq_block = dq_data + b * dq0s + h * dq1s + first * dq2s;
             if (span_lo >= span_hi) {  // no row of the block attends any key
-              std::fill(dq_block, dq_block + rows * D, 0.0f);
+              for (int64_t j = 0; j < rows; ++j) std::fill(dq_block + j * dq2s, dq_block + j * dq2s + D, 0.0f);
               continue;
             }
             const float* q_block = q + b * q0s + h * q1s + first * q2s;
@@ -1000,19 +1018,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               const bool first_chunk = c0 == span_lo;
               if (any_bits(bad)) {
                 exact_backward_chunk(rows, width, c0, row_lo.data(), row_hi.data(), p, ds, q_block, q2s,
-                                     go_block, g2s, k_head, k2s, dq_block, dk_head, dv_head, D, Dv, first_chunk);
+                                     go_block, g2s, k_head, k2s, dq_block, dq2s, dk_head, dk3s, dv_head, dv3s, D,
+                                     Dv, first_chunk);
                 continue;
               }
               if (Dv > 0) {
                 // dV_chunk^T (Dv x width) += dO^T (Dv x rows) P (rows x width)
-                gemm('N', 'T', Dv, width, rows, 1.0f, go_block, g2s, p, width, 1.0f, dv_head + c0 * Dv, Dv);
+                gemm('N', 'T', Dv, width, rows, 1.0f, go_block, g2s, p, width, 1.0f, dv_head + c0 * dv3s, dv3s);
               }
               if (D > 0) {
                 // dQ^T (D x rows) (+)= K_chunk^T (D x width) dS^T (width x rows)
                 gemm('N', 'N', D, rows, width, 1.0f, k_head + c0 * k2s, k2s, ds, width, first_chunk ? 0.0f : 1.0f,
-                     dq_block, D);
+                     dq_block, dq2s);
                 // dK_chunk^T (D x width) += Q^T (D x rows) dS (rows x width)
-                gemm('N', 'T', D, width, rows, 1.0f, q_block, q2s, ds, width, 1.0f, dk_head + c0 * D, D);
+                gemm('N', 'T', D, width, rows, 1.0f, q_block, q2s, ds, width, 1.0f, dk_head + c0 * dk3s, dk3s);
               }
             }
           }
@@ -1020,7 +1039,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       }
     });
   }
-  return {dq, parts == 1 ? dk.squeeze(2) : dk.sum(2), parts == 1 ? dv.squeeze(2) : dv.sum(2)};
+  const auto summed = [&](const at::Tensor& copies, const at::Tensor& like) {
+    if (parts == 1) return copies.squeeze(2);
+    at::Tensor total = like_layout(like, B, Hkv, Lk, copies.size(4));
+    return at::sum_out(total, copies, {2});
+  };
+  return {dq, summed(dk, key), summed(dv, value)};
 }
 
 }  // namespace
