@@ -41,7 +41,10 @@ def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: 
                      seed: int = 0, softcap: float | None = None, alibi_slopes: Tensor | None = None,
                      dropout_start: tuple[int, int, int] = (0, 0, 0)) -> tuple[Tensor, Tensor]:
     """``(output [B, H, Lq, Dv], lse [B, H, Lq])`` of attention where row ``i`` of sequence ``b``
-    attends keys ``lo[s, i] <= j < hi[s, i]`` (``s = b``, or 0 when ``lo`` has one row).
+    attends keys ``lo[s, i] <= j < hi[s, i]`` (``s = b``, or 0 when ``lo`` has one row). The output
+    is laid out as the query (rows outer to heads where the query has them so, else contiguous), and
+    so are :func:`interval_backward`'s gradients as their inputs: no copy to view them back as
+    ``[B, L, H * D]``.
 
     ``query [B, H, Lq, D]``, ``key [B, Hkv, Lk, D]``, ``value [B, Hkv, Lk, Dv]`` float32 CPU with H a
     multiple of Hkv (GQA); rows with no key give zeros and lse ``-inf``. ``block`` (query rows
