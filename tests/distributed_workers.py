@@ -68,8 +68,9 @@ def _mask_cases(length: int) -> list[tuple[str, object, bool]]:
     ]
 
 
-def _check(rank, world, method, layout, lengths, heads, kv_heads, name, mask, causal, dropout=0.0):
-    """Output, lse and the gradients of query, key and value against the single-process call."""
+def _check(rank, world, method, layout, lengths, heads, kv_heads, name, mask, causal, dropout=0.0, **options):
+    """Output, lse and the gradients of query, key and value against the single-process call
+    (``options``: more arguments of the sequence-parallel call)."""
     q, k, v = (t.requires_grad_() for t in _inputs(sum(lengths), heads, kv_heads))
     extra = dict(dropout=dropout, generator=torch.Generator().manual_seed(7)) if dropout else {}
     out, lse = attnkit.attention(q, k, v, mask=mask, causal=causal, return_lse=True, **extra)
@@ -79,14 +80,15 @@ def _check(rank, world, method, layout, lengths, heads, kv_heads, name, mask, ca
     ql, kl, vl = (mine(t).requires_grad_() for t in (q, k, v))
     generator = torch.Generator().manual_seed(7)
     extra = dict(dropout=dropout, generator=generator) if dropout else {}
-    got, got_lse = METHODS[method](ql, kl, vl, mask=mask, causal=causal, layout=layout, return_lse=True, **extra)
+    got, got_lse = METHODS[method](ql, kl, vl, mask=mask, causal=causal, layout=layout, return_lse=True, **extra,
+                                   **options)
     if dropout:  # the generator advanced as one process's does (one seed drawn per call)
         single_generator = torch.Generator().manual_seed(7)
         attnkit._backends.dropout.draw_seed(single_generator)
         assert torch.equal(generator.get_state(), single_generator.get_state())
     my_weight = mine(weight, -1)
     (got.square().sum() + (torch.where(got_lse.isfinite(), got_lse, 0) * my_weight).sum()).backward()
-    where = f"rank {rank}/{world} {method} {layout} {lengths} {name} dropout={dropout}"
+    where = f"rank {rank}/{world} {method} {layout} {lengths} {name} dropout={dropout} {options}"
     torch.testing.assert_close(got, mine(out), **TOLERANCE, msg=lambda m: f"{where} output: {m}")
     torch.testing.assert_close(got_lse, mine(lse, -1), **TOLERANCE, msg=lambda m: f"{where} lse: {m}")
     for label, local, whole in (("dq", ql, q), ("dk", kl, k), ("dv", vl, v)):
@@ -268,4 +270,41 @@ def _four_ranks(rank, world):
     _every_mask(rank, world, [("zigzag", [9, 12, 7, 12])], heads=8, kv_heads=4, dropout_cases=slice(1, 2))
 
 
-JOBS = {"two": _two_ranks, "four": _four_ranks}
+def _blocks(rank, world):
+    """The ring streamed in blocks (``block_size``): messages of a few keys, kernel calls of a few
+    rows, on uneven shards that no block size divides, with windows narrower and wider than a
+    block, a message that ends one piece and starts the next (zigzag), dropout and GQA; the same
+    results as one process. A wrong cut (a key sent twice or not at all, a call's ranges shifted
+    to the wrong key, a gradient sent home to the wrong place, dropout at the wrong position)
+    moves them by far more than the tolerance."""
+    cases = _mask_cases(31) + [("window 7 > block", masks.sliding_window(7), False),
+                               ("window both sides 9", masks.sliding_window(4, 5), False)]
+    for layout, lengths, block_size in (("contiguous", [9, 13, 9], 4), ("zigzag", [11, 7, 13], 3),
+                                        ("contiguous", [12, 12, 7], 5)):
+        for name, mask, causal in cases:
+            _check(rank, world, "ring", layout, lengths, 4, 2, name, mask, causal, block_size=block_size)
+        for name, mask, causal in cases[1:3]:
+            _check(rank, world, "ring", layout, lengths, 4, 2, name, mask, causal, dropout=0.3, block_size=block_size)
+    with torch.no_grad(), traffic() as blocked:  # bytes do not change, messages do
+        ring_attention(*(shard(t, rank, world) for t in _inputs(30, 4, 2)), block_size=4)
+    with torch.no_grad(), traffic() as whole:
+        ring_attention(*(shard(t, rank, world) for t in _inputs(30, 4, 2)))
+    assert blocked.bytes_received == whole.bytes_received > 0, (blocked, whole)
+    assert (blocked.messages, whole.messages) == (2 * 3, 2), (blocked, whole)  # 10 keys from each other rank
+    q, k, v = (shard(t, rank, world) for t in _inputs(30, 4, 2))
+    for bad, error in ((0, ValueError), (2.5, TypeError), (True, TypeError)):
+        try:
+            ring_attention(q, k, v, block_size=bad)
+        except error as e:
+            assert "block_size" in str(e), e
+        else:
+            raise AssertionError(f"ring_attention accepted block_size={bad!r}")
+    try:  # ranks that disagree would cut messages differently: every rank refuses
+        ring_attention(q, k, v, block_size=4 + rank)
+    except ValueError as e:
+        assert "block_size must be the same on every rank" in str(e), e
+    else:
+        raise AssertionError("ring_attention accepted different block sizes on different ranks")
+
+
+JOBS = {"two": _two_ranks, "four": _four_ranks, "blocks": _blocks}

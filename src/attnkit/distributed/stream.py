@@ -1,0 +1,143 @@
+"""The schedule in bounded pieces: messages cut into items of at most ``size`` keys, units into
+kernel calls of at most ``size`` query rows against one item's keys.
+
+Why: what a rank holds beyond its own shard is the keys and values it received, their gradients on
+the way home, and each kernel call's work space. Sent whole, a message is a whole shard of K and V
+(at P = 2: all of the other half), which alone puts a rank above ``1/P`` of one process's memory.
+Cut into items, a rank holds two items of keys and values (the one computing, the next one
+travelling) and a few of gradients, and a kernel call ``size`` rows against ``size`` keys: each
+a fraction of the shard, whatever its length. Bytes do not change, only the number of messages.
+
+Every rank cuts the same way from the same facts (the schedule, ``size``), so the labels agree:
+item ``j`` of step ``s`` that rank ``r`` sends to ``r + s`` is item ``j`` of step ``s`` that rank
+``r + s`` receives from ``r``. An item may end one piece and start the next (zigzag: two pieces a
+message); each of its **segments** lies in one piece::
+
+    message (pieces)   [----- piece 0 -----][-- piece 1 --]
+    items (size 4)     [ 0  ][ 1  ][ 2  ][ 3    ][ 4  ][5 ]      item 3: two segments
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .schedule import Piece, Schedule, Unit
+
+__all__ = ["Call", "Item", "Stream", "make_stream", "default_size", "DEFAULT_ITEMS", "MIN_SIZE"]
+
+#: By default a shard travels in this many items (so a rank holds a few eighths of a shard beyond
+#: its own: ``docs/performance.md``, "Sequence parallelism", has the accounting) ...
+DEFAULT_ITEMS = 8
+#: ... of at least this many keys: smaller kernel calls and messages cost more in overhead than
+#: they save in memory.
+MIN_SIZE = 128
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kernel call: the rank's query rows ``rows`` (the first at global position ``row_start``)
+    against one segment of keys, attending ``lo <= j < hi`` (``[S, R, rows]``, relative to the
+    segment's first key; an empty range is ``(0, 0)``)."""
+
+    rows: slice
+    row_start: int
+    lo: Tensor
+    hi: Tensor
+
+
+@dataclass(frozen=True)
+class Item:
+    """Keys that travel together: ``segments`` (parts of the message's pieces, in order) and, on the
+    receiver, each segment's kernel calls (``calls[g]`` for ``segments[g]``)."""
+
+    segments: list[Piece]
+    calls: list[list[Call]]
+
+
+@dataclass(frozen=True)
+class Stream:
+    """The rank's items: ``own`` (its own pieces, read in place), ``sends[s]`` / ``receives[s]``
+    those of step ``s`` (to ``rank + s``, from ``rank - s``), ``labels`` the ``(step, index)`` with
+    something to send or receive, in order. ``count``: items per step on every rank (labels are
+    ``step * count + index``)."""
+
+    size: int
+    count: int
+    own: list[Item]
+    sends: dict[int, list[Item]]
+    receives: dict[int, list[Item]]
+    labels: list[tuple[int, int]]
+
+    def label(self, step: int, index: int) -> int:
+        return step * self.count + index
+
+
+def default_size(lengths: list[int]) -> int:
+    """``ceil(longest shard / DEFAULT_ITEMS)`` keys, at least ``MIN_SIZE``."""
+    return max(MIN_SIZE, -(-max(lengths, default=0) // DEFAULT_ITEMS))
+
+
+def make_stream(schedule: Schedule, size: int) -> Stream:
+    """Cut ``schedule``'s messages into items of at most ``size`` keys and its units into calls of at
+    most ``size`` rows (see the module docstring)."""
+    world, rank = schedule.world, schedule.rank
+    longest = max((sum(c.length for c in own) for own in schedule.chunks), default=0)
+    count = max(1, -(-longest // size))  # a message is part of its owner's shard: at most this many items
+    units: dict[int, dict[int, list[Unit]]] = {}
+    for unit in schedule.units:
+        units.setdefault(unit.owner, {}).setdefault(unit.index, []).append(unit)
+    own = _items(schedule.receives.get(rank, []), units.get(rank, {}), size)
+    sends: dict[int, list[Item]] = {}
+    receives: dict[int, list[Item]] = {}
+    for step in range(1, world):
+        to, source = (rank + step) % world, (rank - step) % world
+        if to in schedule.sends:
+            sends[step] = _items(schedule.sends[to], {}, size)
+        if source in schedule.receives:
+            receives[step] = _items(schedule.receives[source], units.get(source, {}), size)
+    labels = [(step, index) for step in range(1, world)
+              for index in range(max(len(sends.get(step, [])), len(receives.get(step, []))))]
+    return Stream(size, count, own, sends, receives, labels)
+
+
+def _items(pieces: list[Piece], units: dict[int, list[Unit]], size: int) -> list[Item]:
+    """``pieces`` (one message) cut every ``size`` keys; each segment with the calls of ``units``
+    (by piece index) on it."""
+    items: list[Item] = []
+    segments: list[Piece] = []
+    calls: list[list[Call]] = []
+    room = size
+    for index, piece in enumerate(pieces):
+        start = piece.start
+        while start < piece.stop:
+            take = min(room, piece.stop - start)
+            segment = Piece(piece.chunk, start, start + take)
+            segments.append(segment)
+            calls.append([call for unit in units.get(index, []) for call in _calls(unit, segment, size)])
+            start, room = start + take, room - take
+            if room == 0:
+                items.append(Item(segments, calls))
+                segments, calls, room = [], [], size
+    if segments:
+        items.append(Item(segments, calls))
+    return items
+
+
+def _calls(unit: Unit, segment: Piece, size: int) -> list[Call]:
+    """``unit``'s query rows in blocks of at most ``size`` against ``segment`` (a part of its piece);
+    blocks with no key in the segment are left out."""
+    shift = segment.start - unit.piece.start
+    calls = []
+    for first in range(0, unit.query.length, size):
+        last = min(first + size, unit.query.length)
+        lo = (unit.lo[..., first:last] - shift).clamp(0, segment.length)
+        hi = (unit.hi[..., first:last] - shift).clamp(0, segment.length)
+        live = hi > lo
+        if not bool(live.any()):
+            continue
+        rows = slice(unit.query.local + first, unit.query.local + last)
+        calls.append(Call(rows, unit.query.start + first, torch.where(live, lo, 0), torch.where(live, hi, 0)))
+    return calls
