@@ -11,6 +11,7 @@ moves results by 1e-2 or more.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 from pathlib import Path
@@ -29,7 +30,10 @@ METHODS = {"ring": ring_attention, "ulysses": ulysses_attention}
 
 def main(rank: int, world: int, init_file: str, job: str, readme_port: int | None = None) -> None:
     torch.set_num_threads(1)  # P processes share the test machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # a deadlock (ranks waiting on messages never posted) fails the test instead of hanging it; no
+    # wait takes more than a second or two here
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         JOBS[job](rank, world)
         dist.barrier()

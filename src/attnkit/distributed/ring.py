@@ -276,22 +276,25 @@ def _backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Ten
                 dk[:, :, segment.local:segment.local + segment.length] += gk
                 dv[:, :, segment.local:segment.local + segment.length] += gv
 
-    returning: tuple[comm.Exchange, list[Piece]] | None = None  # the previous label's: waited one label later
+    # The gradients of what this rank sent at label x are computed by `to` while this rank computes
+    # x; their receive is posted once x is computed (so that one label's are in flight during the
+    # compute, not two) and waited at the end of the next label. Posting it any later (at the next
+    # label of this rank, which may come after `to`'s next one) would deadlock: `to` waits for it.
+    returning: tuple[comm.Exchange, list[Piece]] | None = None
     for index, item, keys, values in _stream(settings, key, value, kind=1):
         if index < 0:
             gradients(item, keys, values, own=True)
             del keys, values
             continue
         step, number = stream.labels[index]
-        to, source = (rank + step) % world, (rank - step) % world
         exchange = comm.Exchange(settings.group, _tag(stream, 2, step, number))
+        if item is not None:
+            exchange.send((rank - step) % world, gradients(item, keys, values, own=False))
+        del keys, values
         sent = stream.sends.get(step, [])
         segments = sent[number].segments if number < len(sent) else []
-        if segments:  # the gradients of what this rank sent at this label, computed by `to` now
-            exchange.receive(to, comm.shapes(segments, key, value), work, key.device)
-        if item is not None:
-            exchange.send(source, gradients(item, keys, values, own=False))
-        del keys, values
+        if segments:
+            exchange.receive((rank + step) % world, comm.shapes(segments, key, value), work, key.device)
         if returning is not None:
             home(*returning)
         returning = exchange, segments
