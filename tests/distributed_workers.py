@@ -275,7 +275,7 @@ def _four_ranks(rank, world):
 
 
 def _blocks(rank, world):
-    """The ring streamed in blocks (``block_size``): messages of a few keys, kernel calls of a few
+    """The ring streamed in blocks (``block_size``): messages of 1 to 12 keys, kernel calls of 1 to 3
     rows, on uneven shards that no block size divides, with windows narrower and wider than a
     block, a message that ends one piece and starts the next (zigzag), dropout and GQA; the same
     results as one process. A wrong cut (a key sent twice or not at all, a call's ranges shifted
@@ -283,18 +283,24 @@ def _blocks(rank, world):
     moves them by far more than the tolerance."""
     cases = _mask_cases(31) + [("window 7 > block", masks.sliding_window(7), False),
                                ("window both sides 9", masks.sliding_window(4, 5), False)]
-    for layout, lengths, block_size in (("contiguous", [9, 13, 9], 4), ("zigzag", [11, 7, 13], 3),
-                                        ("contiguous", [12, 12, 7], 5)):
+    # the forward streams 4 * block_size keys a message, the backward block_size
+    for layout, lengths, block_size in (("contiguous", [9, 13, 9], 2), ("zigzag", [11, 7, 13], 3),
+                                        ("contiguous", [12, 12, 7], 1)):
         for name, mask, causal in cases:
             _check(rank, world, "ring", layout, lengths, 4, 2, name, mask, causal, block_size=block_size)
         for name, mask, causal in cases[1:3]:
             _check(rank, world, "ring", layout, lengths, 4, 2, name, mask, causal, dropout=0.3, block_size=block_size)
-    with torch.no_grad(), traffic() as blocked:  # bytes do not change, messages do
-        ring_attention(*(shard(t, rank, world) for t in _inputs(30, 4, 2)), block_size=4)
-    with torch.no_grad(), traffic() as whole:
-        ring_attention(*(shard(t, rank, world) for t in _inputs(30, 4, 2)))
+    records = []
+    for block_size in (2, None):  # bytes do not change, messages do
+        q, k, v = (shard(t, rank, world).requires_grad_() for t in _inputs(30, 4, 2))
+        with traffic() as record:
+            ring_attention(q, k, v, block_size=block_size).sum().backward()
+        records.append(record)
+    blocked, whole = records
     assert blocked.bytes_received == whole.bytes_received > 0, (blocked, whole)
-    assert (blocked.messages, whole.messages) == (2 * 3, 2), (blocked, whole)  # 10 keys from each other rank
+    # from each of the 2 other ranks, 10 keys: forward 2 messages of <= 8 keys, backward 5 of 2 and
+    # their 5 gradients home; whole: one message of each kind
+    assert (blocked.messages, whole.messages) == (2 * (2 + 5 + 5), 2 * 3), (blocked, whole)
     q, k, v = (shard(t, rank, world) for t in _inputs(30, 4, 2))
     for bad, error in ((0, ValueError), (2.5, TypeError), (True, TypeError)):
         try:

@@ -31,7 +31,7 @@ from .._call import make_call
 from . import comm
 from .layout import check_layout
 from .schedule import Piece, Schedule, make_schedule
-from .stream import Call, Item, Stream, default_size, make_stream
+from .stream import Call, Item, Stream, backward_stream, default_size, forward_stream
 
 __all__ = ["ring_attention"]
 
@@ -92,12 +92,12 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks.St
                          f"on), got {[s or None for s in sizes]} on ranks 0..{world - 1}")
     size = block_size or default_size(lengths)
     schedule = make_schedule(lengths, layout, rank, mask, causal)
-    stream = make_stream(schedule, size)
-    if KINDS * stream.label(world, 0) * 256 >= 2 ** 31:  # message tags are int32 (comm.Exchange)
-        raise ValueError(f"block_size {size} cuts shards of up to {max(lengths)} keys into {stream.count} messages "
-                         f"each: too many for {world} ranks' message tags; use a larger block_size")
+    streams = forward_stream(schedule, size), backward_stream(schedule, size)
+    if KINDS * streams[1].label(world, 0) * 256 >= 2 ** 31:  # message tags are int32 (comm.Exchange)
+        raise ValueError(f"block_size {size} cuts shards of up to {max(lengths)} keys into {streams[1].count} "
+                         f"messages each: too many for {world} ranks' message tags; use a larger block_size")
     seed = shared_seed(generator, query.device, group) if call.dropout > 0 else None
-    settings = _Settings(schedule, stream, call.scale, call.dropout, group)
+    settings = _Settings(schedule, *streams, call.scale, call.dropout, group)
     out, lse = _Ring.apply(query, key, value, seed, settings)
     return (out, lse) if return_lse else out
 
@@ -150,7 +150,8 @@ def shared_seed(generator: torch.Generator | None, device: torch.device, group) 
 @dataclass(frozen=True)
 class _Settings:
     schedule: Schedule
-    stream: Stream
+    forward: Stream
+    backward: Stream
     scale: float
     dropout: float
     group: dist.ProcessGroup | None
@@ -161,10 +162,10 @@ def _seed_at(seed: Tensor | None, call: Call, segment: Piece) -> Tensor | None:
     return None if seed is None else _dropout.at_positions(seed, 0, call.row_start, segment.start)
 
 
-def _post(settings: _Settings, key: Tensor, value: Tensor, kind: int, index: int) -> comm.Exchange:
+def _post(settings: _Settings, stream: Stream, key: Tensor, value: Tensor, kind: int, index: int) -> comm.Exchange:
     """Post the ``index``-th label's keys and values: this rank's item to ``rank + s``, the item of
     ``rank - s`` into fresh buffers."""
-    stream, schedule = settings.stream, settings.schedule
+    schedule = settings.schedule
     step, item = stream.labels[index]
     exchange = comm.Exchange(settings.group, _tag(stream, kind, step, item))
     to, source = (schedule.rank + step) % schedule.world, (schedule.rank - step) % schedule.world
@@ -185,19 +186,18 @@ def _tag(stream: Stream, kind: int, step: int, item: int) -> int:
 KINDS = 3
 
 
-def _stream(settings: _Settings, key: Tensor, value: Tensor, kind: int):
+def _stream(settings: _Settings, stream: Stream, key: Tensor, value: Tensor, kind: int):
     """Yield ``(index, item, keys, values)``: first the rank's own items (``index`` -1: keys and
     values are views of its shard), then each label's received item (``item`` None where this
     rank only sends at that label), the next label's messages already posted so that they travel
     while this one computes. Two items of received keys and values are alive at a time: the
     caller must drop ``keys`` and ``values`` before asking for the next."""
-    stream = settings.stream
-    pending = _post(settings, key, value, kind, 0) if stream.labels else None
+    pending = _post(settings, stream, key, value, kind, 0) if stream.labels else None
     for item in stream.own:
         yield -1, item, comm.views(item.segments, key), comm.views(item.segments, value)
     for index, (step, number) in enumerate(stream.labels):
         current = pending
-        pending = _post(settings, key, value, kind, index + 1) if index + 1 < len(stream.labels) else None
+        pending = _post(settings, stream, key, value, kind, index + 1) if index + 1 < len(stream.labels) else None
         received = current.wait()
         del current
         receives = stream.receives.get(step, [])
@@ -219,7 +219,7 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, seed: Tensor | None,
     batch, heads, n, _ = query.shape
     out = torch.zeros(batch, heads, n, value.shape[-1], dtype=work, device=query.device)
     lse = torch.full((batch, heads, n), float("-inf"), dtype=work, device=query.device)
-    for _, item, keys, values in _stream(settings, key, value, kind=0):
+    for _, item, keys, values in _stream(settings, settings.forward, key, value, kind=0):
         if item is None:
             continue
         for segment, calls, k, v in zip(item.segments, item.calls, keys, values):
@@ -238,7 +238,7 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, seed: Tensor | None,
 
 def _backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
               lse: Tensor, seed: Tensor | None, settings: _Settings) -> tuple[Tensor, Tensor, Tensor]:
-    stream, schedule = settings.stream, settings.schedule
+    stream, schedule = settings.backward, settings.schedule
     world, rank = schedule.world, schedule.rank
     work = work_dtype(query.dtype)
     dq = torch.zeros(query.shape, dtype=work, device=query.device)
@@ -281,7 +281,7 @@ def _backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Ten
     # compute, not two) and waited at the end of the next label. Posting it any later (at the next
     # label of this rank, which may come after `to`'s next one) would deadlock: `to` waits for it.
     returning: tuple[comm.Exchange, list[Piece]] | None = None
-    for index, item, keys, values in _stream(settings, key, value, kind=1):
+    for index, item, keys, values in _stream(settings, stream, key, value, kind=1):
         if index < 0:
             gradients(item, keys, values, own=True)
             del keys, values

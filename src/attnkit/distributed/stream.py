@@ -26,7 +26,8 @@ from torch import Tensor
 
 from .schedule import Piece, Schedule, Unit
 
-__all__ = ["Call", "Item", "Stream", "make_stream", "default_size", "DEFAULT_ITEMS", "MIN_SIZE"]
+__all__ = ["Call", "Item", "Stream", "forward_stream", "backward_stream", "make_stream", "default_size", "DEFAULT_ITEMS",
+           "MIN_SIZE"]
 
 #: By default a shard travels in this many items (so a rank holds a few eighths of a shard beyond
 #: its own: ``docs/performance.md``, "Sequence parallelism", has the accounting) ...
@@ -64,7 +65,6 @@ class Stream:
     something to send or receive, in order. ``count``: items per step on every rank (labels are
     ``step * count + index``)."""
 
-    size: int
     count: int
     own: list[Item]
     sends: dict[int, list[Item]]
@@ -80,59 +80,77 @@ def default_size(lengths: list[int]) -> int:
     return max(MIN_SIZE, -(-max(lengths, default=0) // DEFAULT_ITEMS))
 
 
-def make_stream(schedule: Schedule, size: int) -> Stream:
-    """Cut ``schedule``'s messages into items of at most ``size`` keys and its units into calls of at
-    most ``size`` rows (see the module docstring)."""
+def forward_stream(schedule: Schedule, size: int) -> Stream:
+    """The forward's: items of ``4 * size`` keys, each unit's rows in one call. The forward holds no
+    gradients, so with four times the keys in flight it still peaks below the backward (the
+    accounting is in ``docs/performance.md``), and each item costs an lse merge over the unit's
+    rows (a pass over the output): fewer items, fewer passes."""
+    return make_stream(schedule, 4 * size, None, 4 * size, None)
+
+
+def backward_stream(schedule: Schedule, size: int) -> Stream:
+    """The backward's: items of ``size`` keys, calls of ``size`` rows (each call's query and
+    key/value gradients are fresh tensors); the rank's own pieces, during which no other rank's
+    keys or gradients are held (only the next item, in flight), in calls of ``2 * size`` rows
+    and keys: the kernel is ~10% slower in ``256 x 256`` calls than in ``512 x 256`` ones."""
+    return make_stream(schedule, size, size, 2 * size, 2 * size)
+
+
+def make_stream(schedule: Schedule, keys: int, rows: int | None, own_keys: int, own_rows: int | None) -> Stream:
+    """Cut ``schedule``'s messages into items of at most ``keys`` keys and its units into calls of at
+    most ``rows`` rows (None: a unit's rows at once); the rank's own pieces by ``own_keys`` and
+    ``own_rows`` (see the module docstring)."""
     world, rank = schedule.world, schedule.rank
     longest = max((sum(c.length for c in own) for own in schedule.chunks), default=0)
-    count = max(1, -(-longest // size))  # a message is part of its owner's shard: at most this many items
+    count = max(1, -(-longest // keys))  # a message is part of its owner's shard: at most this many items
     units: dict[int, dict[int, list[Unit]]] = {}
     for unit in schedule.units:
         units.setdefault(unit.owner, {}).setdefault(unit.index, []).append(unit)
-    own = _items(schedule.receives.get(rank, []), units.get(rank, {}), size)
+    own = _items(schedule.receives.get(rank, []), units.get(rank, {}), own_keys, own_rows)
     sends: dict[int, list[Item]] = {}
     receives: dict[int, list[Item]] = {}
     for step in range(1, world):
         to, source = (rank + step) % world, (rank - step) % world
         if to in schedule.sends:
-            sends[step] = _items(schedule.sends[to], {}, size)
+            sends[step] = _items(schedule.sends[to], {}, keys, rows)
         if source in schedule.receives:
-            receives[step] = _items(schedule.receives[source], units.get(source, {}), size)
+            receives[step] = _items(schedule.receives[source], units.get(source, {}), keys, rows)
     labels = [(step, index) for step in range(1, world)
               for index in range(max(len(sends.get(step, [])), len(receives.get(step, []))))]
-    return Stream(size, count, own, sends, receives, labels)
+    return Stream(count, own, sends, receives, labels)
 
 
-def _items(pieces: list[Piece], units: dict[int, list[Unit]], size: int) -> list[Item]:
-    """``pieces`` (one message) cut every ``size`` keys; each segment with the calls of ``units``
-    (by piece index) on it."""
+def _items(pieces: list[Piece], units: dict[int, list[Unit]], keys: int, rows: int | None) -> list[Item]:
+    """``pieces`` (one message) cut every ``keys`` keys; each segment with the calls of ``units``
+    (by piece index) on it, ``rows`` rows a call."""
     items: list[Item] = []
     segments: list[Piece] = []
     calls: list[list[Call]] = []
-    room = size
+    room = keys
     for index, piece in enumerate(pieces):
         start = piece.start
         while start < piece.stop:
             take = min(room, piece.stop - start)
             segment = Piece(piece.chunk, start, start + take)
             segments.append(segment)
-            calls.append([call for unit in units.get(index, []) for call in _calls(unit, segment, size)])
+            calls.append([call for unit in units.get(index, [])
+                          for call in _calls(unit, segment, rows or unit.query.length)])
             start, room = start + take, room - take
             if room == 0:
                 items.append(Item(segments, calls))
-                segments, calls, room = [], [], size
+                segments, calls, room = [], [], keys
     if segments:
         items.append(Item(segments, calls))
     return items
 
 
-def _calls(unit: Unit, segment: Piece, size: int) -> list[Call]:
-    """``unit``'s query rows in blocks of at most ``size`` against ``segment`` (a part of its piece);
+def _calls(unit: Unit, segment: Piece, block: int) -> list[Call]:
+    """``unit``'s query rows in blocks of at most ``block`` against ``segment`` (a part of its piece);
     blocks with no key in the segment are left out."""
     shift = segment.start - unit.piece.start
     calls = []
-    for first in range(0, unit.query.length, size):
-        last = min(first + size, unit.query.length)
+    for first in range(0, unit.query.length, max(block, 1)):
+        last = min(first + block, unit.query.length)
         lo = (unit.lo[..., first:last] - shift).clamp(0, segment.length)
         hi = (unit.hi[..., first:last] - shift).clamp(0, segment.length)
         live = hi > lo
