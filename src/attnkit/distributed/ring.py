@@ -4,15 +4,23 @@ whose queries attend them, partial results merge exactly through the lse.
 At step ``s`` (1 .. P-1) rank ``r`` sends its pieces to rank ``r + s`` and receives rank ``r - s``'s
 (mod P), point to point: the ring's pattern (every rank sends one message and receives one per
 step), but straight from the owner, so a rank that needs no key of another rank neither receives
-its shard nor relays it (:mod:`.schedule`: the mask decides). Step ``s + 1``'s messages are posted
-before step ``s`` is computed, so they travel while the kernels run.
+its shard nor relays it (:mod:`.schedule`: the mask decides). The pieces travel in **items** of at
+most ``block_size`` keys (:mod:`.stream`), one label ``(step, index)`` after another; the next
+label's messages are posted before this one is computed, so they travel while the kernels run,
+and a rank holds two items of other ranks' keys at a time, never a whole shard.
 
-Forward: each unit (a query chunk against a received piece) is :func:`attnkit.attention` on the
-piece with the chunk's ranges as ``masks.key_ranges`` and ``return_lse=True``, merged into the
-chunk's output by lse. Backward (:class:`_Ring`): the pieces travel again; each unit's gradients
-come from the op's split-key backward (``attnkit::interval_attention_backward``) given the
-*merged* output and lse, so nothing is recomputed twice and no partial output is stored; the key
-and value gradients of a received piece go back to its owner, who adds them to its own.
+Forward: each call (a unit's query rows against one item's keys) is the tiled backend's op,
+``attnkit::interval_attention`` (what :func:`attnkit.attention` runs with ``return_lse=True``),
+with the call's ranges and the whole call's dropout seed at its positions, merged into the rows'
+output by lse. Backward (:class:`_Ring`): the items travel again; each call's gradients (at most
+``block_size`` rows) come from the op's split-key backward (``attnkit::interval_attention_backward``)
+given the *merged* output and lse, so nothing is recomputed twice and no partial output is stored;
+the key and value gradients of a received item go back to its owner, who adds them to its own.
+
+Why no deadlock: every wait at label ``x`` (an item's keys, a send) needs only messages that the
+peers post at label ``x``, and a rank posts label ``x`` once it is done with the labels before
+(its labels ascend; all ranks number them alike); the gradients of label ``x`` are received once
+``x`` is computed and waited at this rank's next label.
 """
 
 from __future__ import annotations
@@ -65,11 +73,13 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks.St
             (chunks ``r`` and ``2P-1-r`` of ``2P``: balanced causal work); see :func:`shard`.
         return_lse: also return the lse ``[B, H, n]`` (float32 for half inputs, ``-inf`` on
             rows with no key), differentiable.
-        block_size: received keys and values travel in messages of at most this many keys, and
-            each kernel call runs at most this many query rows against one message's keys, which
-            bounds what a rank holds beyond its own shard (about ``12 * block_size`` key rows of
-            keys, values and their gradients; see :mod:`attnkit.distributed.stream`). Default:
-            an eighth of the longest shard, at least 128. The same on every rank (checked).
+        block_size: other ranks' keys and values travel in messages of at most this many keys
+            (the forward's: four times as many), and each kernel call of the backward runs at
+            most this many query rows against one message's keys: a rank holds about 14 such
+            blocks of key rows beyond its own shard, never a whole other shard
+            (:mod:`attnkit.distributed.stream`). Default: ``L / (2P + 12)`` of the whole
+            sequence's ``L`` keys, at least 128 (256 at L = 4096 over 2 ranks). Smaller saves
+            memory and costs time. The same on every rank (checked).
 
     Returns:
         ``output [B, H, n, Dv]`` (and ``lse`` with ``return_lse``).

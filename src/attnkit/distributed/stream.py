@@ -26,14 +26,16 @@ from torch import Tensor
 
 from .schedule import Piece, Schedule, Unit
 
-__all__ = ["Call", "Item", "Stream", "forward_stream", "backward_stream", "make_stream", "default_size", "DEFAULT_ITEMS",
-           "MIN_SIZE"]
+__all__ = ["Call", "Item", "Stream", "forward_stream", "backward_stream", "make_stream", "default_size", "MIN_SIZE"]
 
-#: By default a shard travels in this many items (so a rank holds a few eighths of a shard beyond
-#: its own: ``docs/performance.md``, "Sequence parallelism", has the accounting) ...
-DEFAULT_ITEMS = 8
-#: ... of at least this many keys: smaller kernel calls and messages cost more in overhead than
-#: they save in memory.
+#: The default block holds ``L / (2P + 12)`` keys of the whole sequence's ``L`` (256 at L = 4096 over
+#: 2 ranks, 205 over 4), at least ``MIN_SIZE``. Why: beyond its own tensors (``7/8`` of ``1/P`` of
+#: one process's ``q, k, v, o, dO, dq, dk, dv``), a rank holds about 14 blocks of key rows at its
+#: peak (``docs/performance.md``, "Sequence parallelism"), ``14 c / 8L`` of one process:
+#: ``7 / (8P + 48)`` with this ``c``, 0.11 at P = 2 and 0.09 at P = 4, within the ``1/P + 10%``
+#: goal's slack (``1/(8P) + 0.1``, less ~0.03 of allocator and gloo state) at every P. Larger
+#: blocks cost less time (a kernel call has a fixed cost: 128-key blocks took 1.45x the time of
+#: whole messages at P = 4, 256-key ones 1.0-1.16x).
 MIN_SIZE = 128
 
 
@@ -76,8 +78,9 @@ class Stream:
 
 
 def default_size(lengths: list[int]) -> int:
-    """``ceil(longest shard / DEFAULT_ITEMS)`` keys, at least ``MIN_SIZE``."""
-    return max(MIN_SIZE, -(-max(lengths, default=0) // DEFAULT_ITEMS))
+    """``ceil(L / (2P + 12))`` keys for shards of ``lengths`` (``P`` of them, ``L`` in all), at least
+    ``MIN_SIZE`` (see ``MIN_SIZE``)."""
+    return max(MIN_SIZE, -(-sum(lengths) // (2 * len(lengths) + 12)))
 
 
 def forward_stream(schedule: Schedule, size: int) -> Stream:
