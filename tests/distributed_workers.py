@@ -275,7 +275,7 @@ def _four_ranks(rank, world):
 
 
 def _blocks(rank, world):
-    """The ring streamed in blocks (``block_size``): messages of 1 to 12 keys, kernel calls of 1 to 3
+    """The ring streamed in blocks (``block_size``): messages of 1 to 12 keys, kernel calls of 2 to 6
     rows, on uneven shards that no block size divides, with windows narrower and wider than a
     block, a message that ends one piece and starts the next (zigzag), dropout and GQA; the same
     results as one process. A wrong cut (a key sent twice or not at all, a call's ranges shifted

@@ -13,7 +13,7 @@ Forward: each call (a unit's query rows against one item's keys) is the tiled ba
 ``attnkit::interval_attention`` (what :func:`attnkit.attention` runs with ``return_lse=True``),
 with the call's ranges and the whole call's dropout seed at its positions, merged into the rows'
 output by lse. Backward (:class:`_Ring`): the items travel again; each call's gradients (at most
-``block_size`` rows) come from the op's split-key backward (``attnkit::interval_attention_backward``)
+``2 * block_size`` rows) come from the op's split-key backward (``attnkit::interval_attention_backward``)
 given the *merged* output and lse, so nothing is recomputed twice and no partial output is stored;
 the key and value gradients of a received item go back to its owner, who adds them to its own.
 
@@ -75,10 +75,10 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks.St
             rows with no key), differentiable.
         block_size: other ranks' keys and values travel in messages of at most this many keys
             (the forward's: four times as many), and each kernel call of the backward runs at
-            most this many query rows against one message's keys: a rank holds about 14 such
-            blocks of key rows beyond its own shard, never a whole other shard
-            (:mod:`attnkit.distributed.stream`). Default: ``L / (2P + 12)`` of the whole
-            sequence's ``L`` keys, at least 128 (256 at L = 4096 over 2 ranks). Smaller saves
+            most twice as many query rows against one message's keys: a rank holds about 16
+            such blocks of key rows beyond its own shard, never a whole other shard
+            (:mod:`attnkit.distributed.stream`). Default: ``L / (2P + 14)`` of the whole
+            sequence's ``L`` keys, at least 128 (228 at L = 4096 over 2 ranks). Smaller saves
             memory and costs time. The same on every rank (checked).
 
     Returns:

@@ -1,14 +1,16 @@
-"""The schedule in bounded pieces: messages cut into items of at most ``size`` keys, units into
-kernel calls of at most ``size`` query rows against one item's keys.
+"""The schedule in bounded pieces: messages cut into items of a bounded number of keys, units into
+kernel calls of a bounded number of query rows against one item's keys (the backward's:
+``block_size`` keys, ``2 * block_size`` rows, :func:`backward_stream`; the forward's:
+:func:`forward_stream`).
 
 Why: what a rank holds beyond its own shard is the keys and values it received, their gradients on
 the way home, and each kernel call's work space. Sent whole, a message is a whole shard of K and V
 (at P = 2: all of the other half), which alone puts a rank above ``1/P`` of one process's memory.
 Cut into items, a rank holds two items of keys and values (the one computing, the next one
-travelling) and a few of gradients, and a kernel call ``size`` rows against ``size`` keys: each
-a fraction of the shard, whatever its length. Bytes do not change, only the number of messages.
+travelling) and a few of gradients, and a kernel call ``2 * block_size`` rows against
+``block_size`` keys: each a fraction of the shard, whatever its length. Bytes do not change, only the number of messages.
 
-Every rank cuts the same way from the same facts (the schedule, ``size``), so the labels agree:
+Every rank cuts the same way from the same facts (the schedule, ``block_size``), so the labels agree:
 item ``j`` of step ``s`` that rank ``r`` sends to ``r + s`` is item ``j`` of step ``s`` that rank
 ``r + s`` receives from ``r``. An item may end one piece and start the next (zigzag: two pieces a
 message); each of its **segments** lies in one piece::
@@ -28,11 +30,11 @@ from .schedule import Piece, Schedule, Unit
 
 __all__ = ["Call", "Item", "Stream", "forward_stream", "backward_stream", "make_stream", "default_size", "MIN_SIZE"]
 
-#: The default block holds ``L / (2P + 12)`` keys of the whole sequence's ``L`` (256 at L = 4096 over
-#: 2 ranks, 205 over 4), at least ``MIN_SIZE``. Why: beyond its own tensors (``7/8`` of ``1/P`` of
-#: one process's ``q, k, v, o, dO, dq, dk, dv``), a rank holds about 14 blocks of key rows at its
-#: peak (``docs/performance.md``, "Sequence parallelism"), ``14 c / 8L`` of one process:
-#: ``7 / (8P + 48)`` with this ``c``, 0.11 at P = 2 and 0.09 at P = 4, within the ``1/P + 10%``
+#: The default block holds ``L / (2P + 14)`` keys of the whole sequence's ``L`` (228 at L = 4096 over
+#: 2 ranks, 187 over 4), at least ``MIN_SIZE``. Why: beyond its own tensors (``7/8`` of ``1/P`` of
+#: one process's ``q, k, v, o, dO, dq, dk, dv``), a rank holds about 16 blocks of key rows at its
+#: peak (``docs/performance.md``, "Sequence parallelism"), ``16 c / 8L`` of one process:
+#: ``1 / (P + 7)`` with this ``c``, 0.11 at P = 2 and 0.09 at P = 4, within the ``1/P + 10%``
 #: goal's slack (``1/(8P) + 0.1``, less ~0.03 of allocator and gloo state) at every P. Larger
 #: blocks cost less time (a kernel call has a fixed cost: 128-key blocks took 1.45x the time of
 #: whole messages at P = 4, 256-key ones 1.0-1.16x).
@@ -78,9 +80,9 @@ class Stream:
 
 
 def default_size(lengths: list[int]) -> int:
-    """``ceil(L / (2P + 12))`` keys for shards of ``lengths`` (``P`` of them, ``L`` in all), at least
+    """``ceil(L / (2P + 14))`` keys for shards of ``lengths`` (``P`` of them, ``L`` in all), at least
     ``MIN_SIZE`` (see ``MIN_SIZE``)."""
-    return max(MIN_SIZE, -(-sum(lengths) // (2 * len(lengths) + 12)))
+    return max(MIN_SIZE, -(-sum(lengths) // (2 * len(lengths) + 14)))
 
 
 def forward_stream(schedule: Schedule, size: int) -> Stream:
@@ -92,11 +94,13 @@ def forward_stream(schedule: Schedule, size: int) -> Stream:
 
 
 def backward_stream(schedule: Schedule, size: int) -> Stream:
-    """The backward's: items of ``size`` keys, calls of ``size`` rows (each call's query and
-    key/value gradients are fresh tensors); the rank's own pieces, during which no other rank's
-    keys or gradients are held (only the next item, in flight), in calls of ``2 * size`` rows
-    and keys: the kernel is ~10% slower in ``256 x 256`` calls than in ``512 x 256`` ones."""
-    return make_stream(schedule, size, size, 2 * size, 2 * size)
+    """The backward's: items of ``size`` keys, calls of ``2 * size`` rows (each call's query and
+    key/value gradients are fresh tensors; the kernel is ~15% slower in ``205 x 205`` calls than in
+    ``410 x 205`` ones, and the rows cost less memory than the keys: dQ and dO's rows against
+    keys, values, their gradients in flight and the call's dK, dV); the rank's own pieces, during
+    which no other rank's keys or gradients are held (only the next item, in flight), in calls of
+    ``2 * size`` rows and keys."""
+    return make_stream(schedule, size, 2 * size, 2 * size, 2 * size)
 
 
 def make_stream(schedule: Schedule, keys: int, rows: int | None, own_keys: int, own_rows: int | None) -> Stream:
