@@ -1,6 +1,7 @@
 """Sequence-parallel attention on gloo (CPU): traffic, memory, hidden communication, speed.
 
     python benchmarks/distributed.py [--world 2] [--length 4096] [--heads 8] [--kv-heads 8] [--dim 64]
+                                     [--usual-malloc]
 
 Spawns ``--world`` gloo ranks on this machine. For each case (ring over the whole sequence, causal,
 a sliding window, packed documents, zigzag causal; Ulysses causal), one forward + backward of
@@ -13,12 +14,14 @@ float32 ``[1, H, L, D]`` attention, and prints per rank:
 - **peak memory** of the call (inputs, gradients and everything the call allocates: the peak
   resident set over a fresh high-water mark, ``/proc/self/clear_refs``, with glibc told to map
   big blocks and return them on free) against the same call in one process, as a share (the goal:
-  ``<= 1/P + 10%``);
+  ``<= 1/P + 10%``; left out with ``--usual-malloc``, which times with glibc's usual allocator);
 - the **share of communication hidden** behind compute: ``1 - waited / alone``, where ``waited``
   is the time the call spent blocked on messages and ``alone`` the time the same messages take
   exchanged with nothing else to do;
 - the median wall time of forward + backward against one process on the whole sequence (on a
-  machine with fewer cores than ranks this says little: the ranks share the cores).
+  machine with fewer cores than ranks this says little: the ranks share the cores), and, for the
+  ring, against itself with one block per message (``block_size`` as long as the sequence: whole
+  messages, each unit in one kernel call, as before streaming), the two runs interleaved.
 
 Then PyTorch's own ``context_parallel`` on the same problem, or the reason it does not run.
 """
@@ -145,15 +148,15 @@ def _rank(rank, world, init, args, queue):
         mine = [shard(t, rank, world, layout=layout) for t in whole]
         del whole
 
-        def run():
+        def run(**options):
             q, k, v = (t.clone().requires_grad_() for t in mine)
-            function(q, k, v, mask=mask, causal=causal, layout=layout).sum().backward()
+            function(q, k, v, mask=mask, causal=causal, layout=layout, **options).sum().backward()
 
         run()
         with torch.no_grad(), traffic() as forward:
             function(*mine, mask=mask, causal=causal, layout=layout)
         memory = _peak_bytes(run)
-        times, waits = [], []
+        times, waits, whole = [], [], []
         for _ in range(REPEATS):
             dist.barrier()
             with traffic() as record:
@@ -161,6 +164,11 @@ def _rank(rank, world, init, args, queue):
                 run()
                 times.append(time.perf_counter() - start)
             waits.append(record.wait_seconds)
+            if method == "ring":  # one block per message, interleaved
+                dist.barrier()
+                start = time.perf_counter()
+                run(block_size=args.length)
+                whole.append(time.perf_counter() - start)
         alone = 0.0
         if method == "ring":
             schedule = make_schedule(lengths, layout, rank, mask, causal)
@@ -168,7 +176,8 @@ def _rank(rank, world, init, args, queue):
             alone *= 3  # the backward sends the pieces again, and their gradients (as many bytes) home
         rows.append(dict(name=name, bytes=forward.bytes_received,
                          theory=_theory(name, rank, world, lengths, layout, args), memory=memory,
-                         time=statistics.median(times), wait=statistics.median(waits), alone=alone))
+                         time=statistics.median(times), wait=statistics.median(waits), alone=alone,
+                         whole=statistics.median(whole) if whole else 0.0))
     single = [_single(args, mask, causal) if rank == 0 else None for _, _, _, mask, causal in _cases(args.length, world)]
     queue.put((rank, rows, single, _context_parallel(world, args)))
     dist.barrier()
@@ -197,11 +206,17 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--usual-malloc", action="store_true",
+                        help="time with glibc's usual allocator and leave out the memory column (see below)")
     args = parser.parse_args()
-    # big blocks straight from mmap and back on free, so the resident set follows the live tensors
-    # and its high-water mark is the call's peak (glibc would otherwise keep freed pages)
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
+    if not args.usual_malloc:
+        # big blocks straight from mmap and back on free, so the resident set follows the live tensors
+        # and its high-water mark is the call's peak (glibc would otherwise keep freed pages). This
+        # also makes every such block fault its pages in afresh, which costs the ring's many smaller
+        # temporaries (streamed in blocks) more than one process's few big ones: --usual-malloc times
+        # without it.
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     init = tempfile.mktemp()
@@ -210,18 +225,22 @@ def main() -> None:
     single = results[0][2]
     print(f"# sequence-parallel attention, gloo, P={args.world}, [1, {args.heads} (kv {args.kv_heads}), "
           f"{args.length}, {args.dim}] fp32, forward + backward, {args.threads} thread(s) per rank, "
-          f"torch {torch.__version__}; medians of {REPEATS}\n")
-    print("| case | rank | received (MB) | theory (MB) | peak memory / one process | hidden comm | time / one process |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          f"torch {torch.__version__}; medians of {REPEATS}"
+          f"{'; glibc usual malloc: no memory column' if args.usual_malloc else ''}\n")
+    print("| case | rank | received (MB) | theory (MB) | peak memory / one process | hidden comm | time / one process "
+          "| time / one block per message |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for index in range(len(single)):
         single_time, single_memory = single[index]
         for rank, rows, _, _ in results:
             row = rows[index]
             theory = "-" if row["theory"] < 0 else f"{row['theory'] / 1e6:.2f}"
             hidden = "-" if row["alone"] <= 0 else f"{max(0.0, 1 - row['wait'] / row['alone']):.0%}"
+            blocks = "-" if row["whole"] <= 0 else f"{row['time'] / row['whole']:.2f}"
+            memory = "-" if args.usual_malloc else f"{row['memory'] / single_memory:.2f}"
             print(f"| {row['name']} | {rank} | {row['bytes'] / 1e6:.2f} | {theory} | "
-                  f"{row['memory'] / single_memory:.2f} | {hidden} | {row['time'] / single_time:.2f} |")
-    print(f"\none process: " + ", ".join(f"{name} {t * 1e3:.0f} ms / {m / 1e6:.0f} MB"
+                  f"{memory} | {hidden} | {row['time'] / single_time:.2f} | {blocks} |")
+    print(f"\none process: " + ", ".join(f"{name} {t * 1e3:.0f} ms" + ("" if args.usual_malloc else f" / {m / 1e6:.0f} MB")
                                          for (name, *_), (t, m) in zip(_cases(args.length, args.world), single)))
     print(f"torch context_parallel: {results[0][3]}")
 

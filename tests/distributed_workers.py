@@ -11,6 +11,7 @@ moves results by 1e-2 or more.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 from pathlib import Path
@@ -29,7 +30,10 @@ METHODS = {"ring": ring_attention, "ulysses": ulysses_attention}
 
 def main(rank: int, world: int, init_file: str, job: str, readme_port: int | None = None) -> None:
     torch.set_num_threads(1)  # P processes share the test machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # a deadlock (ranks waiting on messages never posted) fails the test instead of hanging it; no
+    # wait takes more than a second or two here
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         JOBS[job](rank, world)
         dist.barrier()
@@ -68,8 +72,9 @@ def _mask_cases(length: int) -> list[tuple[str, object, bool]]:
     ]
 
 
-def _check(rank, world, method, layout, lengths, heads, kv_heads, name, mask, causal, dropout=0.0):
-    """Output, lse and the gradients of query, key and value against the single-process call."""
+def _check(rank, world, method, layout, lengths, heads, kv_heads, name, mask, causal, dropout=0.0, **options):
+    """Output, lse and the gradients of query, key and value against the single-process call
+    (``options``: more arguments of the sequence-parallel call)."""
     q, k, v = (t.requires_grad_() for t in _inputs(sum(lengths), heads, kv_heads))
     extra = dict(dropout=dropout, generator=torch.Generator().manual_seed(7)) if dropout else {}
     out, lse = attnkit.attention(q, k, v, mask=mask, causal=causal, return_lse=True, **extra)
@@ -79,14 +84,15 @@ def _check(rank, world, method, layout, lengths, heads, kv_heads, name, mask, ca
     ql, kl, vl = (mine(t).requires_grad_() for t in (q, k, v))
     generator = torch.Generator().manual_seed(7)
     extra = dict(dropout=dropout, generator=generator) if dropout else {}
-    got, got_lse = METHODS[method](ql, kl, vl, mask=mask, causal=causal, layout=layout, return_lse=True, **extra)
+    got, got_lse = METHODS[method](ql, kl, vl, mask=mask, causal=causal, layout=layout, return_lse=True, **extra,
+                                   **options)
     if dropout:  # the generator advanced as one process's does (one seed drawn per call)
         single_generator = torch.Generator().manual_seed(7)
         attnkit._backends.dropout.draw_seed(single_generator)
         assert torch.equal(generator.get_state(), single_generator.get_state())
     my_weight = mine(weight, -1)
     (got.square().sum() + (torch.where(got_lse.isfinite(), got_lse, 0) * my_weight).sum()).backward()
-    where = f"rank {rank}/{world} {method} {layout} {lengths} {name} dropout={dropout}"
+    where = f"rank {rank}/{world} {method} {layout} {lengths} {name} dropout={dropout} {options}"
     torch.testing.assert_close(got, mine(out), **TOLERANCE, msg=lambda m: f"{where} output: {m}")
     torch.testing.assert_close(got_lse, mine(lse, -1), **TOLERANCE, msg=lambda m: f"{where} lse: {m}")
     for label, local, whole in (("dq", ql, q), ("dk", kl, k), ("dv", vl, v)):
@@ -268,4 +274,47 @@ def _four_ranks(rank, world):
     _every_mask(rank, world, [("zigzag", [9, 12, 7, 12])], heads=8, kv_heads=4, dropout_cases=slice(1, 2))
 
 
-JOBS = {"two": _two_ranks, "four": _four_ranks}
+def _blocks(rank, world):
+    """The ring streamed in blocks (``block_size``): messages of 1 to 12 keys, kernel calls of 2 to 6
+    rows, on uneven shards that no block size divides, with windows narrower and wider than a
+    block, a message that ends one piece and starts the next (zigzag), dropout and GQA; the same
+    results as one process. A wrong cut (a key sent twice or not at all, a call's ranges shifted
+    to the wrong key, a gradient sent home to the wrong place, dropout at the wrong position)
+    moves them by far more than the tolerance."""
+    cases = _mask_cases(31) + [("window 7 > block", masks.sliding_window(7), False),
+                               ("window both sides 9", masks.sliding_window(4, 5), False)]
+    # the forward streams 4 * block_size keys a message, the backward block_size
+    for layout, lengths, block_size in (("contiguous", [9, 13, 9], 2), ("zigzag", [11, 7, 13], 3),
+                                        ("contiguous", [12, 12, 7], 1)):
+        for name, mask, causal in cases:
+            _check(rank, world, "ring", layout, lengths, 4, 2, name, mask, causal, block_size=block_size)
+        for name, mask, causal in cases[1:3]:
+            _check(rank, world, "ring", layout, lengths, 4, 2, name, mask, causal, dropout=0.3, block_size=block_size)
+    records = []
+    for block_size in (2, None):  # bytes do not change, messages do
+        q, k, v = (shard(t, rank, world).requires_grad_() for t in _inputs(30, 4, 2))
+        with traffic() as record:
+            ring_attention(q, k, v, block_size=block_size).sum().backward()
+        records.append(record)
+    blocked, whole = records
+    assert blocked.bytes_received == whole.bytes_received > 0, (blocked, whole)
+    # from each of the 2 other ranks, 10 keys: forward 2 messages of <= 8 keys, backward 5 of 2 and
+    # their 5 gradients home; whole: one message of each kind
+    assert (blocked.messages, whole.messages) == (2 * (2 + 5 + 5), 2 * 3), (blocked, whole)
+    q, k, v = (shard(t, rank, world) for t in _inputs(30, 4, 2))
+    for bad, error in ((0, ValueError), (2.5, TypeError), (True, TypeError)):
+        try:
+            ring_attention(q, k, v, block_size=bad)
+        except error as e:
+            assert "block_size" in str(e), e
+        else:
+            raise AssertionError(f"ring_attention accepted block_size={bad!r}")
+    try:  # ranks that disagree would cut messages differently: every rank refuses
+        ring_attention(q, k, v, block_size=4 + rank)
+    except ValueError as e:
+        assert "block_size must be the same on every rank" in str(e), e
+    else:
+        raise AssertionError("ring_attention accepted different block sizes on different ranks")
+
+
+JOBS = {"two": _two_ranks, "four": _four_ranks, "blocks": _blocks}

@@ -32,3 +32,9 @@ def test_sequence_parallel_equals_one_process(tmp_path, world, job):
     """The two-rank job ends with the README's torchrun example (as torchrun would start it)."""
     port = _free_port() if world == 2 else None
     mp.spawn(distributed_workers.main, args=(world, str(tmp_path / "init"), job, port), nprocs=world, join=True)
+
+
+def test_ring_in_blocks_equals_one_process(tmp_path):
+    """Three ranks (an odd ring: steps whose senders and receivers differ), the ring streamed in
+    blocks of 1 to 12 keys and 2 to 6 rows (distributed_workers._blocks)."""
+    mp.spawn(distributed_workers.main, args=(3, str(tmp_path / "init"), "blocks"), nprocs=3, join=True)

@@ -1,8 +1,9 @@
 """The point-to-point exchange of key/value pieces over ``torch.distributed``, and its traffic.
 
-One message per (sender, receiver) and step: the pieces' keys and values, each tensor sent with
-``isend`` and received with ``irecv`` (asynchronous on every backend: gloo runs them on its own
-threads, NCCL on its streams) so the caller computes while they travel. Device-agnostic: the
+One message per (sender, receiver) and label (an item of :mod:`.stream`): its segments' keys and
+values, each tensor sent with ``isend`` and received with ``irecv`` (asynchronous on every
+backend: gloo runs them on its own threads, NCCL on its streams) so the caller computes while
+they travel. Device-agnostic: the
 buffers live on the inputs' device.
 """
 
@@ -28,7 +29,8 @@ class Traffic:
 
     ``bytes_received`` / ``bytes_sent``: payload of the point-to-point messages and all-to-alls
     (keys and values forward, again in the backward, plus the key/value gradients going home);
-    ``units``: kernel calls run (one query chunk against one piece of keys); ``wait_seconds``: time
+    ``units``: kernel calls run (query rows against one segment of keys); ``messages``: sends
+    (a label's keys and values, or its key/value gradients going home); ``wait_seconds``: time
     spent blocked on communication, i.e. not hidden behind compute."""
 
     bytes_received: int = 0
@@ -69,9 +71,9 @@ def wait(works: list) -> None:
 
 
 class Exchange:
-    """Sends and receives of one step: post now, :meth:`wait` later. A message is a list of tensors,
-    each sent on its own (tag ``256 * tag + index``), so a piece that is already contiguous (a
-    whole shard) travels without a packing copy."""
+    """Sends and receives of one label: post now, :meth:`wait` later. A message is a list of tensors,
+    each sent on its own (tag ``256 * tag + index``), so a segment that is already contiguous
+    (any run of keys of a ``[1, H, n, D]`` shard) travels without a packing copy."""
 
     def __init__(self, group: dist.ProcessGroup | None, tag: int) -> None:
         self.group, self.tag = group, tag

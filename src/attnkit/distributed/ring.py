@@ -4,15 +4,23 @@ whose queries attend them, partial results merge exactly through the lse.
 At step ``s`` (1 .. P-1) rank ``r`` sends its pieces to rank ``r + s`` and receives rank ``r - s``'s
 (mod P), point to point: the ring's pattern (every rank sends one message and receives one per
 step), but straight from the owner, so a rank that needs no key of another rank neither receives
-its shard nor relays it (:mod:`.schedule`: the mask decides). Step ``s + 1``'s messages are posted
-before step ``s`` is computed, so they travel while the kernels run.
+its shard nor relays it (:mod:`.schedule`: the mask decides). The pieces travel in **items** of at
+most ``block_size`` keys (:mod:`.stream`), one label ``(step, index)`` after another; the next
+label's messages are posted before this one is computed, so they travel while the kernels run,
+and a rank holds two items of other ranks' keys at a time, never a whole shard.
 
-Forward: each unit (a query chunk against a received piece) is :func:`attnkit.attention` on the
-piece with the chunk's ranges as ``masks.key_ranges`` and ``return_lse=True``, merged into the
-chunk's output by lse. Backward (:class:`_Ring`): the pieces travel again; each unit's gradients
-come from the op's split-key backward (``attnkit::interval_attention_backward``) given the
-*merged* output and lse, so nothing is recomputed twice and no partial output is stored; the key
-and value gradients of a received piece go back to its owner, who adds them to its own.
+Forward: each call (a unit's query rows against one item's keys) is the tiled backend's op,
+``attnkit::interval_attention`` (what :func:`attnkit.attention` runs with ``return_lse=True``),
+with the call's ranges and the whole call's dropout seed at its positions, merged into the rows'
+output by lse. Backward (:class:`_Ring`): the items travel again; each call's gradients (at most
+``2 * block_size`` rows) come from the op's split-key backward (``attnkit::interval_attention_backward``)
+given the *merged* output and lse, so nothing is recomputed twice and no partial output is stored;
+the key and value gradients of a received item go back to its owner, who adds them to its own.
+
+Why no deadlock: every wait at label ``x`` (an item's keys, a send) needs only messages that the
+peers post at label ``x``, and a rank posts label ``x`` once it is done with the labels before
+(its labels ascend; all ranks number them alike); the gradients of label ``x`` are received once
+``x`` is computed and waited at this rank's next label.
 """
 
 from __future__ import annotations
@@ -28,10 +36,10 @@ from .._backends import dropout as _dropout
 from .._backends.blockwise import _merge_into
 from .._backends.numerics import work_dtype
 from .._call import make_call
-from ..core import attention_piece
 from . import comm
 from .layout import check_layout
-from .schedule import Schedule, Unit, make_schedule
+from .schedule import Piece, Schedule, make_schedule
+from .stream import Call, Item, Stream, backward_stream, default_size, forward_stream
 
 __all__ = ["ring_attention"]
 
@@ -39,7 +47,8 @@ __all__ = ["ring_attention"]
 def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks.StructuredMask | None = None,
                    causal: bool = False, scale: float | None = None, dropout: float = 0.0,
                    generator: torch.Generator | None = None, group: dist.ProcessGroup | None = None,
-                   layout: str = "contiguous", return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                   layout: str = "contiguous", return_lse: bool = False,
+                   block_size: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
     r"""Attention over a sequence split across the ranks of ``group``; every rank calls it with its shard.
 
     The result on each rank is its shard of ``attnkit.attention`` on the whole sequence: the same
@@ -64,6 +73,13 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks.St
             (chunks ``r`` and ``2P-1-r`` of ``2P``: balanced causal work); see :func:`shard`.
         return_lse: also return the lse ``[B, H, n]`` (float32 for half inputs, ``-inf`` on
             rows with no key), differentiable.
+        block_size: other ranks' keys and values travel in messages of at most this many keys
+            (the forward's: four times as many), and each kernel call of the backward runs at
+            most twice as many query rows against one message's keys: a rank holds about 16
+            such blocks of key rows beyond its own shard, never a whole other shard
+            (:mod:`attnkit.distributed.stream`). Default: ``L / (2P + 14)`` of the whole
+            sequence's ``L`` keys, at least 128 (228 at L = 4096 over 2 ranks). Smaller saves
+            memory and costs time. The same on every rank (checked).
 
     Returns:
         ``output [B, H, n, Dv]`` (and ``lse`` with ``return_lse``).
@@ -77,11 +93,21 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks.St
                          f"{tuple(query.shape)}, key {tuple(key.shape)}")
     _check_mask(mask, query)
     check_layout(layout)
+    _check_block_size(block_size)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    lengths = _lengths(query.shape[2], query.device, group, world)
+    lengths, sizes = zip(*_gather([query.shape[2], block_size or 0], query.device, group, world))
+    lengths = list(lengths)
+    if len(set(sizes)) > 1:  # every rank sees the same, so every rank raises
+        raise ValueError(f"block_size must be the same on every rank (it cuts the messages both ends must agree "
+                         f"on), got {[s or None for s in sizes]} on ranks 0..{world - 1}")
+    size = block_size or default_size(lengths)
     schedule = make_schedule(lengths, layout, rank, mask, causal)
+    streams = forward_stream(schedule, size), backward_stream(schedule, size)
+    if KINDS * streams[1].label(world, 0) * 256 >= 2 ** 31:  # message tags are int32 (comm.Exchange)
+        raise ValueError(f"block_size {size} cuts shards of up to {max(lengths)} keys into {streams[1].count} "
+                         f"messages each: too many for {world} ranks' message tags; use a larger block_size")
     seed = shared_seed(generator, query.device, group) if call.dropout > 0 else None
-    settings = _Settings(schedule, call.scale, call.dropout, group)
+    settings = _Settings(schedule, *streams, call.scale, call.dropout, group)
     out, lse = _Ring.apply(query, key, value, seed, settings)
     return (out, lse) if return_lse else out
 
@@ -100,12 +126,26 @@ def _check_mask(mask: object, query: Tensor) -> None:
                          f"has batch {query.shape[0]}")
 
 
-def _lengths(n: int, device: torch.device, group, world: int) -> list[int]:
-    """Every rank's shard length (one small all-gather)."""
-    mine = torch.tensor([n], dtype=torch.int64, device=device)
+def _check_block_size(block_size: object) -> None:
+    if block_size is None:
+        return
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be a positive int or None, got {type(block_size).__name__} {block_size!r}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be a positive number of keys (or None), got {block_size}")
+
+
+def _gather(values: list[int], device: torch.device, group, world: int) -> list[list[int]]:
+    """Every rank's ``values`` (one small all-gather)."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
-    return [int(t) for t in every]
+    return [t.tolist() for t in every]
+
+
+def _lengths(n: int, device: torch.device, group, world: int) -> list[int]:
+    """Every rank's shard length."""
+    return [values[0] for values in _gather([n], device, group, world)]
 
 
 def shared_seed(generator: torch.Generator | None, device: torch.device, group) -> Tensor:
@@ -120,60 +160,67 @@ def shared_seed(generator: torch.Generator | None, device: torch.device, group) 
 @dataclass(frozen=True)
 class _Settings:
     schedule: Schedule
+    forward: Stream
+    backward: Stream
     scale: float
     dropout: float
     group: dist.ProcessGroup | None
 
 
-def _ranges_mask(unit: Unit, device: torch.device) -> _masks.StructuredMask:
-    lo, hi = unit.lo.to(device), unit.hi.to(device)
-    if lo.shape[0] == 1:
-        lo, hi = lo[0], hi[0]
-        return _masks.key_ranges([lo[r] for r in range(lo.shape[0])], [hi[r] for r in range(hi.shape[0])])
-    return _masks.key_ranges([lo[:, r] for r in range(lo.shape[1])], [hi[:, r] for r in range(hi.shape[1])])
+def _seed_at(seed: Tensor | None, call: Call, segment: Piece) -> Tensor | None:
+    """The whole call's dropout seed placed at the call's first row and the segment's first key."""
+    return None if seed is None else _dropout.at_positions(seed, 0, call.row_start, segment.start)
 
 
-def _rows(unit: Unit) -> slice:
-    return slice(unit.query.local, unit.query.local + unit.query.length)
+def _post(settings: _Settings, stream: Stream, key: Tensor, value: Tensor, kind: int, index: int) -> comm.Exchange:
+    """Post the ``index``-th label's keys and values: this rank's item to ``rank + s``, the item of
+    ``rank - s`` into fresh buffers."""
+    schedule = settings.schedule
+    step, item = stream.labels[index]
+    exchange = comm.Exchange(settings.group, _tag(stream, kind, step, item))
+    to, source = (schedule.rank + step) % schedule.world, (schedule.rank - step) % schedule.world
+    sends, receives = stream.sends.get(step, []), stream.receives.get(step, [])
+    if item < len(sends):
+        exchange.send(to, comm.views(sends[item].segments, key, value))
+    if item < len(receives):
+        exchange.receive(source, comm.shapes(receives[item].segments, key, value), key.dtype, key.device)
+    return exchange
 
 
-def _piece_seed(seed: Tensor | None, unit: Unit) -> Tensor | None:
-    return None if seed is None else _dropout.at_positions(seed, 0, unit.query.start, unit.piece.start)
+def _tag(stream: Stream, kind: int, step: int, item: int) -> int:
+    """Distinct per message kind (0: forward keys/values, 1: backward keys/values, 2: gradients going
+    home) and label, so that no two messages between two ranks within a call share one."""
+    return KINDS * stream.label(step, item) + kind
 
 
-def _steps(settings: _Settings, key: Tensor, value: Tensor, tag: int):
-    """Yield ``(step, owner, keys, values)`` for steps 0 .. P-1 (step 0: the rank's own pieces; step
-    ``s``: those of rank ``r - s``): the pieces' keys and values (lists, one per piece of the owner's
-    message; None when nothing came), the next step's messages already posted."""
-    schedule, group = settings.schedule, settings.group
-    world, rank = schedule.world, schedule.rank
+KINDS = 3
 
-    def post(step: int) -> comm.Exchange:
-        exchange = comm.Exchange(group, tag + step)
-        if step < world:
-            to, source = (rank + step) % world, (rank - step) % world
-            if to in schedule.sends:
-                exchange.send(to, comm.views(schedule.sends[to], key, value))
-            if source in schedule.receives:
-                exchange.receive(source, comm.shapes(schedule.receives[source], key, value), key.dtype, key.device)
-        return exchange
 
-    pending = post(1)
-    pieces = schedule.receives.get(rank)
-    if pieces:
-        yield 0, rank, [key[:, :, p.local:p.local + p.length] for p in pieces], \
-            [value[:, :, p.local:p.local + p.length] for p in pieces]
-    else:
-        yield 0, rank, None, None
-    for step in range(1, world):
-        received = pending.wait()
-        pending = post(step + 1)
-        source = (rank - step) % world
-        if source in received:
-            count = len(schedule.receives[source])
-            yield step, source, received[source][:count], received[source][count:]
+def _stream(settings: _Settings, stream: Stream, key: Tensor, value: Tensor, kind: int):
+    """Yield ``(index, item, keys, values)``: first the rank's own items (``index`` -1: keys and
+    values are views of its shard), then each label's received item (``item`` None where this
+    rank only sends at that label), the next label's messages already posted so that they travel
+    while this one computes. Two items of received keys and values are alive at a time: the
+    caller must drop ``keys`` and ``values`` before asking for the next."""
+    pending = _post(settings, stream, key, value, kind, 0) if stream.labels else None
+    for item in stream.own:
+        yield -1, item, comm.views(item.segments, key), comm.views(item.segments, value)
+    for index, (step, number) in enumerate(stream.labels):
+        current = pending
+        pending = _post(settings, stream, key, value, kind, index + 1) if index + 1 < len(stream.labels) else None
+        received = current.wait()
+        del current
+        receives = stream.receives.get(step, [])
+        if number < len(receives):
+            buffers = received.popitem()[1]
+            del received
+            count = len(receives[number].segments)
+            keys, values = buffers[:count], buffers[count:]
+            del buffers
+            yield index, receives[number], keys, values
+            del keys, values
         else:
-            yield step, source, None, None
+            yield index, None, None, None
 
 
 def _forward(query: Tensor, key: Tensor, value: Tensor, seed: Tensor | None,
@@ -182,90 +229,88 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, seed: Tensor | None,
     batch, heads, n, _ = query.shape
     out = torch.zeros(batch, heads, n, value.shape[-1], dtype=work, device=query.device)
     lse = torch.full((batch, heads, n), float("-inf"), dtype=work, device=query.device)
-    by_owner = _by_owner(settings.schedule.units)
-    for _, owner, keys, values in _steps(settings, key, value, tag=0):
-        if keys is None:
+    for _, item, keys, values in _stream(settings, settings.forward, key, value, kind=0):
+        if item is None:
             continue
-        for unit in by_owner.get(owner, []):
-            rows = _rows(unit)
-            part, part_lse = attention_piece(
-                query[:, :, rows], keys[unit.index], values[unit.index], seed=seed, rows=unit.query.start,
-                keys=unit.piece.start, mask=_ranges_mask(unit, query.device), scale=settings.scale,
-                dropout=settings.dropout, return_lse=True)
-            _merge_into(out[:, :, rows], lse[:, :, rows], part.to(work), part_lse.to(work))
-            comm.count(units=1)
+        for segment, calls, k, v in zip(item.segments, item.calls, keys, values):
+            for call in calls:
+                # the tiled backend's op (what attnkit.attention(..., return_lse=True) runs), on the
+                # call's rows and the segment's keys, with its ranges; no autograd inside _Ring
+                part, part_lse = torch.ops.attnkit.interval_attention(
+                    query[:, :, call.rows], k, v, call.lo, call.hi, None, None, None, settings.scale, None,
+                    settings.dropout, _seed_at(seed, call, segment), False, True)
+                _merge_into(out[:, :, call.rows], lse[:, :, call.rows], part.to(work), part_lse.to(work))
+                del part, part_lse
+                comm.count(units=1)
+        del keys, values
     return out.to(query.dtype), lse
-
-
-def _by_owner(units: list[Unit]) -> dict[int, list[Unit]]:
-    result: dict[int, list[Unit]] = {}
-    for unit in units:
-        result.setdefault(unit.owner, []).append(unit)
-    return result
 
 
 def _backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
               lse: Tensor, seed: Tensor | None, settings: _Settings) -> tuple[Tensor, Tensor, Tensor]:
-    schedule, group = settings.schedule, settings.group
+    stream, schedule = settings.backward, settings.schedule
     world, rank = schedule.world, schedule.rank
     work = work_dtype(query.dtype)
     dq = torch.zeros(query.shape, dtype=work, device=query.device)
     dk = torch.zeros(key.shape, dtype=work, device=key.device)
     dv = torch.zeros(value.shape, dtype=work, device=value.device)
-    by_owner = _by_owner(schedule.units)
-    returning: list[comm.Exchange] = []
 
-    def collect() -> None:
-        """Add the key/value gradients that came home (posted a step ago) into ``dk``, ``dv``."""
-        for exchange in returning:
-            for source, grads in exchange.wait().items():
-                pieces = schedule.sends[source]
-                for p, gk, gv in zip(pieces, grads[:len(pieces)], grads[len(pieces):]):
-                    dk[:, :, p.local:p.local + p.length] += gk
-                    dv[:, :, p.local:p.local + p.length] += gv
-        returning.clear()
-
-    for step, owner, keys, values in _steps(settings, key, value, tag=2 * world):
-        exchange = comm.Exchange(group, 4 * world + step)
-        if keys is not None:
-            # own pieces: gradients straight into dk, dv; received ones: summed per piece, then sent home
-            own = owner == rank
-            piece_dk: list[Tensor | None] = [None] * len(keys)
-            piece_dv: list[Tensor | None] = [None] * len(values)
-            for unit in by_owner.get(owner, []):
-                rows = _rows(unit)
-                lo, hi = unit.lo.to(query.device), unit.hi.to(query.device)
+    def gradients(item: Item, keys: list[Tensor], values: list[Tensor], own: bool) -> list[Tensor]:
+        """Run the item's calls: query gradients into ``dq``; key/value gradients into ``dk``, ``dv``
+        (own keys) or returned per segment, summed (in the work dtype: keys first, then values)."""
+        sums: list[Tensor | None] = [None] * (2 * len(item.segments))
+        for g, (segment, calls, k, v) in enumerate(zip(item.segments, item.calls, keys, values)):
+            for call in calls:
+                rows = call.rows
                 grads = torch.ops.attnkit.interval_attention_backward(
                     grad_out[:, :, rows].contiguous(),
                     None if grad_lse is None else grad_lse[:, :, rows].contiguous(),
-                    query[:, :, rows], keys[unit.index], values[unit.index], out[:, :, rows], lse[:, :, rows], lo, hi,
-                    None, None, None, settings.scale, None, settings.dropout, _piece_seed(seed, unit), False,
-                    True, False)  # sparse_only, as the forward's "tiled": no dense L x L mask for the units' ranges
+                    query[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows], call.lo, call.hi,
+                    None, None, None, settings.scale, None, settings.dropout, _seed_at(seed, call, segment), False,
+                    True, False)  # sparse_only, as the forward's "tiled": no dense mask for the calls' ranges
                 dq[:, :, rows] += grads[0]
                 if own:
-                    p = unit.piece
-                    dk[:, :, p.local:p.local + p.length] += grads[1]
-                    dv[:, :, p.local:p.local + p.length] += grads[2]
+                    dk[:, :, segment.local:segment.local + segment.length] += grads[1]
+                    dv[:, :, segment.local:segment.local + segment.length] += grads[2]
                 else:
-                    for sums, grad in ((piece_dk, grads[1]), (piece_dv, grads[2])):
-                        sums[unit.index] = grad.to(work) if sums[unit.index] is None else sums[unit.index].add_(grad)
-            if not own:  # in the work dtype: sums of partial gradients
-                exchange.send(owner, [torch.zeros_like(t, dtype=work) if g is None else g
-                                      for g, t in zip(piece_dk + piece_dv, keys + values)])
-        collect()  # the previous step's, which travelled while this step computed
-        _home(exchange, schedule, step, key, value)
-        returning.append(exchange)
-    collect()
+                    for slot, grad in ((g, grads[1]), (len(item.segments) + g, grads[2])):
+                        sums[slot] = grad.to(work) if sums[slot] is None else sums[slot].add_(grad)
+                del grads  # before the next call allocates its own
+        like = [k for k in keys] + [v for v in values]
+        return [torch.zeros_like(t, dtype=work) if s is None else s for s, t in zip(sums, like)]
+
+    def home(exchange: comm.Exchange, segments: list[Piece]) -> None:
+        """Add the key/value gradients of ``segments`` (sent at one label) that came home into ``dk``, ``dv``."""
+        for grads in exchange.wait().values():
+            for segment, gk, gv in zip(segments, grads[:len(segments)], grads[len(segments):]):
+                dk[:, :, segment.local:segment.local + segment.length] += gk
+                dv[:, :, segment.local:segment.local + segment.length] += gv
+
+    # The gradients of what this rank sent at label x are computed by `to` while this rank computes
+    # x; their receive is posted once x is computed (so that one label's are in flight during the
+    # compute, not two) and waited at the end of the next label. Posting it any later (at the next
+    # label of this rank, which may come after `to`'s next one) would deadlock: `to` waits for it.
+    returning: tuple[comm.Exchange, list[Piece]] | None = None
+    for index, item, keys, values in _stream(settings, stream, key, value, kind=1):
+        if index < 0:
+            gradients(item, keys, values, own=True)
+            del keys, values
+            continue
+        step, number = stream.labels[index]
+        exchange = comm.Exchange(settings.group, _tag(stream, 2, step, number))
+        if item is not None:
+            exchange.send((rank - step) % world, gradients(item, keys, values, own=False))
+        del keys, values
+        sent = stream.sends.get(step, [])
+        segments = sent[number].segments if number < len(sent) else []
+        if segments:
+            exchange.receive((rank + step) % world, comm.shapes(segments, key, value), work, key.device)
+        if returning is not None:
+            home(*returning)
+        returning = exchange, segments
+    if returning is not None:
+        home(*returning)
     return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
-
-
-def _home(exchange: comm.Exchange, schedule: Schedule, step: int, key: Tensor, value: Tensor) -> None:
-    """Post the receive of step ``step``'s returning gradients: those of the pieces sent to ``rank + step``."""
-    if step == 0:
-        return
-    to = (schedule.rank + step) % schedule.world
-    if to in schedule.sends:
-        exchange.receive(to, comm.shapes(schedule.sends[to], key, value), work_dtype(key.dtype), key.device)
 
 
 class _Ring(torch.autograd.Function):
