@@ -228,6 +228,8 @@ def bias_dtype(dtype: torch.dtype) -> torch.dtype:
 def _check_scale(scale: object, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
+    if type(scale) is float and math.isfinite(scale):  # the common case, without the ABC check below
+        return scale
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
     scale = float(scale)
@@ -237,6 +239,8 @@ def _check_scale(scale: object, head_dim: int) -> float:
 
 
 def _check_dropout(dropout: object, generator: object, device: torch.device) -> float:
+    if generator is None and (dropout == 0.0 and type(dropout) in (float, int)):  # the common case: no dropout
+        return 0.0
     if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):
         raise TypeError(f"dropout must be a float in [0, 1), got {type(dropout).__name__}")
     dropout = float(dropout)

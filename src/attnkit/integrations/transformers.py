@@ -79,6 +79,11 @@ from transformers import masking_utils as _masking  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
+try:  # the model's output collector: how output_attentions reaches attention functions in recent versions
+    from transformers.utils.output_capturing import _active_collector  # noqa: E402
+except ImportError:  # pragma: no cover - older transformers pass the keyword
+    _active_collector = None
+
 __all__ = ["NAME", "register", "attnkit_attention_forward", "attnkit_mask", "TransformersMask"]
 
 #: The ``attn_implementation`` name this module registers.
@@ -242,9 +247,7 @@ def _weights_wanted(kwargs: dict) -> bool:
     model's output collector (when set in the config): either asks for the weights."""
     if kwargs.get("output_attentions"):
         return True
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # pragma: no cover - older transformers pass the keyword
+    if _active_collector is None:  # pragma: no cover
         return False
     collected = _active_collector.get()
     return bool(collected) and ("attentions" in collected or "cross_attentions" in collected)
@@ -291,6 +294,8 @@ def attnkit_attention_forward(module: torch.nn.Module, query: Tensor, key: Tenso
                          f"(passed by {type(module).__name__}); use attn_implementation='eager' for this model")
     q_length, kv_length = query.shape[-2], key.shape[-2]
     mask: object = attention_mask.mask if isinstance(attention_mask, TransformersMask) else attention_mask
+    if q_length == 1 and isinstance(mask, StructuredMask) and mask.is_causal:
+        mask = None  # a decoding step: bottom-right causal is every key (no structure to check per call)
     causal = False
     if attention_mask is None:
         is_causal = kwargs.get("is_causal")

@@ -367,10 +367,6 @@ void exact_forward_row(const float* q_row, const float* k_head, int64_t k2s, con
   *lse = row_max + std::log(sum);
 }
 
-// A fresh tensor of >= 32 MiB is a fresh mapping (glibc maps such allocations anew each time),
-// whose every 4 KiB page faults on first touch. Asking for transparent huge pages where the
-// system offers them on request cuts the faults 512-fold. Only the 2 MiB-aligned interior can
-// use them; the advice is dropped with the mapping when the tensor is freed.
 at::Tensor with_huge_pages(at::Tensor t);
 
 // A fresh [B, heads, L, C] tensor (C the last dim), with its rows outer to its heads where `like`
@@ -383,8 +379,17 @@ at::Tensor like_layout(const at::Tensor& like, int64_t B, int64_t heads, int64_t
                                     : at::empty({B, heads, L, C}, options));
 }
 
+// A fresh tensor of >= 32 MiB is a fresh mapping (glibc maps such allocations anew each time),
+// whose every 4 KiB page faults on first touch. Asking for transparent huge pages where the
+// system offers them on request cuts the faults 512-fold. Only the 2 MiB-aligned interior can
+// use them; the advice is dropped with the mapping when the tensor is freed. Smaller tensors are
+// left alone: they may sit in glibc's heap, which keeps the advice after they are freed, and the
+// heap's next tenants (a model's activations, a KV cache) then fault in huge pages, compacting
+// memory on the way.
 at::Tensor with_huge_pages(at::Tensor t) {
 #ifdef MADV_HUGEPAGE
+  constexpr size_t kFreshMapping = size_t{32} << 20;
+  if (t.nbytes() < kFreshMapping) return t;
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
   const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
   const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = (begin + t.nbytes()) & ~(kHuge - 1);
