@@ -16,7 +16,10 @@ import sys
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(__file__))
+# `common` from this folder, but after the installed packages: this folder's transformers.py (the
+# benchmark) must not shadow the transformers library, so the folder Python put first goes last.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE] + [_HERE]
 from common import describe_machine, median_times  # noqa: E402
 
 import attnkit.models  # noqa: E402
