@@ -27,7 +27,9 @@ class AttentionCall:
     (in the query's dtype, float32 for half-precision queries: :func:`bias_dtype`), broadcastable
     to ``[..., Lq, Lk]``. A structured mask
     (:class:`attnkit.masks.StructuredMask`) arrives as ``structure`` with ``mask=None``; backends
-    that do not declare ``structured`` receive the call :meth:`densified` instead. With dropout,
+    that do not declare ``structured`` receive the call :meth:`densified` instead. Over one query
+    row ``causal`` and a plain ``causal()`` structure are dropped (bottom-right, the row sees every
+    key). With dropout,
     ``seed`` fixes the pattern (:mod:`attnkit._backends.dropout`: the same on every backend).
     """
 
@@ -86,7 +88,7 @@ class AttentionCall:
         Boolean when ``mask`` is boolean or absent, additive (:func:`bias_dtype`) when ``mask`` is floating.
         Broadcastable to ``scores_shape``; not expanded, so no ``Lq x Lk`` copy per batch/head.
         """
-        if not self.causal or self.q_len == 1:  # bottom-right, one query row sees every key
+        if not self.causal:
             return self.mask
         causal = _masks.causal_mask(self.q_len, self.k_len, device=self.query.device)
         return _masks.combine(self.mask, causal, dtype=bias_dtype(self.query.dtype))
@@ -317,10 +319,13 @@ def make_call(
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     scores_shape = query.shape[:-1] + (key.shape[-2],)
+    # Bottom-right causal over one query row (a decoding step) is every key: no constraint, so
+    # no backend builds a mask or plans for it.
+    one_row = query.shape[-2] == 1
     structure = None
     if isinstance(mask, _masks.StructuredMask):
         _check_structure(mask, query)
-        structure, mask = mask, None
+        structure, mask = (None if one_row and mask.is_causal else mask), None
     return AttentionCall(
         query=query,
         key=key,
@@ -328,7 +333,7 @@ def make_call(
         structure=structure,
         return_lse=return_lse,
         mask=_check_mask(mask, query, scores_shape),
-        causal=causal,
+        causal=causal and not one_row,
         scale=_check_scale(scale, query.shape[-1]),
         dropout=_check_dropout(dropout, generator, query.device),
         generator=generator,  # type: ignore[arg-type]

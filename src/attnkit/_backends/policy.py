@@ -8,9 +8,9 @@ traced by ``torch.compile``), in order:
    the CPU today), PyTorch's fused kernels (``"torch"``): attnkit never routes a call to code whose
    speed nobody measured there.
 3. ``return_weights``: ``"torch"``'s materialised path of fused ops (weights are ``Lq x Lk`` anyway).
-4. Plain causal (``causal=True`` or ``masks.causal()``, nothing else): one query row, SDPA with
-   no mask; square, attnkit's native kernel from 128 x 128 to below 4096 x 4096, where it beat
-   SDPA's causal path, else that path; other shapes, the interval op.
+4. Plain causal (``causal=True`` or ``masks.causal()``, nothing else; over one query row the call
+   holds neither): square, attnkit's native kernel from 128 x 128 to below 4096 x 4096, where it
+   beat SDPA's causal path, else that path; other shapes, the interval op.
 5. A structured mask, soft-capping, ALiBi or sinks (SDPA has none of these), or dropout where
    attnkit's native kernel runs: the interval op with its kernel left to :func:`kernel_for`.
 6. Else ``"torch"``.
@@ -67,13 +67,11 @@ def choose(call: AttentionCall) -> str:
         return "torch"
     plain_causal = call.mask is None and (call.structure.is_causal if call.structure is not None else call.causal)
     if plain_causal and not call.modifies_scores and call.dropout == 0:
-        # masks.causal() and causal=True are one rule. One query row (a decoding step) sees every key:
-        # SDPA with no mask (the op's planning cost 1.2 ms against SDPA's 0.15 ms). Square: the
-        # native kernel where it beat SDPA's causal path, else that path, GQA included, never the
-        # op's dense kernel, which builds the L x L mask (L = 8192, 8 query / 2 kv heads: 3.9 s
-        # against 1.0 s). Otherwise (a chunk of rows after a cache) the op, on the rows' spans.
-        if call.q_len == 1:
-            return "torch"
+        # masks.causal() and causal=True are one rule (over one query row, a decoding step, the call
+        # holds neither: make_call drops them, and SDPA runs with no mask). Square: the native kernel
+        # where it beat SDPA's causal path, else that path, GQA included, never the op's dense
+        # kernel, which builds the L x L mask (L = 8192, 8 query / 2 kv heads: 3.9 s against 1.0 s).
+        # Otherwise (a chunk of rows after a cache) the op, on the rows' spans.
         if call.q_len == call.k_len:
             native_faster = (NATIVE_MIN_PAIRS <= call.q_len * call.k_len < NATIVE_CAUSAL_MAX_PAIRS
                              and _native_serves(call.query.device.type, call.query.dtype, False))

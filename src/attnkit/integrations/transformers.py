@@ -294,8 +294,6 @@ def attnkit_attention_forward(module: torch.nn.Module, query: Tensor, key: Tenso
                          f"(passed by {type(module).__name__}); use attn_implementation='eager' for this model")
     q_length, kv_length = query.shape[-2], key.shape[-2]
     mask: object = attention_mask.mask if isinstance(attention_mask, TransformersMask) else attention_mask
-    if q_length == 1 and isinstance(mask, StructuredMask) and mask.is_causal:
-        mask = None  # a decoding step: bottom-right causal is every key (no structure to check per call)
     causal = False
     if attention_mask is None:
         is_causal = kwargs.get("is_causal")
