@@ -26,8 +26,7 @@ compare the two bit for bit.
 A piece of a larger call (one rank's shard in :mod:`attnkit.distributed`) draws the larger call's
 pattern by carrying its offsets in the seed: ``seed`` is then the int64 vector ``[seed, h0, i0,
 j0]`` (:func:`at_positions`) and weight ``(b, h, i, j)`` of the piece is weight ``(b, h0 + h, i0 + i,
-j0 + j)`` of the whole. The native kernel does not take offsets yet: the policy keeps such calls on
-the paths here (:func:`has_offsets`).
+j0 + j)`` of the whole. The native kernel takes the same offsets (``dropout_head_start``, ...).
 
 Here the hash runs in int64 tensor ops, every product split so that it never exceeds 2**63
 (exact on any device and under ``torch.compile``): the path for calls the native kernel does not

@@ -13,7 +13,8 @@
 // Layout: query [B, H, Lq, D], key [B, Hkv, Lk, D], value [B, Hkv, Lk, Dv], float32, any strides
 // with a unit last-dim stride; lo, hi int64 [S, Lq] with S = 1 (shared) or B. H % Hkv == 0 (GQA:
 // query head h reads key/value head h / (H / Hkv)). Returns output [B, H, Lq, Dv] (laid out as the
-// query: see like_layout) and the natural-log sum-exp [B, H, Lq] (before dropout); a row with no key gives zeros and -inf.
+// query: see like_layout) and the natural-log sum-exp [B, H, Lq] (before dropout); a row with no
+// key gives zeros and -inf.
 // Optional dropout on the weights, from a seed (see Dropout). interval_backward (further down)
 // gives the gradients from the same intervals, seed and the saved lse.
 //
@@ -367,18 +368,6 @@ void exact_forward_row(const float* q_row, const float* k_head, int64_t k2s, con
   *lse = row_max + std::log(sum);
 }
 
-at::Tensor with_huge_pages(at::Tensor t);
-
-// A fresh [B, heads, L, C] tensor (C the last dim), with its rows outer to its heads where `like`
-// has them so ([B, L, H, D] in memory, as a model's projections viewed as heads give): then the
-// caller's view back to [B, L, H * C] needs no copy, as with SDPA's outputs and gradients.
-at::Tensor like_layout(const at::Tensor& like, int64_t B, int64_t heads, int64_t L, int64_t C) {
-  const bool rows_outer = like.size(1) > 1 && like.size(2) > 1 && like.stride(1) < like.stride(2);
-  const auto options = like.options();
-  return with_huge_pages(rows_outer ? at::empty({B, L, heads, C}, options).transpose(1, 2)
-                                    : at::empty({B, heads, L, C}, options));
-}
-
 // A fresh tensor of >= 32 MiB is a fresh mapping (glibc maps such allocations anew each time),
 // whose every 4 KiB page faults on first touch. Asking for transparent huge pages where the
 // system offers them on request cuts the faults 512-fold. Only the 2 MiB-aligned interior can
@@ -396,6 +385,21 @@ at::Tensor with_huge_pages(at::Tensor t) {
   if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // advice: failure is harmless
 #endif
   return t;
+}
+
+// A fresh [B, heads, L, C] tensor (C the last dim), with its rows outer to its heads where `like`
+// has them so ([B, L, H, D] in memory, as a model's projections viewed as heads give): then the
+// caller's view back to [B, L, H * C] needs no copy, as with SDPA's outputs and gradients.
+at::Tensor like_layout(const at::Tensor& like, int64_t B, int64_t heads, int64_t L, int64_t C) {
+  const bool rows_outer = like.size(1) > 1 && like.size(2) > 1 && like.stride(1) < like.stride(2);
+  const auto options = like.options();
+  return with_huge_pages(rows_outer ? at::empty({B, L, heads, C}, options).transpose(1, 2)
+                                    : at::empty({B, heads, L, C}, options));
+}
+
+// Zero `rows` rows of `width` floats, `stride` apart (a block of an output laid out by like_layout).
+void zero_rows(float* first, int64_t rows, int64_t stride, int64_t width) {
+  for (int64_t j = 0; j < rows; ++j) std::fill(first + j * stride, first + j * stride + width, 0.0f);
 }
 
 // The sizes of a call, from inputs checked alike for both directions: query [B, H, Lq, D], key
@@ -725,7 +729,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
       float* o_block = o + b * o0s + h * o1s + first * o2s;
       float* l_block = l + (b * H + h) * Lq + first;
       if (span_lo >= span_hi) {  // no row of the block attends any key
-        for (int64_t j = 0; j < rows; ++j) std::fill(o_block + j * o2s, o_block + j * o2s + Dv, 0.0f);
+        zero_rows(o_block, rows, o2s, Dv);
         std::fill(l_block, l_block + rows, kNegInf);
         continue;
       }
@@ -878,7 +882,7 @@ void exact_backward_chunk(int64_t rows, int64_t width, int64_t c0, const int64_t
                           const float* go_block, int64_t g2s, const float* k_head, int64_t k2s, float* dq_block,
                           int64_t dq2s, float* dk_head, int64_t dk2s, float* dv_head, int64_t dv2s, int64_t D,
                           int64_t Dv, bool first_chunk) {
-  for (int64_t j = 0; j < rows && first_chunk; ++j) std::fill(dq_block + j * dq2s, dq_block + j * dq2s + D, 0.0f);
+  if (first_chunk) zero_rows(dq_block, rows, dq2s, D);
   for (int64_t j = 0; j < rows; ++j) {
     const int64_t a = std::clamp<int64_t>(row_lo[j] - c0, 0, width), z = std::clamp<int64_t>(row_hi[j] - c0, 0, width);
     const float* q_row = q_block + j * q2s;
@@ -896,10 +900,10 @@ void exact_backward_chunk(int64_t rows, int64_t width, int64_t c0, const int64_t
 
 // Gradients of interval_forward: given grad_out [B, H, Lq, Dv], the forward's lse [B, H, Lq] and
 // delta [B, H, Lq] = rowsum(grad_out * out) - grad_lse, returns (dq, dk, dv) in float32, each
-// in the shape of its input, laid out as like_layout gives. FlashAttention's backward, by query blocks: per block and
-// chunk of keys, P from the lse, dP = dO V^T, dS = scale * P * (f dP - delta) with f the dropout
-// factors (1 without dropout), dV += (f P)^T dO, dQ += dS K, dK += dS^T Q; five sgemm calls,
-// nothing of size Lq x Lk is ever stored.
+// in the shape of its input, laid out as like_layout gives. FlashAttention's backward, by query
+// blocks: per block and chunk of keys, P from the lse, dP = dO V^T, dS = scale * P * (f dP - delta)
+// with f the dropout factors (1 without dropout), dV += (f P)^T dO, dQ += dS K, dK += dS^T Q; five
+// sgemm calls, nothing of size Lq x Lk is ever stored.
 // Blocks of different rows add into the same key rows, so a task owns whole (batch, kv head)
 // pairs; with fewer pairs than threads, each pair's rows are cut into `parts` that add into
 // their own copy of dK and dV, summed at the end (`parts` copies: still O(L) memory).
@@ -983,7 +987,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
             }
             float* dq_block = dq_data + b * dq0s + h * dq1s + first * dq2s;
             if (span_lo >= span_hi) {  // no row of the block attends any key
-              for (int64_t j = 0; j < rows; ++j) std::fill(dq_block + j * dq2s, dq_block + j * dq2s + D, 0.0f);
+              zero_rows(dq_block, rows, dq2s, D);
               continue;
             }
             const float* q_block = q + b * q0s + h * q1s + first * q2s;
