@@ -16,6 +16,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import distributed_workers
+from attnkit import masks
+from attnkit.distributed.schedule import make_schedule
+from attnkit.distributed.stream import backward_stream, forward_stream
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -38,3 +41,13 @@ def test_ring_in_blocks_equals_one_process(tmp_path):
     """Three ranks (an odd ring: steps whose senders and receivers differ), the ring streamed in
     blocks of 1 to 12 keys and 2 to 6 rows (distributed_workers._blocks)."""
     mp.spawn(distributed_workers.main, args=(3, str(tmp_path / "init"), "blocks"), nprocs=3, join=True)
+
+
+def test_kernel_calls_get_their_row_ranges_on_the_inputs_device():
+    """The ring plans on the CPU (its decisions read values) and hands each kernel call its row
+    ranges on the inputs' device (on CUDA the op refused CPU ranges: tests/test_cuda.py)."""
+    schedule = make_schedule([40, 40], "contiguous", 1, masks.sliding_window(9), False, "meta")
+    for stream in (forward_stream(schedule, 16), backward_stream(schedule, 16)):
+        items = [*stream.own, *(item for received in stream.receives.values() for item in received)]
+        calls = [call for item in items for calls in item.calls for call in calls]
+        assert calls and all(c.lo.device.type == c.hi.device.type == "meta" for c in calls)

@@ -101,7 +101,7 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks.St
         raise ValueError(f"block_size must be the same on every rank (it cuts the messages both ends must agree "
                          f"on), got {[s or None for s in sizes]} on ranks 0..{world - 1}")
     size = block_size or default_size(lengths)
-    schedule = make_schedule(lengths, layout, rank, mask, causal)
+    schedule = make_schedule(lengths, layout, rank, mask, causal, query.device)
     streams = forward_stream(schedule, size), backward_stream(schedule, size)
     if KINDS * streams[1].label(world, 0) * 256 >= 2 ** 31:  # message tags are int32 (comm.Exchange)
         raise ValueError(f"block_size {size} cuts shards of up to {max(lengths)} keys into {streams[1].count} "

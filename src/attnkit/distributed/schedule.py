@@ -59,7 +59,9 @@ class Unit:
 @dataclass(frozen=True)
 class Schedule:
     """The rank's side of the exchange: ``sends[d]`` the pieces it sends to rank ``d``,
-    ``receives[s]`` those it receives from rank ``s`` (own pieces under its own rank), ``units``."""
+    ``receives[s]`` those it receives from rank ``s`` (own pieces under its own rank), ``units``.
+    The planning runs on the CPU (its decisions read values); ``device`` is where the kernel calls'
+    row ranges go (the inputs' device)."""
 
     rank: int
     world: int
@@ -67,6 +69,7 @@ class Schedule:
     sends: dict[int, list[Piece]]
     receives: dict[int, list[Piece]]
     units: list[Unit]
+    device: torch.device
 
 
 def _pieces_for(lo: Tensor, hi: Tensor, rows: list[Chunk], owner: list[Chunk]) -> list[tuple[Piece, Tensor, Tensor]]:
@@ -86,7 +89,7 @@ def _pieces_for(lo: Tensor, hi: Tensor, rows: list[Chunk], owner: list[Chunk]) -
 
 
 def make_schedule(lengths: list[int], layout: str, rank: int, mask: StructuredMask | None,
-                  causal: bool) -> Schedule:
+                  causal: bool, device: torch.device | str = "cpu") -> Schedule:
     """The schedule of rank ``rank`` (see the module docstring); the same facts give every rank
     the same exchange."""
     world = len(lengths)
@@ -111,7 +114,7 @@ def make_schedule(lengths: list[int], layout: str, rank: int, mask: StructuredMa
                 units += _units(layout_chunks[rank], owner, found)
     if rank in sends:
         del sends[rank]  # own keys are read in place
-    return Schedule(rank, world, layout_chunks, sends, receives, units)
+    return Schedule(rank, world, layout_chunks, sends, receives, units, torch.device(device))
 
 
 def _units(rows: list[Chunk], owner: int, found: list[tuple[Piece, Tensor, Tensor]]) -> list[Unit]:

@@ -113,21 +113,23 @@ def make_stream(schedule: Schedule, keys: int, rows: int | None, own_keys: int, 
     units: dict[int, dict[int, list[Unit]]] = {}
     for unit in schedule.units:
         units.setdefault(unit.owner, {}).setdefault(unit.index, []).append(unit)
-    own = _items(schedule.receives.get(rank, []), units.get(rank, {}), own_keys, own_rows)
+    device = schedule.device
+    own = _items(schedule.receives.get(rank, []), units.get(rank, {}), own_keys, own_rows, device)
     sends: dict[int, list[Item]] = {}
     receives: dict[int, list[Item]] = {}
     for step in range(1, world):
         to, source = (rank + step) % world, (rank - step) % world
         if to in schedule.sends:
-            sends[step] = _items(schedule.sends[to], {}, keys, rows)
+            sends[step] = _items(schedule.sends[to], {}, keys, rows, device)
         if source in schedule.receives:
-            receives[step] = _items(schedule.receives[source], units.get(source, {}), keys, rows)
+            receives[step] = _items(schedule.receives[source], units.get(source, {}), keys, rows, device)
     labels = [(step, index) for step in range(1, world)
               for index in range(max(len(sends.get(step, [])), len(receives.get(step, []))))]
     return Stream(count, own, sends, receives, labels)
 
 
-def _items(pieces: list[Piece], units: dict[int, list[Unit]], keys: int, rows: int | None) -> list[Item]:
+def _items(pieces: list[Piece], units: dict[int, list[Unit]], keys: int, rows: int | None,
+           device: torch.device) -> list[Item]:
     """``pieces`` (one message) cut every ``keys`` keys; each segment with the calls of ``units``
     (by piece index) on it, ``rows`` rows a call."""
     items: list[Item] = []
@@ -141,7 +143,7 @@ def _items(pieces: list[Piece], units: dict[int, list[Unit]], keys: int, rows: i
             segment = Piece(piece.chunk, start, start + take)
             segments.append(segment)
             calls.append([call for unit in units.get(index, [])
-                          for call in _calls(unit, segment, rows or unit.query.length)])
+                          for call in _calls(unit, segment, rows or unit.query.length, device)])
             start, room = start + take, room - take
             if room == 0:
                 items.append(Item(segments, calls))
@@ -151,9 +153,9 @@ def _items(pieces: list[Piece], units: dict[int, list[Unit]], keys: int, rows: i
     return items
 
 
-def _calls(unit: Unit, segment: Piece, block: int) -> list[Call]:
+def _calls(unit: Unit, segment: Piece, block: int, device: torch.device) -> list[Call]:
     """``unit``'s query rows in blocks of at most ``block`` against ``segment`` (a part of its piece);
-    blocks with no key in the segment are left out."""
+    blocks with no key in the segment are left out. Planned on the CPU, ranges placed on ``device``."""
     shift = segment.start - unit.piece.start
     calls = []
     for first in range(0, unit.query.length, max(block, 1)):
@@ -164,5 +166,6 @@ def _calls(unit: Unit, segment: Piece, block: int) -> list[Call]:
         if not bool(live.any()):
             continue
         rows = slice(unit.query.local + first, unit.query.local + last)
-        calls.append(Call(rows, unit.query.start + first, torch.where(live, lo, 0), torch.where(live, hi, 0)))
+        calls.append(Call(rows, unit.query.start + first, torch.where(live, lo, 0).to(device),
+                          torch.where(live, hi, 0).to(device)))
     return calls

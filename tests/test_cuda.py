@@ -1,0 +1,305 @@
+"""attnkit on a CUDA device: skipped where there is none (the CI machine has none).
+
+Every backend against the float64 oracle (computed on the CPU, written without attnkit), the
+``auto`` policy's device rule (PyTorch's fused kernels wherever attnkit's were not measured),
+dropout drawn from a CUDA generator (the same pattern as on the CPU for the same seed, the global
+RNG untouched), layers against ``nn.MultiheadAttention`` on the same device, the GPT and the
+transformers adapter against the same models on the CPU / transformers' eager attention, and
+``torch.compile`` with a structured mask.
+
+Tolerances follow the FlashAttention tests' rule: a backend's error against float64 is at most
+twice the oracle's own error when it computes in the same dtype (on the CPU), plus a term
+far below a dtype's resolution (1e-6 for float32, 1e-4 for half precision) for the cases where
+the oracle's error happens to be tiny.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks
+from attnkit._backends import dropout as _dropout
+from attnkit._backends import policy
+from attnkit._call import make_call
+from attnkit.core import attention_piece
+from oracle import oracle_attention
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+CUDA = torch.device("cuda")
+SLACK = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-4, torch.float64: 1e-12}
+BACKENDS = ["auto", "reference", "torch", "tiled"]
+
+
+def _inputs(q_len=40, k_len=40, heads=4, kv_heads=4, head_dim=16, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, heads, q_len, head_dim, dtype=torch.float64, generator=g),
+            torch.randn(batch, kv_heads, k_len, head_dim, dtype=torch.float64, generator=g),
+            torch.randn(batch, kv_heads, k_len, head_dim + 4, dtype=torch.float64, generator=g))
+
+
+def _cases():
+    """(name, q_len, k_len, kv_heads, attnkit mask, dense bool mask for the oracle or None, causal)."""
+    padding = masks.padding([30, 17])
+    holes = torch.rand(2, 1, 40, 40, generator=torch.Generator().manual_seed(1)) < 0.7
+    holes[0, 0, 3] = False  # a row with no key: zeros, never NaN
+    bias = torch.randn(1, 4, 40, 40, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    return [
+        ("none", 40, 40, 4, None, None, False),
+        ("causal", 40, 40, 4, None, None, True),
+        ("causal bottom-right", 12, 40, 2, None, None, True),
+        ("causal() structured", 40, 40, 2, masks.causal(), masks.causal().dense(40, 40), False),
+        ("sliding window", 40, 40, 2, masks.sliding_window(7), masks.sliding_window(7).dense(40, 40), False),
+        ("documents", 40, 40, 4, masks.document([10, 25, 5]), masks.document([10, 25, 5]).dense(40, 40), False),
+        ("padding & causal", 40, 40, 4, padding & masks.causal(), (padding & masks.causal()).dense(40, 40), False),
+        ("dense bool with an empty row", 40, 40, 4, holes, holes, False),
+        ("float bias", 40, 40, 4, bias, bias, False),
+    ]
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_every_backend_matches_the_float64_oracle_on_cuda(case, backend, dtype):
+    name, q_len, k_len, kv_heads, mask, dense, causal = case
+    q, k, v = _inputs(q_len, k_len, kv_heads=kv_heads)
+    expected, _ = oracle_attention(q, k, v, mask=dense, causal=causal)
+    same_dtype, _ = oracle_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask=dense, causal=causal, dtype=dtype)
+    cuda_mask = mask.to(CUDA, dtype) if isinstance(mask, torch.Tensor) and mask.is_floating_point() else (
+        mask.to(CUDA) if isinstance(mask, torch.Tensor) else mask)
+    out = attnkit.attention(*(t.to(CUDA, dtype) for t in (q, k, v)), mask=cuda_mask, causal=causal, backend=backend)
+    assert out.device.type == "cuda" and out.dtype == dtype
+    error = (out.double().cpu() - expected).abs().max().item()
+    budget = 2 * (same_dtype.double() - expected).abs().max().item()
+    assert error <= budget + SLACK[dtype], f"{name}: error {error:.3g} > 2 x {budget / 2:.3g}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_match_the_float64_oracle_on_cuda(backend):
+    """float64 on the device: gradients of a window & padding call equal the oracle's (1e-10: both
+    float64, different summation orders over 40 keys)."""
+    q, k, v = _inputs(kv_heads=2)
+    mask = masks.sliding_window(9) & masks.padding([33, 40])
+    grad = torch.randn(2, 4, 40, 20, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected, _ = oracle_attention(*leaves, mask=mask.dense(40, 40))
+    expected_grads = torch.autograd.grad(expected, leaves, grad)
+    ours = [t.to(CUDA).requires_grad_() for t in (q, k, v)]
+    out = attnkit.attention(*ours, mask=mask, backend=backend)
+    grads = torch.autograd.grad(out, ours, grad.to(CUDA))
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-10, rtol=0)
+    for ours_grad, theirs in zip(grads, expected_grads):
+        torch.testing.assert_close(ours_grad.cpu(), theirs, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("mask", [None, masks.causal(), masks.sliding_window(64), masks.document([100, 156])],
+                         ids=["none", "causal", "window", "documents"])
+def test_auto_runs_pytorchs_fused_kernels_on_cuda(mask):
+    """Device first: attnkit's kernels were measured on the CPU only, so on CUDA ``auto`` runs
+    ``"torch"`` (SDPA), structured masks included; ``return_lse`` alone needs the tiled backend."""
+    q = torch.randn(1, 2, 256, 32, device=CUDA)
+
+    def chosen(**options):
+        settings = dict(mask=mask, causal=False, scale=None, dropout=0.0, generator=None, return_weights=False)
+        return policy.choose(make_call(q, q, q, **{**settings, **options}))
+
+    assert chosen() == "torch"
+    assert chosen(dropout=0.1) == "torch"
+    assert chosen(causal=True) == "torch"
+    assert chosen(return_lse=True) == "tiled"
+
+
+def test_nan_propagates_on_cuda_as_in_the_reference_backend():
+    q, k, v = (t.float().to(CUDA) for t in _inputs())
+    k[0, 1, 5, 0] = float("nan")
+    v[1, 2, 7, 3] = float("inf")
+    mask = masks.sliding_window(4)
+    expected = attnkit.attention(q, k, v, mask=mask, backend="reference")
+    for backend in ("auto", "torch", "tiled"):
+        out = attnkit.attention(q, k, v, mask=mask, backend=backend)
+        assert torch.equal(out.isnan(), expected.isnan()), backend
+        assert torch.equal(out.isinf(), expected.isinf()), backend
+
+
+def test_lse_on_cuda_matches_the_oracle():
+    q, k, v = _inputs(kv_heads=2)
+    mask = masks.sliding_window(5) & masks.padding([40, 0])  # the second sequence has no key at all
+    out, lse = attnkit.attention(*(t.to(CUDA) for t in (q, k, v)), mask=mask, return_lse=True)
+    allowed = mask.dense(40, 40)
+    k_full = k.repeat_interleave(2, dim=1)
+    scores = (q @ k_full.transpose(-1, -2)) / math.sqrt(16)
+    expected = scores.masked_fill(~allowed, float("-inf")).logsumexp(-1)
+    torch.testing.assert_close(lse.cpu(), expected, atol=1e-10, rtol=0)
+    assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu()))
+
+
+def _softcap_alibi_sinks_oracle(q, k, v, softcap, slopes, sinks):
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    scores = softcap * torch.tanh(scores / softcap)
+    i = torch.arange(q.shape[-2])[:, None]
+    j = torch.arange(k.shape[-2])[None, :]
+    scores = scores - slopes[:, None, None] * (i - j).abs()
+    scores = scores.masked_fill(j > i, float("-inf"))
+    with_sink = torch.cat([scores, sinks[:, None, None].expand(*scores.shape[:-1], 1)], dim=-1)
+    weights = with_sink.softmax(-1)[..., :-1]
+    return weights @ v
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_softcap_alibi_and_sinks_on_cuda(backend):
+    q, k, v = _inputs()
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+    sinks = torch.tensor([0.0, 1.0, -1.0, 2.0], dtype=torch.float64)
+    expected = _softcap_alibi_sinks_oracle(q, k, v, 2.0, slopes, sinks)
+    out = attnkit.attention(*(t.to(CUDA) for t in (q, k, v)), causal=True, softcap=2.0, alibi_slopes=slopes.to(CUDA),
+                            sinks=sinks.to(CUDA), backend=backend)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-10, rtol=0)
+
+
+def test_dropout_on_cuda_draws_the_cpu_pattern_and_leaves_the_global_rng_alone():
+    """The pattern is a function of (seed, batch, head, row, key) whichever device computes it: the
+    same seed drops the same weights on the CPU and on CUDA (read through the returned weights,
+    exactly 0 where dropped); a CUDA generator leaves the global CUDA RNG as it was."""
+    q, k, v = _inputs(kv_heads=2)
+    seed = _dropout.draw_seed(torch.Generator().manual_seed(5))
+    for backend in ("reference", "torch", "tiled"):
+        _, on_cpu = attention_piece(q, k, v, seed=seed, dropout=0.3, return_weights=True, backend=backend)
+        _, on_cuda = attention_piece(*(t.to(CUDA) for t in (q, k, v)), seed=seed.to(CUDA), dropout=0.3,
+                                     return_weights=True, backend=backend)
+        assert 0.2 < (on_cpu == 0).double().mean() < 0.4
+        assert torch.equal(on_cuda.cpu() == 0, on_cpu == 0), backend
+    state = torch.cuda.get_rng_state()
+    g = torch.Generator(CUDA).manual_seed(7)
+    first = attnkit.attention(*(t.to(CUDA) for t in (q, k, v)), dropout=0.3, generator=g)
+    second = attnkit.attention(*(t.to(CUDA) for t in (q, k, v)), dropout=0.3, generator=torch.Generator(CUDA).manual_seed(7))
+    assert torch.equal(first, second)
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multi_head_attention_matches_torch_on_cuda(need_weights):
+    from attnkit.nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    theirs = torch.nn.MultiheadAttention(32, 4, batch_first=True).to(CUDA).eval()
+    ours = MultiHeadAttention.from_torch(theirs)
+    x = torch.randn(3, 10, 32, device=CUDA)
+    ignore = torch.zeros(3, 10, dtype=torch.bool, device=CUDA)
+    ignore[1, 7:] = True
+    expected, expected_weights = theirs(x, x, x, key_padding_mask=ignore, need_weights=True,
+                                        average_attn_weights=False)
+    out = ours(x, mask=masks.from_torch_key_padding_mask(ignore), need_weights=need_weights)
+    if need_weights:
+        out, weights = out
+        torch.testing.assert_close(weights, expected_weights, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+def test_gpt_on_cuda_equals_the_cpu_and_trains():
+    """The same weights on both devices: logits within 1e-4 (float32, O(1) activations through 2
+    layers), the same greedy tokens from the cache, and a few training steps lower the loss."""
+    from attnkit.models.generate import generate
+    from attnkit.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
+    model = GPT(config).eval()
+    tokens = torch.randint(0, 64, (2, 24))
+    expected = model(tokens)
+    on_cuda = GPT(config).to(CUDA).eval()
+    on_cuda.load_state_dict(model.state_dict())
+    torch.testing.assert_close(on_cuda(tokens.to(CUDA)).cpu(), expected, atol=1e-4, rtol=0)
+    prompts = [[1, 2, 3, 4, 5], [9, 8]]
+    assert generate(on_cuda, prompts, 12) == generate(model, prompts, 12)
+
+    on_cuda.train()
+    optimizer = torch.optim.AdamW(on_cuda.parameters(), lr=3e-3)
+    batch = torch.randint(0, 64, (4, 33), device=CUDA)
+    losses = []
+    for _ in range(20):
+        logits = on_cuda(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), batch[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_compiled_structured_mask_on_cuda_equals_eager():
+    q, k, v = (t.float().to(CUDA) for t in _inputs(256, 256, kv_heads=2))
+    mask = masks.sliding_window(32)
+
+    def call(q, k, v):
+        return attnkit.attention(q, k, v, mask=mask)
+
+    compiled = torch.compile(call, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), call(q, k, v), atol=1e-5, rtol=0)
+
+
+def test_transformers_llama_and_mistral_on_cuda_match_eager():
+    """transformers' eager attention on the same device is the reference (tolerances as in
+    test_integration_transformers: 1e-4 on logits, identical greedy tokens)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    from attnkit.integrations import transformers as integration
+
+    integration.register()
+    common = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=2, max_position_embeddings=128)
+    for model in (transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)),
+                  transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=5, **common))):
+        model = model.to(CUDA).eval()
+        ids = torch.randint(1, 100, (2, 20), device=CUDA)
+        attention_mask = torch.ones_like(ids)
+        attention_mask[1, :6] = 0  # left padding
+        results = {}
+        for implementation in ("eager", "attnkit"):
+            model.set_attn_implementation(implementation)
+            with torch.no_grad():
+                logits = model(input_ids=ids, attention_mask=attention_mask).logits
+            tokens = model.generate(ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=False,
+                                    pad_token_id=0)
+            results[implementation] = logits, tokens
+        real = attention_mask.bool()
+        torch.testing.assert_close(results["attnkit"][0][real], results["eager"][0][real], atol=1e-4, rtol=0)
+        assert torch.equal(results["attnkit"][1], results["eager"][1])
+
+
+def test_ring_and_ulysses_run_on_nccl(tmp_path):
+    """The distributed code is device-agnostic: the same calls on NCCL with CUDA tensors. With one
+    GPU this is a world of one rank (its own keys, no peer): NCCL refuses two ranks on one device
+    ("Duplicate GPU detected", NCCL 2.28.9 on an H100); several GPUs were not at hand."""
+    import torch.distributed as dist
+
+    from attnkit.distributed import ring_attention, ulysses_attention
+
+    if not dist.is_nccl_available():
+        pytest.skip("torch.distributed has no NCCL")
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        q, k, v = (t.float().to(CUDA) for t in _inputs(kv_heads=2))
+        grad = torch.randn(2, 4, 40, 20, device=CUDA)
+        mask = masks.sliding_window(9) & masks.padding([40, 31])
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        expected = attnkit.attention(*leaves, mask=mask)
+        expected_grads = torch.autograd.grad(expected, leaves, grad)
+        for parallel in (ring_attention, ulysses_attention):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = parallel(*leaves, mask=mask)
+            grads = torch.autograd.grad(out, leaves, grad)
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+            for ours, theirs in zip(grads, expected_grads):
+                torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    finally:
+        dist.destroy_process_group()
