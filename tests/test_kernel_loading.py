@@ -162,3 +162,20 @@ def test_make_clean_removes_the_cache():
     makefile = open(os.path.join(os.path.dirname(__file__), "..", "Makefile")).read()
     clean = makefile.split("\nclean:")[1].split("\n\n")[0]
     assert "attnkit/native" in clean or "ATTNKIT_NATIVE_DIR" in clean
+
+
+@pytest.mark.parametrize("capability, switch, wide", [("AVX512", None, True), ("AVX512", "0", False),
+                                                      ("AVX2", None, False)])
+def test_avx512_builds_only_for_an_avx512_cpu_and_under_another_name(monkeypatch, capability, switch, wide):
+    """The forward's 512-bit products are compiled where torch detects AVX-512 (unless switched
+    off); the flags are part of the library's name, so another CPU never finds that build."""
+    monkeypatch.setattr(building.torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    if switch is None:
+        monkeypatch.delenv("ATTNKIT_NATIVE_AVX512", raising=False)
+    else:
+        monkeypatch.setenv("ATTNKIT_NATIVE_AVX512", switch)
+    assert ("-mavx512f" in building.flags()) == wide
+    assert set(building.FLAGS) <= set(building.flags())
+    wide_name = building.library_path()
+    monkeypatch.setattr(building.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert (building.library_path() != wide_name) == wide

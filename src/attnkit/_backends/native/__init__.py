@@ -1,9 +1,10 @@
 """attnkit's own CPU kernel for interval masks (``interval_attention.cpp``).
 
 Attention where each query row attends one interval of keys ``[lo, hi)``, which is what every
-structured mask is: each block of rows runs over its rows' key span with register-tiled AVX2
-products and a masked running softmax, output and log-sum-exp, and the gradients from them (the
-backward's products through the ``sgemm`` PyTorch links, on the calling thread). The tiled
+structured mask is: each block of rows runs over its rows' key span with register-tiled products
+(256-bit, or 512-bit where the CPU has AVX-512: the same bits) and a masked running softmax,
+output and log-sum-exp, and the gradients from them (the backward's products through the
+``sgemm`` PyTorch links, on the calling thread). The tiled
 backend runs it, forward and backward, where it is built and applies (float32 CPU tensors, a
 structured mask, no dense tensor mask; dropout included), and PyTorch's kernels block by block
 otherwise; both give the same results up to float rounding, and the same dropout pattern.

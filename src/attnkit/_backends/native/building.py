@@ -15,8 +15,8 @@ size, the compiler that built it and the torch build. :mod:`.loading` loads noth
 not match its record, so a truncated, corrupted or foreign file never reaches this process. The
 record's compiler is part of the key: a build with another compiler (``CXX``) is not a no-op.
 
-Requirements: x86-64 with AVX2 and FMA (the flags below), and a torch that exports the BLAS
-``sgemm_`` the kernel multiplies with (the official x86 builds link MKL).
+Requirements: x86-64 with AVX2 and FMA (the flags below; AVX-512 is used where the CPU has it), and
+a torch that exports the BLAS ``sgemm_`` the kernel multiplies with (the official x86 builds link MKL).
 """
 
 from __future__ import annotations
@@ -41,6 +41,17 @@ SOURCE = Path(__file__).with_name("interval_attention.cpp")
 # exp(scale * s - lse) must round as the forward's did (huge scores make the difference 0 vs 1).
 # The kernel asks for FMA explicitly where it wants one.
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+#: Where the CPU has AVX-512 (torch's own detection, the one that picks its kernels): the forward's
+#: products then run in 512-bit vectors (the source's ``__AVX512F__`` branch), with the same results.
+#: The flags are part of the library's name, so a CPU without AVX-512 never finds such a build.
+AVX512_FLAGS = ["-mavx512f"]
+
+
+def flags() -> list[str]:
+    """The compiler flags for this machine (:data:`FLAGS`, plus :data:`AVX512_FLAGS` on an AVX-512 CPU
+    unless ``ATTNKIT_NATIVE_AVX512=0``, which keeps the 256-bit build, e.g. to compare the two)."""
+    wide = torch.backends.cpu.get_cpu_capability() == "AVX512" and os.environ.get("ATTNKIT_NATIVE_AVX512") != "0"
+    return FLAGS + AVX512_FLAGS if wide else FLAGS
 
 
 def cache_dir() -> Path:
@@ -61,7 +72,7 @@ def torch_build() -> str:
 def library_path() -> Path:
     """Where the built kernel for this source, torch build and flags lives."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch_build().encode(), " ".join(FLAGS).encode()):
+    for part in (SOURCE.read_bytes(), torch_build().encode(), " ".join(flags()).encode()):
         digest.update(part)
     return cache_dir() / f"interval_attention-{digest.hexdigest()[:16]}.so"
 
@@ -154,7 +165,7 @@ def build(verbose: bool = False, force: bool = False) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = Path(scratch) / target.name
-        arguments = [command, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(_torch_private.cxx11_abi())}",
+        arguments = [command, *flags(), f"-D_GLIBCXX_USE_CXX11_ABI={int(_torch_private.cxx11_abi())}",
                      *(f"-I{path}" for path in cpp_extension.include_paths()), str(SOURCE), "-o", str(partial),
                      f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]
         if verbose:

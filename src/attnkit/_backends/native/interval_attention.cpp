@@ -505,6 +505,50 @@ inline void scores_tile1(const float* k0, int64_t D, const float* qt, int64_t rs
   _mm256_storeu_ps(s, a0), _mm256_storeu_ps(s + 8, a1), _mm256_storeu_ps(s + 16, a2), _mm256_storeu_ps(s + 24, a3);
 }
 
+#if defined(__AVX512F__)
+// ---- The same products in 512-bit vectors, where the build targets AVX-512 ----------------------
+//
+// On a CPU with AVX-512 the 256-bit tiles above reach half its FMA rate (measured: the forward at
+// 36-39% of a same-run matmul that MKL runs in 512-bit vectors). Here a group's 32 rows are 2
+// vectors of 16 and N = 4 keys (or features) go at once, so 8 accumulators are in flight as above.
+// Every row's sum still runs over d (or t) in the same order, from the same start, with one FMA
+// per term: the results are the same bits as the 256-bit tiles'.
+
+#define ATTNKIT_IN_REGISTERS2(a, b) asm("" : "+v"(a), "+v"(b))
+
+// s[i * ss][.] = sum_d k[i * k2s + d] qt[d][.] for i < N, over 32 rows.
+template <int N>
+inline void scores_tile16(const float* k, int64_t k2s, int64_t D, const float* qt, int64_t rs, float* s, int64_t ss) {
+  __m512 a[N][2];
+  for (int i = 0; i < N; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const float* row = qt + d * rs;
+    __m512 q0 = _mm512_loadu_ps(row), q1 = _mm512_loadu_ps(row + 16);
+    ATTNKIT_IN_REGISTERS2(q0, q1);
+    for (int i = 0; i < N; ++i) {
+      const __m512 x = _mm512_set1_ps(k[i * k2s + d]);
+      a[i][0] = _mm512_fmadd_ps(x, q0, a[i][0]), a[i][1] = _mm512_fmadd_ps(x, q1, a[i][1]);
+    }
+  }
+  for (int i = 0; i < N; ++i) _mm512_storeu_ps(s + i * ss, a[i][0]), _mm512_storeu_ps(s + i * ss + 16, a[i][1]);
+}
+
+// S[t][r] = sum_d K[t][d] Qt[d][r] for the W keys from k (row stride k2s), all `rs` rows.
+void block_scores(const float* k, int64_t k2s, int64_t W, int64_t D, const float* qt, int64_t rs, float* s) {
+  for (int64_t g = 0; g < rs; g += kGroup) {
+    int64_t t = 0;
+    for (; t + 4 <= W; t += 4) scores_tile16<4>(k + t * k2s, k2s, D, qt + g, rs, s + t * rs + g, rs);
+    const float* kt = k + t * k2s;
+    float* st = s + t * rs + g;
+    switch (W - t) {
+      case 3: scores_tile16<3>(kt, k2s, D, qt + g, rs, st, rs); break;
+      case 2: scores_tile16<2>(kt, k2s, D, qt + g, rs, st, rs); break;
+      case 1: scores_tile16<1>(kt, k2s, D, qt + g, rs, st, rs); break;
+      default: break;
+    }
+  }
+}
+#else
 // S[t][r] = sum_d K[t][d] Qt[d][r] for the W keys from k (row stride k2s), all `rs` rows.
 void block_scores(const float* k, int64_t k2s, int64_t W, int64_t D, const float* qt, int64_t rs, float* s) {
   for (int64_t g = 0; g < rs; g += kGroup) {
@@ -513,6 +557,7 @@ void block_scores(const float* k, int64_t k2s, int64_t W, int64_t D, const float
     if (t < W) scores_tile1(k + t * k2s, D, qt + g, rs, s + t * rs + g);
   }
 }
+#endif
 
 // How the output accumulators start a chunk: zero, as they are, or rescaled row by row.
 enum class Start { kZero, kKeep, kRescale };
@@ -565,6 +610,56 @@ inline void values_tile1(const float* v, int64_t v2s, int64_t W, const float* p,
   _mm256_storeu_ps(ot, a0), _mm256_storeu_ps(ot + 8, a1), _mm256_storeu_ps(ot + 16, a2), _mm256_storeu_ps(ot + 24, a3);
 }
 
+#if defined(__AVX512F__)
+inline __m512 join(__m256 low, __m256 high) {  // AVX512F alone (insertf32x8 would need DQ)
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(low)), _mm256_castps_pd(high), 1));
+}
+
+// ot[i * rs][.] (features v + i, i < N) (+)= sum_t V[t][.] P[t][.] over 32 rows.
+template <int N>
+inline void values_tile16(const float* v, int64_t v2s, int64_t W, const float* p, int64_t rs, float* ot, Start start,
+                          const __m256* rescale) {
+  __m512 a[N][2];
+  if (start == Start::kZero) {
+    for (int i = 0; i < N; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
+  } else {
+    for (int i = 0; i < N; ++i) a[i][0] = _mm512_loadu_ps(ot + i * rs), a[i][1] = _mm512_loadu_ps(ot + i * rs + 16);
+    if (start == Start::kRescale) {
+      const __m512 r0 = join(rescale[0], rescale[1]), r1 = join(rescale[2], rescale[3]);
+      for (int i = 0; i < N; ++i) a[i][0] = _mm512_mul_ps(a[i][0], r0), a[i][1] = _mm512_mul_ps(a[i][1], r1);
+    }
+  }
+  for (int64_t t = 0; t < W; ++t) {
+    const float* row = p + t * rs;
+    __m512 p0 = _mm512_loadu_ps(row), p1 = _mm512_loadu_ps(row + 16);
+    ATTNKIT_IN_REGISTERS2(p0, p1);
+    for (int i = 0; i < N; ++i) {
+      const __m512 x = _mm512_set1_ps(v[t * v2s + i]);
+      a[i][0] = _mm512_fmadd_ps(x, p0, a[i][0]), a[i][1] = _mm512_fmadd_ps(x, p1, a[i][1]);
+    }
+  }
+  for (int i = 0; i < N; ++i) _mm512_storeu_ps(ot + i * rs, a[i][0]), _mm512_storeu_ps(ot + i * rs + 16, a[i][1]);
+}
+
+// Ot[dv][r] (+)= sum_t V[t][dv] P[t][r] for the W keys from v (row stride v2s), all `rs` rows;
+// `start[g]` and `rescale + 4 g` say how group g's accumulators begin.
+void block_values(const float* v, int64_t v2s, int64_t W, int64_t Dv, const float* p, int64_t rs, float* ot,
+                  const Start* start, const __m256* rescale) {
+  for (int64_t g = 0; g < rs; g += kGroup) {
+    const Start s = start[g / kGroup];
+    const __m256* r = rescale + g / kGroup * 4;
+    int64_t d = 0;
+    for (; d + 4 <= Dv; d += 4) values_tile16<4>(v + d, v2s, W, p + g, rs, ot + d * rs + g, s, r);
+    float* od = ot + d * rs + g;
+    switch (Dv - d) {
+      case 3: values_tile16<3>(v + d, v2s, W, p + g, rs, od, s, r); break;
+      case 2: values_tile16<2>(v + d, v2s, W, p + g, rs, od, s, r); break;
+      case 1: values_tile16<1>(v + d, v2s, W, p + g, rs, od, s, r); break;
+      default: break;
+    }
+  }
+}
+#else
 // Ot[dv][r] (+)= sum_t V[t][dv] P[t][r] for the W keys from v (row stride v2s), all `rs` rows;
 // `start[g]` and `rescale + 4 g` say how group g's accumulators begin.
 void block_values(const float* v, int64_t v2s, int64_t W, int64_t Dv, const float* p, int64_t rs, float* ot,
@@ -577,6 +672,7 @@ void block_values(const float* v, int64_t v2s, int64_t W, int64_t Dv, const floa
     if (d < Dv) values_tile1(v + d, v2s, W, p + g, rs, ot + d * rs + g, s, r);
   }
 }
+#endif
 
 // dst[c][r] = factor * src[r][c] for r < rows, c < cols (src row stride ss, dst row stride ds),
 // by 8 x 8 tiles in registers where whole, element by element at the edges.
