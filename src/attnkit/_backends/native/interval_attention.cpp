@@ -537,10 +537,12 @@ inline void scores_tile16(const float* k, int64_t k2s, int64_t D, const float* q
 void block_scores(const float* k, int64_t k2s, int64_t W, int64_t D, const float* qt, int64_t rs, float* s) {
   for (int64_t g = 0; g < rs; g += kGroup) {
     int64_t t = 0;
-    for (; t + 4 <= W; t += 4) scores_tile16<4>(k + t * k2s, k2s, D, qt + g, rs, s + t * rs + g, rs);
+    for (; t + 6 <= W; t += 6) scores_tile16<6>(k + t * k2s, k2s, D, qt + g, rs, s + t * rs + g, rs);
     const float* kt = k + t * k2s;
     float* st = s + t * rs + g;
     switch (W - t) {
+      case 5: scores_tile16<5>(kt, k2s, D, qt + g, rs, st, rs); break;
+      case 4: scores_tile16<4>(kt, k2s, D, qt + g, rs, st, rs); break;
       case 3: scores_tile16<3>(kt, k2s, D, qt + g, rs, st, rs); break;
       case 2: scores_tile16<2>(kt, k2s, D, qt + g, rs, st, rs); break;
       case 1: scores_tile16<1>(kt, k2s, D, qt + g, rs, st, rs); break;
@@ -649,9 +651,11 @@ void block_values(const float* v, int64_t v2s, int64_t W, int64_t Dv, const floa
     const Start s = start[g / kGroup];
     const __m256* r = rescale + g / kGroup * 4;
     int64_t d = 0;
-    for (; d + 4 <= Dv; d += 4) values_tile16<4>(v + d, v2s, W, p + g, rs, ot + d * rs + g, s, r);
+    for (; d + 6 <= Dv; d += 6) values_tile16<6>(v + d, v2s, W, p + g, rs, ot + d * rs + g, s, r);
     float* od = ot + d * rs + g;
     switch (Dv - d) {
+      case 5: values_tile16<5>(v + d, v2s, W, p + g, rs, od, s, r); break;
+      case 4: values_tile16<4>(v + d, v2s, W, p + g, rs, od, s, r); break;
       case 3: values_tile16<3>(v + d, v2s, W, p + g, rs, od, s, r); break;
       case 2: values_tile16<2>(v + d, v2s, W, p + g, rs, od, s, r); break;
       case 1: values_tile16<1>(v + d, v2s, W, p + g, rs, od, s, r); break;
@@ -769,6 +773,76 @@ inline __m256 softmax_rows(float* s, int64_t rs, int64_t W, int64_t key0, __m256
   return rescale;
 }
 
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes: the same steps, lane by lane the same bits.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 cut = _mm512_set1_ps(-87.0f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, cut, _CMP_LT_OQ);  // false for NaN
+  x = _mm512_max_ps(cut, x);  // x when x is NaN, as above
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(bits));
+}
+
+inline __m256 low_half(__m512 x) { return _mm512_castps512_ps256(x); }
+inline __m256 high_half(__m512 x) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)); }
+inline __m512i join(__m256i low, __m256i high) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+}
+
+// softmax_rows on 16 rows (two of its vectors, a then b) for the common case, plain scores and
+// no dropout: the same steps lane by lane, in the same order, so the same bits; half the
+// instructions. `all_lo, all_hi`: keys all 16 rows attend.
+inline void softmax_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512i lo, __m512i hi, int64_t all_lo,
+                           int64_t all_hi, float scale_value, __m256& max_a, __m256& max_b, __m256& sum_a,
+                           __m256& sum_b, __m256& rescale_a, __m256& rescale_b) {
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf), scale = _mm512_set1_ps(scale_value);
+  const __m512 row_max = join(max_a, max_b);
+  __m512 chunk_max = row_max;
+  const auto masked = [&](int64_t from, int64_t to) {
+    __m512i key = _mm512_set1_epi32(static_cast<int>(key0 + from));
+    for (int64_t t = from; t < to; ++t, key = _mm512_add_epi32(key, _mm512_set1_epi32(1))) {
+      const __mmask16 in = static_cast<__mmask16>(~_mm512_cmpgt_epi32_mask(lo, key)) & _mm512_cmpgt_epi32_mask(hi, key);
+      const __m512 x = _mm512_mask_blend_ps(in, neg_inf, _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale));
+      _mm512_storeu_ps(s + t * rs, x);
+      chunk_max = _mm512_max_ps(chunk_max, x);
+    }
+  };
+  const int64_t a = std::clamp<int64_t>(all_lo - key0, 0, W), z = std::clamp<int64_t>(all_hi - key0, a, W);
+  masked(0, a);
+  for (int64_t t = a; t < z; ++t) {
+    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale);
+    _mm512_storeu_ps(s + t * rs, x);
+    chunk_max = _mm512_max_ps(chunk_max, x);
+  }
+  masked(z, W);
+  const __m512 shift = _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_cmp_ps_mask(chunk_max, neg_inf, _CMP_EQ_OQ)),
+                                           chunk_max);
+  const __m512 rescale = _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_cmp_ps_mask(row_max, neg_inf, _CMP_EQ_OQ)),
+                                             exp_nonpositive(_mm512_sub_ps(row_max, shift)));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < W; ++t) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t * rs), shift));
+    sum = _mm512_add_ps(sum, e);
+    _mm512_storeu_ps(s + t * rs, e);
+  }
+  const __m512 row_sum = _mm512_fmadd_ps(join(sum_a, sum_b), rescale, sum);
+  max_a = low_half(chunk_max), max_b = high_half(chunk_max);
+  sum_a = low_half(row_sum), sum_b = high_half(row_sum);
+  rescale_a = low_half(rescale), rescale_b = high_half(rescale);
+}
+#endif
+
 std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, const at::Tensor& key,
                                                     const at::Tensor& value, const at::Tensor& lo_rows,
                                                     const at::Tensor& hi_rows, double scale, int64_t block,
@@ -859,6 +933,15 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
         const int64_t width = std::min(chunk, span_hi - c0);
         float* s = scores.data();
         block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s);
+#if defined(__AVX512F__)
+        if (mods.cap <= 0.0f && !mods.alibi && !dropout.active) {
+          for (int64_t u = 0; u < rs / 8; u += 2) {  // rs / 8 is a multiple of 4
+            softmax_rows16(s + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]),
+                           std::max(all_lo[u], all_lo[u + 1]), std::min(all_hi[u], all_hi[u + 1]), mods.scale,
+                           max8[u], max8[u + 1], sum8[u], sum8[u + 1], rescale8[u], rescale8[u + 1]);
+          }
+        } else
+#endif
         for (int64_t u = 0; u < rs / 8; ++u) {
           rescale8[u] = softmax_rows(s + 8 * u, rs, width, c0, lo8[u], hi8[u], all_lo[u], all_hi[u], mods,
                                      _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first + 8 * u)),
