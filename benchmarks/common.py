@@ -27,5 +27,12 @@ def median_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int
     return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
+def square_matmul() -> tuple[float, Callable[[], object]]:
+    """Flops and a callable of a 2048^3 fp32 matrix product: the machine's practical peak, the rate
+    no attention kernel's two products can beat."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    return 2 * 2048**3, (lambda: a @ b)
+
+
 def describe_machine() -> str:
     return f"torch {torch.__version__}, {torch.get_num_threads()} threads, device cpu"

@@ -44,7 +44,7 @@ import attnkit  # noqa: E402
 from attnkit import masks  # noqa: E402
 from attnkit._backends import auto_runs, native, tiled, tiled_plan  # noqa: E402
 from attnkit._call import make_call  # noqa: E402
-from common import describe_machine, median_times  # noqa: E402
+from common import describe_machine, median_times, square_matmul  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
 MIB = 2**20
@@ -165,12 +165,6 @@ def measure_first_call(contender: str, mask_name: str, length: int, window: int)
 
 
 # -- the table ---------------------------------------------------------------------------------------
-
-
-def square_matmul() -> tuple[float, object]:
-    """Flops and a callable of a 2048^3 fp32 matrix product: the machine's practical peak."""
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    return 2 * 2048**3, (lambda: a @ b)
 
 
 def flex_contender(mask_mod, query, key, value) -> tuple[object, str | None]:

@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from attnkit._backends import native  # noqa: E402
-from common import describe_machine, median_times  # noqa: E402
-from masks import HEAD_DIM, HEADS, attended_pairs, inputs, mask_set, square_matmul  # noqa: E402
+from common import describe_machine, median_times, square_matmul  # noqa: E402
+from masks import HEAD_DIM, HEADS, attended_pairs, inputs, mask_set  # noqa: E402
 
 SHORT = {"window": 0, "documents": 1, "padding": 2}
 

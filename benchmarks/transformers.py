@@ -34,10 +34,10 @@ import subprocess
 import sys
 import time
 
-# This file is named like the library it measures: take its own folder off the import path, or
-# `import transformers` would import this script.
+# This file is named like the library it measures: its own folder goes last on the import path,
+# or `import transformers` would import this script (common.py is still found there).
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE] + [_HERE]
 
 IMPLEMENTATIONS = ("attnkit", "sdpa", "eager", "flex_attention", "noop")
 
@@ -135,18 +135,13 @@ def _measure(implementation: str, length: int, args) -> dict:
 
 
 def _matmul_rate(threads: int) -> float:
-    """GFLOP/s of a square fp32 matmul on this machine now (median of 7): the rate no attention
-    kernel's two products can beat."""
+    """GFLOP/s of common.square_matmul on this machine now (median of 7)."""
     import torch
+    from common import median_times, square_matmul
 
     torch.set_num_threads(threads)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    times = []
-    for _ in range(8):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - start)
-    return 2 * 2048**3 / statistics.median(times[1:]) / 1e9
+    flops, matmul = square_matmul()
+    return flops / median_times({"matmul": matmul}, repeats=7)["matmul"] / 1e9
 
 
 def _attention_gflop(kind: str, length: int, args) -> float:
