@@ -1001,6 +1001,15 @@ inline void weights_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi,
   const bool plain = mods.cap <= 0.0f && !mods.alibi;
   const __m256i rows = _mm256_set1_epi32(static_cast<int>(i));
   int64_t t = lo;
+#if defined(__AVX512F__)
+  if (plain) {  // 16 keys at a time, the same operations (so the same bits) as the loop below
+    const __m512 shift16 = _mm512_set1_ps(lse), zero16 = _mm512_setzero_ps(), scale16 = _mm512_set1_ps(mods.scale);
+    for (; t + 16 <= hi; t += 16) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + t), scale16);
+      _mm512_storeu_ps(row + t, exp_nonpositive(_mm512_min_ps(zero16, _mm512_sub_ps(x, shift16))));
+    }
+  }
+#endif
   for (; t + 8 <= hi; t += 8) {
     // not fused: the forward rounded scale * q.k before subtracting (an fma would leave that
     // rounding, huge for huge scores, in the weight)
@@ -1035,6 +1044,16 @@ inline void score_grad_row(float* p, float* dp, int64_t width, int64_t lo, int64
   zero_and_check(dp, lo, bad);
   const __m256 d8 = _mm256_set1_ps(delta), s8 = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f);
   int64_t t = lo;
+#if defined(__AVX512F__)
+  if (!dropout.active && !cap_grad) {  // 16 keys at a time, the loop below's operations and bits
+    const __m512 d16 = _mm512_set1_ps(delta), s16 = _mm512_set1_ps(scale), one16 = _mm512_set1_ps(1.0f);
+    for (; t + 16 <= hi; t += 16) {
+      const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(p + t),
+                                     _mm512_sub_ps(_mm512_mul_ps(one16, _mm512_loadu_ps(dp + t)), d16));
+      _mm512_storeu_ps(dp + t, _mm512_mul_ps(g, s16));
+    }
+  }
+#endif
   for (; t + 8 <= hi; t += 8) {
     const __m256 f = dropout.active ? dropout_factor8(dropout, keys, key0 + t) : one;
     const __m256 weight = _mm256_loadu_ps(p + t);
