@@ -16,7 +16,7 @@ by group, exchanges q, k, v, output and dO to head layout again, runs the backen
 from the output and lse (:func:`attnkit.core.piece_gradients`: nothing is recomputed) and sends
 dq, dk, dv back. Besides the rank's own shards, the backward then holds one group's q, k, v,
 output, dO and gradients over the whole sequence (``8 / G`` shards' worth) instead of every head's
-(``8``): 0.52 of one process's memory at P = 2 instead of 0.68 (docs/performance.md), at the
+(``8``): 0.50-0.52 of one process's memory at P = 2 instead of 0.68 (docs/performance.md), at the
 price of exchanging q, k, v and the output once more.
 """
 
