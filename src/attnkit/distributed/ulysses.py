@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .. import _backends
 from .. import masks as _masks
@@ -310,6 +311,7 @@ class _Ulysses(torch.autograd.Function):
         ctx.set_materialize_grads(False)
 
     @staticmethod
+    @once_differentiable  # the groups' gradients come from the kernels, not from a graph: no second order
     def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
         query, key, value, out, lse, seed = ctx.saved_tensors
         settings = ctx.settings
