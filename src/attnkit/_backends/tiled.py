@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .._call import AttentionCall, bias_dtype
-from . import blockwise, kernels, layout, numerics
+from . import blockwise, interval_op, kernels, layout, numerics
 from .interval_op import IntervalAttention
 from . import tiled_plan
 from .tiled_plan import Group, Problem, block_ranges, combined, row_bounds, settings
@@ -77,18 +77,18 @@ def tiled_gradients(call: AttentionCall, out: Tensor, lse: Tensor, grad_out: Ten
                     sparse_only: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of ``call`` (shaped like its query, key and value) from the ``out [..., Lq, Dv]``
     and ``lse [..., Lq]`` that :func:`tiled_attention` returned for it and their gradients
-    (``grad_lse`` None where the lse was not used): the op's own backward
-    (``attnkit::interval_attention_backward``, the kernel chosen from the same data as the
-    forward's), so nothing is recomputed. Gradients of a dense mask's bias or of sinks are not
-    returned."""
+    (``grad_lse`` None where the lse was not used): what the op's autograd runs
+    (:func:`.interval_op.gradients`: ``attnkit::interval_attention_backward``, the kernel chosen
+    from the same data as the forward's), so nothing is recomputed. Gradients of a dense mask's
+    bias or of sinks are not returned."""
     query, key, value, lo, hi, bias = interval_inputs(call)
     rows = query.shape[:2]
-    grads = torch.ops.attnkit.interval_attention_backward(
+    grads = interval_op.gradients(
         layout.fold(grad_out), None if grad_lse is None else grad_lse.reshape(*rows, -1), query, key, value,
         layout.fold(out), lse.reshape(*rows, -1), lo, hi, bias, call.alibi_slopes, call.sinks, call.scale,
-        call.softcap, call.dropout, call.seed, causal_only(call), sparse_only, False)
+        call.softcap, call.dropout, call.seed, causal_only(call), sparse_only)
     return tuple(layout.unfold(grad, tuple(like.shape[:-2]))
-                 for grad, like in zip(grads[:3], (call.query, call.key, call.value)))
+                 for grad, like in zip(grads, (call.query, call.key, call.value)))
 
 
 def auto_tiled_gradients(call: AttentionCall, out: Tensor, lse: Tensor, grad_out: Tensor,
