@@ -1,7 +1,7 @@
 """Sequence-parallel attention on gloo (CPU): traffic, memory, hidden communication, speed.
 
     python benchmarks/distributed.py [--world 2] [--length 4096] [--heads 8] [--kv-heads 8] [--dim 64]
-                                     [--usual-malloc]
+                                     [--usual-malloc] [--only NAME] [--head-groups G]
 
 Spawns ``--world`` gloo ranks on this machine. For each case (ring over the whole sequence, causal,
 a sliding window, packed documents, zigzag causal; Ulysses causal), one forward + backward of
@@ -19,16 +19,20 @@ float32 ``[1, H, L, D]`` attention, and prints per rank:
   is the time the call spent blocked on messages and ``alone`` the time the same messages take
   exchanged with nothing else to do;
 - the median wall time of forward + backward against one process on the whole sequence (on a
-  machine with fewer cores than ranks this says little: the ranks share the cores), and, for the
-  ring, against itself with one block per message (``block_size`` as long as the sequence: whole
-  messages, each unit in one kernel call, as before streaming), the two runs interleaved.
+  machine with fewer cores than ranks this says little: the ranks share the cores), and against
+  the same method unsplit, the two runs interleaved: the ring with one block per message
+  (``block_size`` as long as the sequence: whole messages, each unit in one kernel call, as
+  before streaming), Ulysses with all of a rank's heads in one group (``head_groups=1``).
 
 Then PyTorch's own ``context_parallel`` on the same problem, or the reason it does not run.
+``--only NAME`` runs the cases whose name contains ``NAME`` (``--only ulysses``); ``--head-groups``
+runs Ulysses in that many groups of heads instead of its default.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -53,8 +57,12 @@ WINDOW = 256
 REPEATS = 5
 
 
-def _cases(length: int, world: int):
+def _cases(length: int, world: int, only: str | None = None):
     documents = masks.document(even_lengths(length, 2 * world))  # two documents a shard, none cut by a shard
+    return [case for case in _all_cases(documents) if only is None or only in case[0]]
+
+
+def _all_cases(documents):
     return [
         ("ring, no mask", "ring", "contiguous", None, False),
         ("ring, causal", "ring", "contiguous", None, True),
@@ -142,8 +150,10 @@ def _rank(rank, world, init, args, queue):
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     lengths = even_lengths(args.length, world)
     rows = []
-    for name, method, layout, mask, causal in _cases(args.length, world):
-        function = ring_attention if method == "ring" else ulysses_attention
+    for name, method, layout, mask, causal in _cases(args.length, world, args.only):
+        function = ring_attention
+        if method == "ulysses":
+            function = functools.partial(ulysses_attention, head_groups=args.head_groups)
         whole = _inputs(args.length, args.heads, args.kv_heads, args.dim)
         mine = [shard(t, rank, world, layout=layout) for t in whole]
         del whole
@@ -164,11 +174,11 @@ def _rank(rank, world, init, args, queue):
                 run()
                 times.append(time.perf_counter() - start)
             waits.append(record.wait_seconds)
-            if method == "ring":  # one block per message, interleaved
-                dist.barrier()
-                start = time.perf_counter()
-                run(block_size=args.length)
-                whole.append(time.perf_counter() - start)
+            # unsplit, interleaved: one block per message, or one group of heads
+            dist.barrier()
+            start = time.perf_counter()
+            run(**({"block_size": args.length} if method == "ring" else {"head_groups": 1}))
+            whole.append(time.perf_counter() - start)
         alone = 0.0
         if method == "ring":
             schedule = make_schedule(lengths, layout, rank, mask, causal)
@@ -178,7 +188,8 @@ def _rank(rank, world, init, args, queue):
                          theory=_theory(name, rank, world, lengths, layout, args), memory=memory,
                          time=statistics.median(times), wait=statistics.median(waits), alone=alone,
                          whole=statistics.median(whole) if whole else 0.0))
-    single = [_single(args, mask, causal) if rank == 0 else None for _, _, _, mask, causal in _cases(args.length, world)]
+    single = [_single(args, mask, causal) if rank == 0 else None
+              for _, _, _, mask, causal in _cases(args.length, world, args.only)]
     queue.put((rank, rows, single, _context_parallel(world, args)))
     dist.barrier()
     dist.destroy_process_group()
@@ -208,6 +219,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--usual-malloc", action="store_true",
                         help="time with glibc's usual allocator and leave out the memory column (see below)")
+    parser.add_argument("--only", help="run only the cases whose name contains this")
+    parser.add_argument("--head-groups", type=int, help="Ulysses' head_groups (default: its own choice)")
     args = parser.parse_args()
     if not args.usual_malloc:
         # big blocks straight from mmap and back on free, so the resident set follows the live tensors
@@ -226,9 +239,10 @@ def main() -> None:
     print(f"# sequence-parallel attention, gloo, P={args.world}, [1, {args.heads} (kv {args.kv_heads}), "
           f"{args.length}, {args.dim}] fp32, forward + backward, {args.threads} thread(s) per rank, "
           f"torch {torch.__version__}; medians of {REPEATS}"
+          f"{f'; Ulysses head_groups={args.head_groups}' if args.head_groups else ''}"
           f"{'; glibc usual malloc: no memory column' if args.usual_malloc else ''}\n")
     print("| case | rank | received (MB) | theory (MB) | peak memory / one process | hidden comm | time / one process "
-          "| time / one block per message |")
+          "| time / unsplit |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for index in range(len(single)):
         single_time, single_memory = single[index]
@@ -241,7 +255,8 @@ def main() -> None:
             print(f"| {row['name']} | {rank} | {row['bytes'] / 1e6:.2f} | {theory} | "
                   f"{memory} | {hidden} | {row['time'] / single_time:.2f} | {blocks} |")
     print(f"\none process: " + ", ".join(f"{name} {t * 1e3:.0f} ms" + ("" if args.usual_malloc else f" / {m / 1e6:.0f} MB")
-                                         for (name, *_), (t, m) in zip(_cases(args.length, args.world), single)))
+                                         for (name, *_), (t, m) in zip(_cases(args.length, args.world, args.only),
+                                                                       single)))
     print(f"torch context_parallel: {results[0][3]}")
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import attnkit
 from attnkit import masks
 from attnkit.distributed import attention_fn, ring_attention, sequence_parallel, shard, traffic, ulysses_attention
+from attnkit.distributed import ulysses as _ulysses
 from attnkit.models.gpt import GPT, GPTConfig
 
 TOLERANCE = dict(atol=1e-10, rtol=0)
@@ -108,6 +109,52 @@ def _every_mask(rank, world, layouts_lengths, heads, kv_heads, dropout_cases=sli
                 _check(rank, world, method, layout, lengths, heads, kv_heads, name, mask, causal, dropout=0.3)
 
 
+def _grouped(rank, world, layouts_lengths, heads, kv_heads, head_groups, dropout_cases=slice(1, 3)):
+    """Ulysses run by groups of heads (``head_groups``: an explicit count, or None for the default
+    with the threshold lowered so that it picks the most groups): every mask, dropout, the same
+    results as one process."""
+    for layout, lengths in layouts_lengths:
+        for name, mask, causal in _mask_cases(sum(lengths)):
+            _check(rank, world, "ulysses", layout, lengths, heads, kv_heads, name, mask, causal, head_groups=head_groups)
+        for name, mask, causal in _mask_cases(sum(lengths))[dropout_cases]:
+            _check(rank, world, "ulysses", layout, lengths, heads, kv_heads, name, mask, causal, dropout=0.3,
+                   head_groups=head_groups)
+
+
+def _default_groups(rank, world):
+    """The default group count is the most groups of whole key/value heads (threshold lowered)."""
+    saved = _ulysses.MIN_GROUP_PAIRS
+    _ulysses.MIN_GROUP_PAIRS = 1
+    try:
+        _grouped(rank, world, [("contiguous", [9, 12, 7, 12][:world])], heads=2 * world, kv_heads=2 * world,
+                 head_groups=None, dropout_cases=slice(1, 2))
+    finally:
+        _ulysses.MIN_GROUP_PAIRS = saved
+
+
+def _ulysses_traffic(rank, world):
+    """Forward bytes do not depend on the groups (the theory: the other ranks' share of the rank's
+    heads of q, k, v in, its shard of the other ranks' heads of the output out); the backward
+    exchanges q, k, v, the output and dO to head layout and dq, dk, dv back, counted too."""
+    lengths = [7 + 3 * r for r in range(world)]
+    q, k, v = _inputs(sum(lengths), 4 * world, 2 * world, dim=8)  # Dv = 10
+    mine = [shard(t, rank, world, lengths=lengths) for t in (q, k, v)]
+    batch, heads, kv_heads, size, dk, dv = 2, 4, 2, 8, 8, 10  # per rank; float64
+    others, n = sum(lengths) - lengths[rank], lengths[rank]
+    forward = batch * size * (others * (heads * dk + kv_heads * (dk + dv)) + (world - 1) * n * heads * dv)
+    backward = batch * size * (others * (heads * (dk + 2 * dv) + kv_heads * (dk + dv))
+                               + (world - 1) * n * (heads * dk + kv_heads * (dk + dv)))
+    for groups in (1, 2):
+        with torch.no_grad(), traffic() as record:
+            ulysses_attention(*mine, causal=True, head_groups=groups)
+        assert record.bytes_received == forward, (rank, groups, record, forward)
+        ql, kl, vl = (t.clone().requires_grad_() for t in mine)
+        out = ulysses_attention(ql, kl, vl, causal=True, head_groups=groups)
+        with traffic() as record:
+            out.sum().backward()
+        assert record.bytes_received == backward, (rank, groups, record, backward)
+
+
 def _traffic(rank, world):
     """The mask decides what is received: bytes of the forward pass, counted exactly."""
     batch, kv_heads, dk, dv, size = 2, 2, 8, 10, 8  # float64
@@ -145,6 +192,27 @@ def _errors(rank, world):
         assert "structured mask" in str(error), error
     else:
         raise AssertionError("ring_attention accepted a dense mask")
+    q, k, v = (shard(t, rank, world) for t in _inputs(8 * world, 4 * world, 2 * world))
+    for bad, error, words in ((0, ValueError, "got 0"), (2.5, TypeError, "float 2.5"), (True, TypeError, "bool True"),
+                              (3, ValueError, f"{2 * world} // {world} = 2 (a group holds whole key/value heads), got 3")):
+        try:
+            ulysses_attention(q, k, v, head_groups=bad)
+        except error as e:
+            assert "head_groups" in str(e) and words in str(e), e
+        else:
+            raise AssertionError(f"ulysses_attention accepted head_groups={bad!r}")
+    try:  # ranks that disagree would exchange different groups: every rank refuses
+        ulysses_attention(q, k, v, head_groups=1 + rank % 2)
+    except ValueError as e:
+        assert "head_groups must be the same on every rank" in str(e) and "[1, 2" in str(e), e
+    else:
+        raise AssertionError("ulysses_attention accepted different head_groups on different ranks")
+    try:
+        ulysses_attention(q, k, v, backend="torch")
+    except ValueError as e:
+        assert "backend 'torch' returns no lse" in str(e) and "['tiled']" in str(e), e
+    else:
+        raise AssertionError("ulysses_attention accepted a backend without the lse")
 
 
 class _TinyLM(torch.nn.Module):
@@ -229,6 +297,12 @@ def _two_ranks(rank, world):
     _errors(rank, world)
     _traffic(rank, world)
     _every_mask(rank, world, [("contiguous", [17, 23]), ("zigzag", [21, 19])], heads=4, kv_heads=2)
+    # by groups of heads: GQA (2 key/value heads a rank, 2 query heads each), and uneven groups
+    # (3 key/value heads a rank in 2 groups: 2 + 1)
+    _grouped(rank, world, [("contiguous", [17, 23]), ("zigzag", [21, 19])], heads=8, kv_heads=4, head_groups=2)
+    _grouped(rank, world, [("contiguous", [23, 17])], heads=6, kv_heads=6, head_groups=2, dropout_cases=slice(1, 2))
+    _default_groups(rank, world)
+    _ulysses_traffic(rank, world)
     _train(rank, world, "ring", "zigzag", gpt=True)  # the issue's check: attnkit's GPT, 20 steps, 2 ranks
     _train(rank, world, "ulysses", "contiguous", steps=5)
 
@@ -272,6 +346,9 @@ def _four_ranks(rank, world):
     _traffic(rank, world)
     # contiguous shards are checked on two ranks; here the zigzag layout with uneven shards
     _every_mask(rank, world, [("zigzag", [9, 12, 7, 12])], heads=8, kv_heads=4, dropout_cases=slice(1, 2))
+    _grouped(rank, world, [("zigzag", [9, 12, 7, 12])], heads=16, kv_heads=8, head_groups=2)
+    _default_groups(rank, world)
+    _ulysses_traffic(rank, world)
 
 
 def _blocks(rank, world):

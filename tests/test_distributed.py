@@ -51,3 +51,19 @@ def test_kernel_calls_get_their_row_ranges_on_the_inputs_device():
         items = [*stream.own, *(item for received in stream.receives.values() for item in received)]
         calls = [call for item in items for calls in item.calls for call in calls]
         assert calls and all(c.lo.device.type == c.hi.device.type == "meta" for c in calls)
+
+
+def test_ulysses_head_groups_default_and_split():
+    """The default is the most groups of whole key/value heads with at least 2**24 query-key pairs
+    each (capped by the key/value heads per rank, at least 1); groups differ by at most one
+    key/value head and keep its query heads with it (GQA)."""
+    from attnkit.distributed.ulysses import _split, default_groups
+
+    assert default_groups(1, 4, 4, 4096) == 4  # benchmarks/distributed.py at P=2: one head a group
+    assert default_groups(1, 2, 2, 4096) == 2  # and at P=4
+    assert default_groups(1, 4, 4, 2048) == 1 and default_groups(4, 4, 4, 2048) == 4  # the batch counts
+    assert default_groups(1, 8, 2, 8192) == 2  # no more groups than key/value heads
+    assert default_groups(2, 2, 1, 40) == 1
+    assert _split(4, 4, 4) == ((0, 1, 0, 1), (1, 1, 1, 1), (2, 1, 2, 1), (3, 1, 3, 1))
+    assert _split(6, 3, 2) == ((0, 4, 0, 2), (4, 2, 2, 1))  # 2 query heads per kv head; 2 + 1 kv heads
+    assert _split(8, 2, 1) == ((0, 8, 0, 2),)

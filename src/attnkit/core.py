@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from . import _backends, _steps
 from ._backends import dropout as _dropout
-from ._call import make_call
+from ._call import AttentionCall, make_call
 from .masks import StructuredMask
 
 
@@ -116,6 +116,33 @@ def attention_piece(query: Tensor, key: Tensor, value: Tensor, *, seed: Tensor |
     whole call's dropout ``seed`` (int64 scalar, drawn once for the whole): the piece draws the
     whole call's dropout pattern at its own positions (:func:`._backends.dropout.at_positions`).
     ``arguments`` are :func:`attention`'s, ``generator`` excepted (the seed is given)."""
+    call, seed = _piece(query, key, value, seed, heads, rows, keys, arguments)
+    return _run(call, backend, seed)
+
+
+def piece_gradients(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
+                    grad_lse: Tensor | None, *, seed: Tensor | None, heads: int = 0, rows: int = 0, keys: int = 0,
+                    backend: str = "auto", **arguments) -> tuple[Tensor, Tensor, Tensor]:
+    """Private (for :mod:`attnkit.distributed`): the gradients ``(dq, dk, dv)`` (shaped like query,
+    key, value) of :func:`attention_piece` called with the same arguments and ``return_lse=True``,
+    from the ``out [..., Lq, Dv]`` and ``lse [..., Lq]`` it returned and their gradients
+    (``grad_lse`` None where the lse was not used), without recomputing the forward: the
+    backend's :attr:`~._backends.Backend.gradients`, resolved from ``backend`` as the forward's
+    was, with the same dropout pattern."""
+    call, seed = _piece(query, key, value, seed, heads, rows, keys, {**arguments, "return_lse": True})
+    chosen = _backends.resolve(backend, call)
+    if chosen.gradients is None:
+        raise ValueError(f"backend {chosen.name!r} has no backward from its output and lse")
+    if not chosen.structured:
+        call = call.densified()
+    if seed is not None:
+        call = replace(call, seed=seed)
+    return chosen.gradients(call, out, lse, grad_out, grad_lse)
+
+
+def _piece(query: Tensor, key: Tensor, value: Tensor, seed: Tensor | None, heads: int, rows: int, keys: int,
+           arguments: dict) -> tuple[AttentionCall, Tensor | None]:
+    """The validated call of a piece and its dropout seed placed at the piece's positions."""
     if "generator" in arguments:
         raise TypeError("attention_piece takes the whole call's seed, not a generator")
     call = make_call(query, key, value, **{"mask": None, "causal": False, "scale": None, "dropout": 0.0,
@@ -124,7 +151,7 @@ def attention_piece(query: Tensor, key: Tensor, value: Tensor, *, seed: Tensor |
         if not (isinstance(seed, Tensor) and seed.dtype == torch.int64 and seed.numel() == 1):
             raise TypeError(f"seed must be an int64 tensor of one element with dropout, got {seed!r}")
         seed = _dropout.at_positions(seed.to(call.query.device), heads, rows, keys)
-    return _run(call, backend, seed)
+    return call, seed
 
 
 def _run(call, backend: str, seed: Tensor | None) -> Tensor | tuple[Tensor, ...]:

@@ -22,6 +22,8 @@ __all__ = ["Backend", "register_backend", "get_backend", "backends", "choose", "
 # Returns (output, weights or None), or (output, weights or None, lse) from backends that
 # declare returns_lse (the lse is used when the call asks for it).
 BackendFn = Callable[[AttentionCall], tuple[Tensor, ...]]
+# (call, output, lse, grad_output, grad_lse or None) -> (grad_query, grad_key, grad_value).
+GradientsFn = Callable[[AttentionCall, Tensor, Tensor, Tensor, "Tensor | None"], tuple[Tensor, Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,10 @@ class Backend:
     ``returns_weights`` / ``returns_lse``: it can return the weights / the log-sum-exp.
     ``structured``: it reads structured masks (others receive :meth:`AttentionCall.densified`).
     ``devices``: the device types it runs on (None: any device PyTorch runs on).
+    ``gradients`` (optional, for backends that return the lse): the gradients of query, key and
+    value of a call from the output and lse the backend returned for it and their gradients,
+    without recomputing the forward (``attnkit.distributed``'s Ulysses runs its backward by
+    groups of heads with it).
     Every backend takes any rank ``[..., L, D]``, dense boolean and additive masks, causal,
     GQA (4-D), dropout with a generator, and is differentiable.
     """
@@ -42,6 +48,7 @@ class Backend:
     returns_lse: bool = False
     structured: bool = False
     devices: frozenset[str] | None = None
+    gradients: GradientsFn | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -86,9 +93,7 @@ def auto_runs(call: AttentionCall) -> str:
     if backend is not _AUTO_TILED and backend.name != "tiled":
         return backend.name
     query, key, value, lo, hi, bias = _tiled.interval_inputs(call)
-    structure = _tiled.combined(call.structure, call.causal)
-    causal_only = structure is not None and structure.is_causal
-    return "tiled:" + _policy.kernel_for(query, key, value, lo, hi, bias, call.dropout, causal_only,
+    return "tiled:" + _policy.kernel_for(query, key, value, lo, hi, bias, call.dropout, _tiled.causal_only(call),
                                          backend is not _AUTO_TILED, call.softcap, call.alibi_slopes, call.seed)
 
 
@@ -131,9 +136,10 @@ register_backend(
 register_backend(
     Backend("tiled", _tiled.tiled_attention,
             "block-sparse: per query block only the keys the mask allows (attnkit's native CPU kernel, "
-            "else PyTorch's kernels per block), O(L) memory", returns_weights=True, returns_lse=True, structured=True)
+            "else PyTorch's kernels per block), O(L) memory", returns_weights=True, returns_lse=True, structured=True,
+            gradients=_tiled.tiled_gradients)
 )
 # What "auto" runs for structured masks: the same backend, whose op picks its kernel from the row
 # bounds at run time, the fused kernel over the dense mask included (policy.kernel_for).
 _AUTO_TILED = Backend("tiled", _tiled.auto_tiled_attention, "the tiled backend's op, kernel chosen at run time",
-                      returns_weights=True, returns_lse=True, structured=True)
+                      returns_weights=True, returns_lse=True, structured=True, gradients=_tiled.auto_tiled_gradients)

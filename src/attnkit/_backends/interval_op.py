@@ -34,6 +34,8 @@ Layers of this module:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -42,7 +44,7 @@ from . import blockwise, native, policy
 from . import dropout as _dropout
 from .numerics import all_finite, can_read, needs_pairwise, work_dtype
 
-__all__ = ["interval_attention", "IntervalAttention"]
+__all__ = ["interval_attention", "IntervalAttention", "gradients"]
 
 
 def _seed_value(seed: Tensor | None) -> tuple[int, tuple[int, int, int]]:
@@ -196,6 +198,34 @@ def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
     result[_BIAS] = dbias if bias_grad else None
     result[_SINKS] = dsinks if sinks is not None and ctx.needs_input_grad[_SINKS] else None
     return tuple(result)
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """What :func:`_backward` reads of an autograd context, for :func:`gradients`."""
+
+    saved_tensors: tuple
+    needs_input_grad: tuple[bool, ...]
+    scale: float
+    softcap: float | None
+    dropout: float
+    causal_only: bool
+    sparse_only: bool
+
+
+def gradients(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
+              lse: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None, alibi_slopes: Tensor | None,
+              sinks: Tensor | None, scale: float, softcap: float | None, dropout: float, seed: Tensor | None,
+              causal_only: bool, sparse_only: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of the op's call from its ``out`` and ``lse``, as its autograd computes them
+    (the kernels' backward, or the dense recomputation where an input is not finite), for callers
+    that ran the op outside autograd and kept only its output and lse (``attnkit.distributed``'s
+    Ulysses, group by group)."""
+    wants = [False] * _INPUTS
+    wants[_QUERY] = wants[_KEY] = wants[_VALUE] = True
+    ctx = _Saved((query, key, value, lo, hi, bias, alibi_slopes, sinks, seed, out, lse), tuple(wants), scale, softcap,
+                 dropout, causal_only, sparse_only)
+    return _backward(ctx, grad_out, grad_lse)[:3]
 
 
 def _kernel(ctx, query, key, value, lo, hi, bias, alibi, seed) -> str:

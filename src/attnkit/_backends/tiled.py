@@ -25,12 +25,13 @@ import torch
 from torch import Tensor
 
 from .._call import AttentionCall, bias_dtype
-from . import blockwise, kernels, layout, numerics
+from . import blockwise, interval_op, kernels, layout, numerics
 from .interval_op import IntervalAttention
 from . import tiled_plan
 from .tiled_plan import Group, Problem, block_ranges, combined, row_bounds, settings
 
-__all__ = ["tiled_attention", "auto_tiled_attention", "visited_fraction", "plan_of", "interval_inputs"]
+__all__ = ["tiled_attention", "auto_tiled_attention", "tiled_gradients", "auto_tiled_gradients", "visited_fraction",
+           "plan_of", "interval_inputs", "causal_only"]
 
 
 def interval_inputs(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
@@ -64,14 +65,42 @@ def tiled_attention(call: AttentionCall, sparse_only: bool = True) -> tuple[Tens
     elif call.return_weights:
         out, weights, lse = _with_weights(call, query, key, value, lo, hi, bias)
     else:
-        structure = combined(call.structure, call.causal)
-        causal_only = structure is not None and structure.is_causal
         out, lse = IntervalAttention.apply(query, key, value, lo, hi, bias, call.alibi_slopes, call.sinks, call.scale,
-                                           call.softcap, call.dropout, call.seed, causal_only, sparse_only)
+                                           call.softcap, call.dropout, call.seed, causal_only(call), sparse_only)
     lead = tuple(call.query.shape[:-2])
     if weights is not None:
         weights = layout.unfold(weights, lead)
     return layout.unfold(out, lead), weights, layout.unfold(lse, lead)
+
+
+def tiled_gradients(call: AttentionCall, out: Tensor, lse: Tensor, grad_out: Tensor, grad_lse: Tensor | None,
+                    sparse_only: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of ``call`` (shaped like its query, key and value) from the ``out [..., Lq, Dv]``
+    and ``lse [..., Lq]`` that :func:`tiled_attention` returned for it and their gradients
+    (``grad_lse`` None where the lse was not used): what the op's autograd runs
+    (:func:`.interval_op.gradients`: ``attnkit::interval_attention_backward``, the kernel chosen
+    from the same data as the forward's), so nothing is recomputed. Gradients of a dense mask's
+    bias or of sinks are not returned."""
+    query, key, value, lo, hi, bias = interval_inputs(call)
+    rows = query.shape[:2]
+    grads = interval_op.gradients(
+        layout.fold(grad_out), None if grad_lse is None else grad_lse.reshape(*rows, -1), query, key, value,
+        layout.fold(out), lse.reshape(*rows, -1), lo, hi, bias, call.alibi_slopes, call.sinks, call.scale,
+        call.softcap, call.dropout, call.seed, causal_only(call), sparse_only)
+    return tuple(layout.unfold(grad, tuple(like.shape[:-2]))
+                 for grad, like in zip(grads, (call.query, call.key, call.value)))
+
+
+def auto_tiled_gradients(call: AttentionCall, out: Tensor, lse: Tensor, grad_out: Tensor,
+                         grad_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`tiled_gradients` of :func:`auto_tiled_attention`'s call (its kernel choice)."""
+    return tiled_gradients(call, out, lse, grad_out, grad_lse, sparse_only=False)
+
+
+def causal_only(call: AttentionCall) -> bool:
+    """The call's mask is plain causal (the op's fused dense kernel applies that itself)."""
+    structure = combined(call.structure, call.causal)
+    return structure is not None and structure.is_causal
 
 
 def visited_fraction(call: AttentionCall) -> float:

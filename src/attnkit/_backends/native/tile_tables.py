@@ -29,7 +29,10 @@ BACKWARD_TILES = ((4096, (32, 1024)), (float("inf"), (128, 128)))
 #: With fewer (sequence, kv head) pairs than this many per thread, the backward also splits rows
 #: (each part adds into its own dK, dV copy). Window 512, L = 16384, 8 query heads, 2 threads:
 #: one kv head 0.35 s unsplit, 0.28 s in 2-4 parts, 0.29 in 8; eight kv heads 0.29 s unsplit,
-#: 0.33-0.45 s in 2-8 parts (zeroing and summing the copies).
+#: 0.33-0.45 s in 2-8 parts (zeroing and summing the copies). On one thread there is nothing to
+#: feed and rows stay whole: causal, L = 4096, one kv head, 1 thread, median of 7: 59.6 ms whole,
+#: 60.8 in 2 parts, 62.4 in 4 (L = 1024: 3.7, 3.9, 3.9 ms), and each part's dK, dV copy is memory
+#: (two more key-sized tensors for 2 parts: what a group of Ulysses' heads, one kv head, would hold).
 PARTS_PER_THREAD = 2
 
 
@@ -51,9 +54,13 @@ def backward_tiles(lo: Tensor, hi: Tensor) -> tuple[int, int]:
 
 def backward_parts(batch: int, kv_heads: int, q_len: int, block: int) -> int:
     """How many row parts each (sequence, kv head) of the backward is cut into: enough for the
-    threads when there are few pairs (see ``PARTS_PER_THREAD``), never more than its blocks."""
+    threads when there are few pairs (see ``PARTS_PER_THREAD``; one thread: whole), never more than
+    its blocks."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return 1
     pairs = max(batch * kv_heads, 1)
-    return max(1, min(-(-PARTS_PER_THREAD * torch.get_num_threads() // pairs), -(-q_len // block)))
+    return max(1, min(-(-PARTS_PER_THREAD * threads // pairs), -(-q_len // block)))
 
 
 def computed_fraction(lo: Tensor, hi: Tensor, k_len: int) -> float:
