@@ -64,7 +64,10 @@ def packs_in_projections(module: torch.nn.MultiheadAttention) -> bool:
 def without_values(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` has no values Python may branch on: a ``torch.func`` transform's wrapper
     (``vmap``, ``grad``), a fake or functional tensor (``torch.compile``'s and AOT autograd's
-    tracing, ``torch.library.opcheck``), or a meta tensor."""
+    tracing, ``torch.library.opcheck``; a plain tensor wrapped for functionalization), or a meta tensor."""
+    if type(tensor) is torch.Tensor:  # neither a fake nor a functional subclass: 0.5 us, not 4 (per call)
+        return (tensor.device.type == "meta" or bool(torch._C._functorch.is_functorch_wrapped_tensor(tensor))
+                or torch._is_functional_tensor(tensor))
     from torch._subclasses.fake_tensor import is_fake
     from torch._subclasses.functional_tensor import FunctionalTensor
 
