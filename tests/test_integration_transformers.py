@@ -303,3 +303,21 @@ def test_the_core_never_imports_the_integration_or_transformers():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_decoding_step_gets_its_one_row_of_keys_as_a_tensor():
+    """One query row (a generated token): its mask is one row of keys per sequence, [B, 1, 1, Lk],
+    built once per step for every layer (attnkit would densify the rule for SDPA in each); never
+    L x L. A plain causal rule stays a rule (over one row it is no mask)."""
+    from transformers import masking_utils
+
+    keep = torch.ones(2, 12, dtype=torch.bool)
+    keep[1, :4] = False  # left padding
+    step = integration.attnkit_mask(2, 1, 12, q_offset=11, attention_mask=keep)
+    assert isinstance(step.mask, torch.Tensor) and step.mask.shape == (2, 1, 1, 12)
+    assert torch.equal(step.mask[:, 0, 0], keep)
+    window = integration.attnkit_mask(2, 1, 12, q_offset=11, attention_mask=keep,
+                                      mask_function=masking_utils.sliding_window_causal_mask_function(5))
+    expected = keep & (torch.arange(12) > 11 - 5)
+    assert isinstance(window.mask, torch.Tensor) and torch.equal(window.mask[:, 0, 0], expected)
+    assert repr(integration.attnkit_mask(2, 1, 12, q_offset=11).mask) == "causal()"

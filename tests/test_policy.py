@@ -98,3 +98,33 @@ def test_a_gqa_decoding_step_equals_the_reference_whichever_mask(mask_shape):
     got = attnkit.attention(*(t.float() for t in (query, key, value)), mask=mask, causal=True)
     expected = attnkit.attention(query, key, value, mask=mask, causal=True, backend="reference")
     torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mask", [masks.padding([5, 9]), masks.key_ranges(torch.tensor([[3], [0]]), torch.tensor([[9], [6]])),
+                                  masks.sliding_window(4) & masks.padding([9, 7])],
+                         ids=["right padding", "left padding", "window and padding"])
+def test_a_decoding_step_with_a_structured_mask_runs_sdpa_on_its_one_row(monkeypatch, mask):
+    # One query row's mask is one row of keys per sequence: SDPA with it ([B, 1, 1, Lk], packed GQA)
+    # took 0.26 ms a call where the op's planning took 1.1 ms (left-padded batch, generate()).
+    import torch.nn.functional as F
+
+    from oracle import oracle_attention
+
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((tuple(kwargs["attn_mask"].shape), tuple(args[0].shape)))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 1, 16, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(2, 2, 9, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    call = make_call(query.float(), key.float(), value.float(), mask=mask, causal=False, scale=None, dropout=0.0,
+                     generator=None, return_weights=False)
+    assert choose(call).name == "torch"
+    got = attnkit.attention(query.float(), key.float(), value.float(), mask=mask)
+    assert seen == [((2, 1, 1, 9), (2, 2, 2, 16))]
+    expected, _ = oracle_attention(query, key, value, mask=mask.dense(1, 9))
+    torch.testing.assert_close(got, expected.float(), atol=1e-6, rtol=0)

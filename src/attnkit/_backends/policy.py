@@ -11,9 +11,11 @@ traced by ``torch.compile``), in order:
 4. Plain causal (``causal=True`` or ``masks.causal()``, nothing else; over one query row the call
    holds neither): square, attnkit's native kernel from 128 x 128 to below 4096 x 4096, where it
    beat SDPA's causal path, else that path; other shapes, the interval op.
-5. A structured mask, soft-capping, ALiBi or sinks (SDPA has none of these), or dropout where
+5. A decoding step (one query row) with a structured mask: ``"torch"`` with the mask's one dense
+   row per sequence.
+6. A structured mask, soft-capping, ALiBi or sinks (SDPA has none of these), or dropout where
    attnkit's native kernel runs: the interval op with its kernel left to :func:`kernel_for`.
-6. Else ``"torch"``.
+7. Else ``"torch"``.
 
 :func:`kernel_for` runs inside the op (``attnkit::interval_attention``, :mod:`.interval_op`), on the
 real row bounds: attnkit's native kernel, PyTorch's kernel block by block, or PyTorch's fused
@@ -77,6 +79,12 @@ def choose(call: AttentionCall) -> str:
                              and _native_serves(call.query.device.type, call.query.dtype, False))
             return "interval" if native_faster else "torch"
         return "interval"
+    if call.q_len == 1 and call.structure is not None and not call.modifies_scores and call.dropout == 0:
+        # A decoding step: its mask's dense form is one row of keys per sequence, [B, 1, 1, Lk], what
+        # transformers' own SDPA path builds at every step; SDPA with it (packed GQA) took 0.26 ms a
+        # call where the op's planning and per-block calls took 1.1 ms (2 sequences, left padding,
+        # ~1100 keys, 8 query / 2 kv heads).
+        return "torch"
     if call.structure is not None or call.modifies_scores:
         return "interval"  # soft-capping, ALiBi and sinks: SDPA has none of them
     if call.dropout > 0 and _native_serves(call.query.device.type, call.query.dtype, call.mask is not None):

@@ -105,7 +105,8 @@ class TransformersMask:
     """What the ``"attnkit"`` mask builder hands to a model for one attention call.
 
     ``mask`` is what :func:`attnkit.attention` receives: a structured mask, a boolean tensor
-    ``[B, 1, Lq, Lk]`` (rules attnkit has no structured form for), or None (every key). The object
+    ``[B, 1, Lq, Lk]`` (rules attnkit has no structured form for, and a decoding step's one row of
+    keys), or None (every key). The object
     answers ``shape``, ``ndim`` (4), ``contiguous()`` and ``to()`` as a 4-D mask would, because
     ``generate()`` builds masks ahead of the model for static caches and passes them back in.
     """
@@ -236,6 +237,11 @@ def attnkit_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int |
     mask = _rule_mask(*rule, q_length, kv_length, q_offset - kv_offset)
     if padding is not None:
         mask = padding if mask is None else mask & padding
+    if q_length == 1 and mask is not None and not mask.is_causal:
+        # A decoding step: the mask is one row of keys per sequence, [B, 1, 1, Lk] (never L x L),
+        # built here once for every layer (each would densify it for SDPA, policy rule 5). A plain
+        # causal mask stays: over one row it is no mask at all.
+        mask = mask.dense(1, kv_length, ndim=4, device=kwargs.get("device", "cpu"))
     return TransformersMask(mask, batch_size, q_length, kv_length)
 
 
