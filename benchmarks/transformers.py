@@ -97,7 +97,9 @@ def _child(args) -> None:
     ids = torch.randint(0, 1000, (1, length))
     if args.generate:
         prompt, new = args.generate
-        ids = torch.randint(0, 1000, (1, prompt))
+        # token 0 is the pad token generate() is given: a random prompt holding one (87% of 2048-token
+        # prompts drawn from 0-999 do) becomes a padded sequence with holes, a dense mask every step
+        ids = torch.randint(1, 1000, (1, prompt))
 
         def run():
             out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
