@@ -34,5 +34,8 @@ def square_matmul() -> tuple[float, Callable[[], object]]:
     return 2 * 2048**3, (lambda: a @ b)
 
 
-def describe_machine() -> str:
+def describe_machine(device: torch.device | str = "cpu") -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"torch {torch.__version__}, device {torch.cuda.get_device_name(device)}"
     return f"torch {torch.__version__}, {torch.get_num_threads()} threads, device cpu"
