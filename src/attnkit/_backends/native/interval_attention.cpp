@@ -28,6 +28,7 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -876,9 +877,15 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   const int64_t o0s = out.stride(0), o1s = out.stride(1), o2s = out.stride(2);
   const int64_t shared_rows = lo.size(0) == 1;
 
-  // Tasks run (batch, head, block) in order: a thread's consecutive blocks share most keys.
   const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
-  at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
+  // Tasks are (batch, head, block) in order, and threads claim runs of `claim` consecutive ones as
+  // they go (consecutive blocks share most keys): a range split in halves waits for the slower
+  // thread, and on a shared machine one core often is (window, L = 16384, 2 threads: 84-87 or
+  // 136-143 ms a call split in halves, 83-98 ms claimed; 167-178 ms on one thread).
+  const int64_t tasks = B * H * blocks;
+  const int64_t claim = std::clamp<int64_t>(tasks / (8 * at::get_num_threads()), 1, 64);
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qt(D * padded), scores(chunk * padded), ot(Dv * padded), row_max(padded), row_sum(padded);
     std::vector<__m256> max8(padded / 8), sum8(padded / 8), rescale8(padded / 8);
     std::vector<__m256i> lo8(padded / 8), hi8(padded / 8), drop_a8(padded / 8), drop_c8(padded / 8);
@@ -886,102 +893,105 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
     std::vector<int64_t> row_lo(padded), row_hi(padded), all_lo(padded / 8), all_hi(padded / 8);
     std::vector<DropoutRow> row_keys(padded);
     std::vector<float> exact_scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (H * blocks), h = (task / blocks) % H, first = (task % blocks) * block;
-      const ScoreMods mods = score_mods(scale, softcap, slopes, b, h, Lq, Lk);
-      const int64_t rows = std::min(block, Lq - first), rs = (rows + kGroup - 1) / kGroup * kGroup;
-      const int64_t* lo_seq = lo_data + (shared_rows ? 0 : b * Lq) + first;
-      const int64_t* hi_seq = hi_data + (shared_rows ? 0 : b * Lq) + first;
-      const auto [span_lo, span_hi] = block_span(lo_seq, hi_seq, rows, Lk, nullptr, row_lo.data(), row_hi.data());
-      const float* q_block = q + b * q0s + h * q1s + first * q2s;
-      const float* k_head = k + b * k0s + (h / group) * k1s;
-      const float* v_head = v + b * v0s + (h / group) * v1s;
-      float* o_block = o + b * o0s + h * o1s + first * o2s;
-      float* l_block = l + (b * H + h) * Lq + first;
-      if (span_lo >= span_hi) {  // no row of the block attends any key
-        zero_rows(o_block, rows, o2s, Dv);
-        std::fill(l_block, l_block + rows, kNegInf);
-        continue;
-      }
-      // Rows past the block's last (padding up to a whole group, queries 0) attend the whole span, so
-      // that they do not narrow the keys all rows of their vector attend; their results are dropped.
-      for (int64_t j = rows; j < rs; ++j) row_lo[j] = span_lo, row_hi[j] = span_hi;
-      for (int64_t j = 0; j < rs; ++j) {
-        if (dropout.active) row_keys[j] = j < rows ? dropout_row(dropout, b, h, first + j) : DropoutRow{};
-      }
-      for (int64_t u = 0; u < rs / 8; ++u) {
-        alignas(32) int32_t lo_lanes[8], hi_lanes[8], a_lanes[8], c_lanes[8];
-        all_lo[u] = 0, all_hi[u] = Lk;
-        for (int i = 0; i < 8; ++i) {
-          all_lo[u] = std::max(all_lo[u], row_lo[8 * u + i]), all_hi[u] = std::min(all_hi[u], row_hi[8 * u + i]);
-          lo_lanes[i] = static_cast<int32_t>(row_lo[8 * u + i]);
-          hi_lanes[i] = static_cast<int32_t>(row_hi[8 * u + i]);
-          a_lanes[i] = static_cast<int32_t>(row_keys[8 * u + i].a);
-          c_lanes[i] = static_cast<int32_t>(row_keys[8 * u + i].c);
+    for (int64_t begin; (begin = next_task.fetch_add(claim)) < tasks;) {
+      const int64_t end = std::min(tasks, begin + claim);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / (H * blocks), h = (task / blocks) % H, first = (task % blocks) * block;
+        const ScoreMods mods = score_mods(scale, softcap, slopes, b, h, Lq, Lk);
+        const int64_t rows = std::min(block, Lq - first), rs = (rows + kGroup - 1) / kGroup * kGroup;
+        const int64_t* lo_seq = lo_data + (shared_rows ? 0 : b * Lq) + first;
+        const int64_t* hi_seq = hi_data + (shared_rows ? 0 : b * Lq) + first;
+        const auto [span_lo, span_hi] = block_span(lo_seq, hi_seq, rows, Lk, nullptr, row_lo.data(), row_hi.data());
+        const float* q_block = q + b * q0s + h * q1s + first * q2s;
+        const float* k_head = k + b * k0s + (h / group) * k1s;
+        const float* v_head = v + b * v0s + (h / group) * v1s;
+        float* o_block = o + b * o0s + h * o1s + first * o2s;
+        float* l_block = l + (b * H + h) * Lq + first;
+        if (span_lo >= span_hi) {  // no row of the block attends any key
+          zero_rows(o_block, rows, o2s, Dv);
+          std::fill(l_block, l_block + rows, kNegInf);
+          continue;
         }
-        lo8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo_lanes));
-        hi8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi_lanes));
-        drop_a8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(a_lanes));
-        drop_c8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c_lanes));
-        max8[u] = _mm256_set1_ps(kNegInf);
-        sum8[u] = _mm256_setzero_ps();
-      }
-      // Qt[d][r] = q_r[d], padding rows 0
-      transpose(q_block, q2s, rows, D, 1.0f, qt.data(), rs);
-      for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
-      for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
-        const int64_t width = std::min(chunk, span_hi - c0);
-        float* s = scores.data();
-        block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s);
-#if defined(__AVX512F__)
-        if (mods.cap <= 0.0f && !mods.alibi && !dropout.active) {
-          for (int64_t u = 0; u < rs / 8; u += 2) {  // rs / 8 is a multiple of 4
-            softmax_rows16(s + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]),
-                           std::max(all_lo[u], all_lo[u + 1]), std::min(all_hi[u], all_hi[u + 1]), mods.scale,
-                           max8[u], max8[u + 1], sum8[u], sum8[u + 1], rescale8[u], rescale8[u + 1]);
-          }
-        } else
-#endif
+        // Rows past the block's last (padding up to a whole group, queries 0) attend the whole span, so
+        // that they do not narrow the keys all rows of their vector attend; their results are dropped.
+        for (int64_t j = rows; j < rs; ++j) row_lo[j] = span_lo, row_hi[j] = span_hi;
+        for (int64_t j = 0; j < rs; ++j) {
+          if (dropout.active) row_keys[j] = j < rows ? dropout_row(dropout, b, h, first + j) : DropoutRow{};
+        }
         for (int64_t u = 0; u < rs / 8; ++u) {
-          rescale8[u] = softmax_rows(s + 8 * u, rs, width, c0, lo8[u], hi8[u], all_lo[u], all_hi[u], mods,
-                                     _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first + 8 * u)),
-                                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
-                                     max8[u], sum8[u],
-                                     dropout, drop_a8[u], drop_c8[u]);
-        }
-        for (int64_t g = 0; g < rs / kGroup; ++g) {
-          bool ones = true;
-          for (int i = 0; i < 4; ++i) {
-            ones = ones && _mm256_movemask_ps(_mm256_cmp_ps(rescale8[4 * g + i], _mm256_set1_ps(1.0f), _CMP_EQ_OQ)) == 0xFF;
+          alignas(32) int32_t lo_lanes[8], hi_lanes[8], a_lanes[8], c_lanes[8];
+          all_lo[u] = 0, all_hi[u] = Lk;
+          for (int i = 0; i < 8; ++i) {
+            all_lo[u] = std::max(all_lo[u], row_lo[8 * u + i]), all_hi[u] = std::min(all_hi[u], row_hi[8 * u + i]);
+            lo_lanes[i] = static_cast<int32_t>(row_lo[8 * u + i]);
+            hi_lanes[i] = static_cast<int32_t>(row_hi[8 * u + i]);
+            a_lanes[i] = static_cast<int32_t>(row_keys[8 * u + i].a);
+            c_lanes[i] = static_cast<int32_t>(row_keys[8 * u + i].c);
           }
-          start[g] = c0 == span_lo ? Start::kZero : ones ? Start::kKeep : Start::kRescale;
+          lo8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo_lanes));
+          hi8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi_lanes));
+          drop_a8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(a_lanes));
+          drop_c8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c_lanes));
+          max8[u] = _mm256_set1_ps(kNegInf);
+          sum8[u] = _mm256_setzero_ps();
         }
-        block_values(v_head + c0 * v2s, v2s, width, Dv, s, rs, ot.data(), start.data(), rescale8.data());
-      }
-      transpose(ot.data(), rs, Dv, rows, 1.0f, o_block, o2s);  // out[r][dv] = Ot[dv][r], normalised below
-      for (int64_t u = 0; u < rs / 8; ++u) {
-        _mm256_storeu_ps(row_max.data() + 8 * u, max8[u]);
-        _mm256_storeu_ps(row_sum.data() + 8 * u, sum8[u]);
-      }
-      // A non-finite value in an accumulator came from a value the block multiplied by a weight:
-      // a masked key's (weight 0, which must not count) or an attended one's, where the running
-      // rescaling may have turned a weight into 0 early; such rows are redone by attended pairs.
-      for (int64_t j = 0; j < rows; ++j) {
-        float* acc = o_block + j * o2s;
-        const float sum = row_sum[j];
-        if (std::isnan(sum)) {  // a NaN or +inf score among the attended ones
-          std::fill(acc, acc + Dv, std::numeric_limits<float>::quiet_NaN());
-          l_block[j] = std::numeric_limits<float>::quiet_NaN();
-        } else if (sum > 0.0f) {
-          if (scale_and_check(acc, Dv, 1.0f / sum)) {
-            l_block[j] = row_max[j] + std::log(sum);
-          } else {
-            exact_forward_row(q_block + j * q2s, k_head, k2s, v_head, v2s, D, Dv, row_lo[j], row_hi[j], mods,
-                              first + j, dropout, row_keys[j], exact_scores, acc, l_block + j);
+        // Qt[d][r] = q_r[d], padding rows 0
+        transpose(q_block, q2s, rows, D, 1.0f, qt.data(), rs);
+        for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
+        for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
+          const int64_t width = std::min(chunk, span_hi - c0);
+          float* s = scores.data();
+          block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s);
+  #if defined(__AVX512F__)
+          if (mods.cap <= 0.0f && !mods.alibi && !dropout.active) {
+            for (int64_t u = 0; u < rs / 8; u += 2) {  // rs / 8 is a multiple of 4
+              softmax_rows16(s + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]),
+                             std::max(all_lo[u], all_lo[u + 1]), std::min(all_hi[u], all_hi[u + 1]), mods.scale,
+                             max8[u], max8[u + 1], sum8[u], sum8[u + 1], rescale8[u], rescale8[u + 1]);
+            }
+          } else
+  #endif
+          for (int64_t u = 0; u < rs / 8; ++u) {
+            rescale8[u] = softmax_rows(s + 8 * u, rs, width, c0, lo8[u], hi8[u], all_lo[u], all_hi[u], mods,
+                                       _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first + 8 * u)),
+                                                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                       max8[u], sum8[u],
+                                       dropout, drop_a8[u], drop_c8[u]);
           }
-        } else {  // no key, or only scores of -inf
-          std::fill(acc, acc + Dv, 0.0f);
-          l_block[j] = kNegInf;
+          for (int64_t g = 0; g < rs / kGroup; ++g) {
+            bool ones = true;
+            for (int i = 0; i < 4; ++i) {
+              ones = ones && _mm256_movemask_ps(_mm256_cmp_ps(rescale8[4 * g + i], _mm256_set1_ps(1.0f), _CMP_EQ_OQ)) == 0xFF;
+            }
+            start[g] = c0 == span_lo ? Start::kZero : ones ? Start::kKeep : Start::kRescale;
+          }
+          block_values(v_head + c0 * v2s, v2s, width, Dv, s, rs, ot.data(), start.data(), rescale8.data());
+        }
+        transpose(ot.data(), rs, Dv, rows, 1.0f, o_block, o2s);  // out[r][dv] = Ot[dv][r], normalised below
+        for (int64_t u = 0; u < rs / 8; ++u) {
+          _mm256_storeu_ps(row_max.data() + 8 * u, max8[u]);
+          _mm256_storeu_ps(row_sum.data() + 8 * u, sum8[u]);
+        }
+        // A non-finite value in an accumulator came from a value the block multiplied by a weight:
+        // a masked key's (weight 0, which must not count) or an attended one's, where the running
+        // rescaling may have turned a weight into 0 early; such rows are redone by attended pairs.
+        for (int64_t j = 0; j < rows; ++j) {
+          float* acc = o_block + j * o2s;
+          const float sum = row_sum[j];
+          if (std::isnan(sum)) {  // a NaN or +inf score among the attended ones
+            std::fill(acc, acc + Dv, std::numeric_limits<float>::quiet_NaN());
+            l_block[j] = std::numeric_limits<float>::quiet_NaN();
+          } else if (sum > 0.0f) {
+            if (scale_and_check(acc, Dv, 1.0f / sum)) {
+              l_block[j] = row_max[j] + std::log(sum);
+            } else {
+              exact_forward_row(q_block + j * q2s, k_head, k2s, v_head, v2s, D, Dv, row_lo[j], row_hi[j], mods,
+                                first + j, dropout, row_keys[j], exact_scores, acc, l_block + j);
+            }
+          } else {  // no key, or only scores of -inf
+            std::fill(acc, acc + Dv, 0.0f);
+            l_block[j] = kNegInf;
+          }
         }
       }
     }
