@@ -313,13 +313,10 @@ def _backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Ten
     return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
 
 
-class _Ring(torch.autograd.Function):
-    """Forward and backward rings; saves query, key, value, output, lse and the seed only."""
-
-    @staticmethod
-    def forward(query: Tensor, key: Tensor, value: Tensor, seed: Tensor | None,
-                settings: _Settings) -> tuple[Tensor, Tensor]:
-        return _forward(query, key, value, seed, settings)
+class _ShardFunction(torch.autograd.Function):
+    """What the ring and Ulysses share as autograd functions of ``(query, key, value, seed,
+    settings) -> (out, lse)``: they save the rank's query, key, value, output, lse and seed only (the
+    settings on the context), and an unused output gets no zero gradient."""
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
@@ -328,6 +325,15 @@ class _Ring(torch.autograd.Function):
         ctx.settings = settings
         ctx.save_for_backward(query, key, value, out, lse, seed)
         ctx.set_materialize_grads(False)
+
+
+class _Ring(_ShardFunction):
+    """Forward and backward rings."""
+
+    @staticmethod
+    def forward(query: Tensor, key: Tensor, value: Tensor, seed: Tensor | None,
+                settings: _Settings) -> tuple[Tensor, Tensor]:
+        return _forward(query, key, value, seed, settings)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):

@@ -37,7 +37,7 @@ from .._call import make_call
 from ..core import attention_piece, piece_gradients
 from . import comm
 from .layout import check_layout, chunks
-from .ring import _check_mask, _gather, shared_seed
+from .ring import _check_mask, _gather, _ShardFunction, shared_seed
 
 __all__ = ["ulysses_attention"]
 
@@ -280,9 +280,9 @@ class _Settings:
                     dropout=self.dropout, backend=self.backend)
 
 
-class _Ulysses(torch.autograd.Function):
-    """Forward and backward by groups of heads; saves query, key, value, the output (sequence
-    shards), the lse (head layout) and the seed only."""
+class _Ulysses(_ShardFunction):
+    """Forward and backward by groups of heads (the output saved as sequence shards, the lse in
+    head layout)."""
 
     @staticmethod
     def forward(query: Tensor, key: Tensor, value: Tensor, seed: Tensor | None,
@@ -301,14 +301,6 @@ class _Ulysses(torch.autograd.Function):
             exchange.to_sequence_into(exchange.sequence_message([part]), [(out, first)])
             del part, part_lse
         return out, lse
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        query, key, value, seed, settings = inputs
-        out, lse = output
-        ctx.settings = settings
-        ctx.save_for_backward(query, key, value, out, lse, seed)
-        ctx.set_materialize_grads(False)
 
     @staticmethod
     @once_differentiable  # the groups' gradients come from the kernels, not from a graph: no second order
