@@ -792,8 +792,9 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(bits));
+  // p 2^n in one instruction (n >= -125 here, so p 2^n is normal and exact: the 8-lane form's
+  // product with the exponent bits, the same bits); a NaN p stays NaN
+  return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~underflow), p, n);
 }
 
 inline __m256 low_half(__m512 x) { return _mm512_castps512_ps256(x); }
@@ -822,11 +823,26 @@ inline void softmax_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512
   };
   const int64_t a = std::clamp<int64_t>(all_lo - key0, 0, W), z = std::clamp<int64_t>(all_hi - key0, a, W);
   masked(0, a);
-  for (int64_t t = a; t < z; ++t) {
+  // Four running maxima, not one: a chain of dependent max instructions waits their latency on
+  // every key (max is exact, so any order gives the same bits).
+  __m512 max1 = neg_inf, max2 = neg_inf, max3 = neg_inf;
+  int64_t t = a;
+  for (; t + 4 <= z; t += 4) {
+    const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale);
+    const __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(s + (t + 1) * rs), scale);
+    const __m512 x2 = _mm512_mul_ps(_mm512_loadu_ps(s + (t + 2) * rs), scale);
+    const __m512 x3 = _mm512_mul_ps(_mm512_loadu_ps(s + (t + 3) * rs), scale);
+    _mm512_storeu_ps(s + t * rs, x0), _mm512_storeu_ps(s + (t + 1) * rs, x1);
+    _mm512_storeu_ps(s + (t + 2) * rs, x2), _mm512_storeu_ps(s + (t + 3) * rs, x3);
+    chunk_max = _mm512_max_ps(chunk_max, x0), max1 = _mm512_max_ps(max1, x1);
+    max2 = _mm512_max_ps(max2, x2), max3 = _mm512_max_ps(max3, x3);
+  }
+  for (; t < z; ++t) {
     const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale);
     _mm512_storeu_ps(s + t * rs, x);
     chunk_max = _mm512_max_ps(chunk_max, x);
   }
+  chunk_max = _mm512_max_ps(_mm512_max_ps(chunk_max, max1), _mm512_max_ps(max2, max3));
   masked(z, W);
   const __m512 shift = _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_cmp_ps_mask(chunk_max, neg_inf, _CMP_EQ_OQ)),
                                            chunk_max);
