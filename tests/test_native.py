@@ -257,6 +257,26 @@ def test_rows_of_one_with_any_stride():
 
 
 @needs_native
+def test_keys_and_values_of_a_model_layout_give_the_same_bits_gathered_or_not():
+    """From 2048 query rows the forward copies key and value rows that a model's projections give
+    ([B, L, Hkv, D] in memory) into one block per head; below, it reads them in place. Either way
+    the products are the same sums in the same order: equal bits, and equal to contiguous inputs."""
+    g = torch.Generator().manual_seed(0)
+    for rows in (2047, 2048):
+        query = torch.randn(1, rows, 4, 16, generator=g).transpose(1, 2)
+        key, value = (torch.randn(1, 300, 2, 16, generator=g).transpose(1, 2) for _ in range(2))
+        lo = (torch.arange(rows) % 300 - 100).clamp(min=0).reshape(1, -1)
+        hi = (torch.arange(rows) % 300 + 1).reshape(1, -1)
+        out, lse = native.interval_forward(query, key, value, lo, hi, 0.25)
+        out_c, lse_c = native.interval_forward(query, key.contiguous(), value.contiguous(), lo, hi, 0.25)
+        assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+        assert_laid_out_like(out, query)
+    allowed = _allowed(lo, hi, 300)
+    expected, _ = oracle_attention(query, key, value, mask=allowed, scale=0.25)
+    torch.testing.assert_close(out.double(), expected, **FP32)
+
+
+@needs_native
 def test_bad_inputs_raise():
     q = torch.randn(1, 2, 4, 8)
     lo, hi = torch.zeros(1, 4, dtype=torch.long), torch.full((1, 4), 4)

@@ -403,12 +403,19 @@ def test_auto_runs_long_structured_masks_tiled_and_everything_else_fused(forward
     assert _auto(_call(4096, masks.padding([4000]))) == "torch"  # 98% of the pairs
     assert _auto(_call(4096, masks.causal() & masks.padding([3000]))) == "tiled"
     # Plain causal, masks.causal() or causal=True alike: the native kernel beat SDPA's causal path
-    # (forward and backward) below 4096 x 4096; from there, and without the native kernel, SDPA's
-    # causal path (PyTorch's kernel block by block is no faster)
+    # (forward and backward) below 4096 x 4096, and its forward alone at every length from 128;
+    # elsewhere, and without the native kernel, SDPA's causal path (PyTorch's kernel block by block
+    # is no faster)
     for length, native_wins in ((128, True), (2048, True), (4096, False), (8192, False), (64, False)):
         expected = "tiled:native" if native_runs and native_wins else "torch"
-        assert auto_runs(_call(length, masks.causal())) == expected, length
-        assert auto_runs(_call(length, None, causal=True)) == expected, length
+        trained = _call(length, masks.causal())
+        trained.query.requires_grad_()
+        assert auto_runs(trained) == expected, length
+        for mask, causal in ((masks.causal(), False), (None, True)):
+            forward_alone = "tiled:native" if native_runs and length >= 128 else "torch"
+            assert auto_runs(_call(length, mask, causal=causal)) == forward_alone, length
+            with torch.no_grad():
+                assert auto_runs(trained) == forward_alone, length
     assert auto_runs(_call(2048, masks.causal(), causal=True)) == ("tiled:native" if native_runs else "torch")
     # a chunk of rows after a cache (bottom-right): the op on the rows' spans, either spelling
     chunk = [torch.empty(1, 8, 2048, 64), torch.empty(1, 8, 4096, 64), torch.empty(1, 8, 4096, 64)]

@@ -9,8 +9,9 @@ traced by ``torch.compile``), in order:
    speed nobody measured there.
 3. ``return_weights``: ``"torch"``'s materialised path of fused ops (weights are ``Lq x Lk`` anyway).
 4. Plain causal (``causal=True`` or ``masks.causal()``, nothing else; over one query row the call
-   holds neither): square, attnkit's native kernel from 128 x 128 to below 4096 x 4096, where it
-   beat SDPA's causal path, else that path; other shapes, the interval op.
+   holds neither): square, attnkit's native kernel from 128 x 128, up to below 4096 x 4096 where
+   a backward will run (forward + backward), at any length for a forward alone (inference), where
+   it beat SDPA's causal path, else that path; other shapes, the interval op.
 5. A decoding step (one query row) with a structured mask: ``"torch"`` with the mask's one dense
    row per sequence.
 6. A structured mask, soft-capping, ALiBi or sinks (SDPA has none of these), or dropout where
@@ -54,7 +55,11 @@ AUTO_MAX_VISITED = ((1024 * 1024, 0.3), (float("inf"), 0.6))  # (pairs below, vi
 #: needs no plan.
 #: A plain causal mask (forward) it ran in 0.61-0.97x SDPA's own causal path up to 4096 x 4096,
 #: 0.96-1.00x at 8192 and 16384; forward + backward (GQA and not, D = 16 to 128, 1 and 2 threads)
-#: in 0.53-0.94x SDPA's time from 128 to 2048, 1.06x at 4096: SDPA keeps it from 4096 x 4096.
+#: in 0.53-0.94x SDPA's time from 128 to 2048, 1.06x at 4096: SDPA keeps it from 4096 x 4096 when
+#: a backward will run. A forward alone (since the kernel gathers a model layout's key and value
+#: rows, 2026-11-25, AVX-512 machine): 0.80-0.91x at 4096-16384 with 8 query / 2 kv heads, D = 64,
+#: model layout, 1 and 2 threads; 0.82-0.95x with 8 / 8 heads contiguous; D = 128 (4 heads)
+#: 0.96-0.98x on 2 threads, 0.98-1.09x on one: the native kernel serves every length.
 NATIVE_MIN_PAIRS = 128 * 128
 NATIVE_MAX_COMPUTED = 0.9
 NATIVE_CAUSAL_MAX_PAIRS = 4096 * 4096
@@ -75,7 +80,8 @@ def choose(call: AttentionCall) -> str:
         # kernel, which builds the L x L mask (L = 8192, 8 query / 2 kv heads: 3.9 s against 1.0 s).
         # Otherwise (a chunk of rows after a cache) the op, on the rows' spans.
         if call.q_len == call.k_len:
-            native_faster = (NATIVE_MIN_PAIRS <= call.q_len * call.k_len < NATIVE_CAUSAL_MAX_PAIRS
+            pairs = call.q_len * call.k_len
+            native_faster = (NATIVE_MIN_PAIRS <= pairs and (pairs < NATIVE_CAUSAL_MAX_PAIRS or not _needs_grad(call))
                              and _native_serves(call.query.device.type, call.query.dtype, False))
             return "interval" if native_faster else "torch"
         return "interval"
@@ -94,6 +100,11 @@ def choose(call: AttentionCall) -> str:
         # (``--threshold --dropout 0.1``).
         return "interval"
     return "torch"
+
+
+def _needs_grad(call: AttentionCall) -> bool:
+    """Whether a backward may run through ``call`` (grad mode on and an input that requires it)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (call.query, call.key, call.value))
 
 
 @_torch_private.assume_constant_result
@@ -118,7 +129,9 @@ def kernel_for(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor
         if pairs < NATIVE_MIN_PAIRS:
             return "dense"
         if causal_only and query.shape[2] == key.shape[2]:
-            return "native" if pairs < NATIVE_CAUSAL_MAX_PAIRS else "dense"
+            # choose() sends square causal calls here only where the native kernel beat SDPA's causal
+            # path; the alternative here would be the dense kernel with an L x L mask (return_lse)
+            return "native"
         computed = sum(native.computed_fraction(lo[:, r], hi[:, r], key.shape[2]) for r in range(lo.shape[1]))
         return "native" if computed <= NATIVE_MAX_COMPUTED else "dense"
     if query.device.type == "cpu" and query.dtype == torch.float32 and bias is None:
