@@ -18,6 +18,13 @@ peak memory is the process's peak resident set minus its resident set before the
     python benchmarks/transformers.py --lengths 131072 --repeats 1 --memory-limit 20  # the others fail
     python benchmarks/transformers.py --model llama --lengths 8192       # full causal
     python benchmarks/transformers.py --model llama --generate 2048 128  # generate() with the cache
+    python benchmarks/transformers.py --model llama --generate 2048 128 --implementations attnkit sdpa --interleaved 8
+
+``--interleaved ROUNDS``: one process and one model instead, the implementations taking turns on it
+(``set_attn_implementation``, the order reversed every other round) for ROUNDS rounds, each round
+one run of each: separate processes drift apart by more than a few per cent on a shared machine,
+turns in one process do not. Reports the median time of each and, per round, each one against
+``sdpa``; no memory figures.
 
 Model (the issue's): 4 layers, hidden 512, intermediate 1792, 8 heads, 2 kv heads, head dim 64,
 window 512 (Mistral) or full causal (Llama), fp32, batch 1, no LM head (the base model).
@@ -82,18 +89,10 @@ def _model(kind: str, implementation: str, args):
     return cls(config).eval()
 
 
-def _child(args) -> None:
-    """Run one (implementation, length) and print a JSON line."""
+def _runner(model, length: int, args):
+    """The timed call: the model's forward over ``length`` random tokens, or ``generate()``."""
     import torch
 
-    torch.set_num_threads(args.threads)
-    if args.memory_limit:  # fail with an allocation error instead of waking the kernel's OOM killer
-        limit = int(args.memory_limit * 2**30)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    implementation, length = args.child
-    length = int(length)
-    model = _model(args.model, implementation, args)
-    model.set_attn_implementation(implementation)
     ids = torch.randint(0, 1000, (1, length))
     if args.generate:
         prompt, new = args.generate
@@ -107,6 +106,22 @@ def _child(args) -> None:
     else:
         def run():
             return model(input_ids=ids).last_hidden_state
+    return run
+
+
+def _child(args) -> None:
+    """Run one (implementation, length) and print a JSON line."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.memory_limit:  # fail with an allocation error instead of waking the kernel's OOM killer
+        limit = int(args.memory_limit * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    implementation, length = args.child
+    length = int(length)
+    model = _model(args.model, implementation, args)
+    model.set_attn_implementation(implementation)
+    run = _runner(model, length, args)
     before = _rss_bytes()
     times = []
     result = None
@@ -121,6 +136,36 @@ def _child(args) -> None:
     summary = float(result.float().abs().mean()) if result.is_floating_point() else result[0].tolist()
     print(json.dumps({"time": statistics.median(times), "times": times, "extra_peak": peak - before,
                       "summary": summary}))
+
+
+def _interleaved(args) -> None:
+    """``--interleaved``: the implementations take turns on one model in this process."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    names = args.implementations
+    model = _model(args.model, names[0], args)
+    for length in args.lengths:
+        run = _runner(model, length, args)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        with torch.no_grad():
+            for name in names:  # one warm-up each
+                model.set_attn_implementation(name)
+                run()
+            for round_ in range(args.interleaved):
+                for name in (names if round_ % 2 == 0 else names[::-1]):
+                    model.set_attn_implementation(name)
+                    start = time.perf_counter()
+                    run()
+                    times[name].append(time.perf_counter() - start)
+        print(f"| {length} | " + " | ".join(f"{statistics.median(times[n]):.3f}" for n in names) + " |")
+        if "sdpa" in names:
+            for name in (n for n in names if n != "sdpa"):
+                ratios = [s / t for s, t in zip(times["sdpa"], times[name])]
+                faster = sum(r > 1 for r in ratios)
+                print(f"\n{name} vs sdpa at L = {length}, round by round: "
+                      + ", ".join(f"{r:.2f}x" for r in ratios)
+                      + f"; median {statistics.median(ratios):.2f}x, faster in {faster} of {len(ratios)} rounds")
 
 
 def _measure(implementation: str, length: int, args) -> dict:
@@ -187,6 +232,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per (implementation, length)")
     parser.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
                         help="address-space limit of each measured process (an allocation beyond it fails)")
+    parser.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
+                        help="one process, the implementations taking turns on one model for ROUNDS rounds")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -202,6 +249,14 @@ def main() -> None:
             else "forward")
     shape = (f"{args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, {args.heads} heads, "
              f"{args.kv_heads} kv heads" + (f", window {args.window}" if args.model == "mistral" else ", full causal"))
+    if args.interleaved:
+        print(f"# {args.model}-style decoder ({shape}), {what}, fp32, batch 1 "
+              f"(torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, cpu); "
+              f"one process, implementations taking turns, median of {args.interleaved} rounds (s)\n")
+        print("| L | " + " | ".join(args.implementations) + " |")
+        print("|---:|" + "---:|" * len(args.implementations))
+        _interleaved(args)
+        return
     print(f"# {args.model}-style decoder ({shape}), {what}, fp32, batch 1 "
           f"(torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, cpu); "
           f"median of {args.repeats}")
