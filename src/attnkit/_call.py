@@ -78,6 +78,14 @@ class AttentionCall:
         return self.softcap is not None or self.alibi_slopes is not None or self.sinks is not None
 
     @property
+    def needs_grad(self) -> bool:
+        """Whether a backward may run through the call: grad mode on, and the query, key, value or
+        a floating mask requires grad."""
+        tensors = (self.query, self.key, self.value) + ((self.mask,) if self.mask is not None
+                                                        and self.mask.is_floating_point() else ())
+        return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+    @property
     def scores_shape(self) -> torch.Size:
         """Shape of the score/weight matrix: ``[..., Lq, Lk]`` with the query's batch dims."""
         return self.query.shape[:-1] + (self.k_len,)

@@ -31,13 +31,6 @@ from .numerics import needs_pairwise, work_dtype
 from .reference import drop_weights, reference_attention
 
 
-def _needs_grad(call: AttentionCall) -> bool:
-    tensors = [call.query, call.key, call.value]
-    if call.mask is not None and call.mask.is_floating_point():
-        tensors.append(call.mask)
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def fused_weights_attention(call: AttentionCall) -> tuple[Tensor, Tensor]:
     query, key, value = call.query, call.key, call.value
     if (call.mask is not None or call.causal) and needs_pairwise(query, key, value, call.scale):
@@ -69,7 +62,7 @@ def fused_weights_attention(call: AttentionCall) -> tuple[Tensor, Tensor]:
             mask = ~removed
         scores.masked_fill_(~mask, float("-inf"))
 
-    in_place = not _needs_grad(call)
+    in_place = not call.needs_grad
     if in_place:
         weights = torch.softmax(scores, dim=-1, out=scores)
     else:

@@ -81,7 +81,7 @@ def choose(call: AttentionCall) -> str:
         # Otherwise (a chunk of rows after a cache) the op, on the rows' spans.
         if call.q_len == call.k_len:
             pairs = call.q_len * call.k_len
-            native_faster = (NATIVE_MIN_PAIRS <= pairs and (pairs < NATIVE_CAUSAL_MAX_PAIRS or not _needs_grad(call))
+            native_faster = (NATIVE_MIN_PAIRS <= pairs and (pairs < NATIVE_CAUSAL_MAX_PAIRS or not call.needs_grad)
                              and _native_serves(call.query.device.type, call.query.dtype, False))
             return "interval" if native_faster else "torch"
         return "interval"
@@ -100,11 +100,6 @@ def choose(call: AttentionCall) -> str:
         # (``--threshold --dropout 0.1``).
         return "interval"
     return "torch"
-
-
-def _needs_grad(call: AttentionCall) -> bool:
-    """Whether a backward may run through ``call`` (grad mode on and an input that requires it)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in (call.query, call.key, call.value))
 
 
 @_torch_private.assume_constant_result
