@@ -1029,86 +1029,93 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   return {out, lse};
 }
 
-// P = exp(score - lse) on the row's keys [lo, hi) of a chunk whose first key is key0, 0 elsewhere
-// (the softmax weights, recomputed from the forward's log-sum-exp: no running max is needed); the
-// score is the product's by `mods` for row `row`, the forward's operations. With soft-capping,
-// cap_grad gets each key's 1 - t^2 (the cap's derivative). The products it zeroes are checked into
-// `bad` first: a non-finite one there would reach dQ or dK through a weight of 0.
-inline void weights_chunk_row(float* row, int64_t width, int64_t lo, int64_t hi, const ScoreMods& mods, int64_t i,
-                              int64_t key0, float lse, float* cap_grad, __m256& bad) {
-  zero_and_check(row, lo, bad);
-  const __m256 shift = _mm256_set1_ps(lse), zero = _mm256_setzero_ps(), scale8 = _mm256_set1_ps(mods.scale);
+// The backward's buffers hold a chunk key-major, rows as lanes, as the forward's scores: X[t][r]
+// (row stride rs) for keys key0 + t and the block's rows r. `in` below is the lanes whose row
+// attends key key0 + t (lo <= key < hi); every other lane becomes 0, its value checked into `bad`
+// first (x - x is NaN for an infinite or NaN x): a non-finite product there would reach dQ or dK,
+// a non-finite dP (from dO) dV, through a weight of 0.
+
+// P = exp(score - lse) for 8 rows over a chunk of W keys, in place of the products in S (the
+// softmax weights recomputed from the forward's log-sum-exp: no running max is needed); the score is
+// the product's by `mods` for lanes `rows` (the forward's operations, in its order). With
+// soft-capping, cap_grad[t][.] gets 1 - t^2 (the cap's derivative).
+inline void weights_rows8(float* s, int64_t rs, int64_t W, int64_t key0, __m256i lo, __m256i hi, __m256 lse,
+                          const ScoreMods& mods, __m256i rows, float* cap_grad, __m256& bad) {
   const bool plain = mods.cap <= 0.0f && !mods.alibi;
-  const __m256i rows = _mm256_set1_epi32(static_cast<int>(i));
-  int64_t t = lo;
-#if defined(__AVX512F__)
-  if (plain) {  // 16 keys at a time, the same operations (so the same bits) as the loop below
-    const __m512 shift16 = _mm512_set1_ps(lse), zero16 = _mm512_setzero_ps(), scale16 = _mm512_set1_ps(mods.scale);
-    for (; t + 16 <= hi; t += 16) {
-      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + t), scale16);
-      _mm512_storeu_ps(row + t, exp_nonpositive(_mm512_min_ps(zero16, _mm512_sub_ps(x, shift16))));
-    }
-  }
-#endif
-  for (; t + 8 <= hi; t += 8) {
+  const __m256 zero = _mm256_setzero_ps(), scale8 = _mm256_set1_ps(mods.scale);
+  __m256i key = _mm256_set1_epi32(static_cast<int>(key0));
+  for (int64_t t = 0; t < W; ++t, key = _mm256_add_epi32(key, _mm256_set1_epi32(1))) {
+    const __m256 in = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(lo, key), _mm256_cmpgt_epi32(hi, key)));
+    const __m256 product = _mm256_loadu_ps(s + t * rs);
+    bad = _mm256_or_ps(bad, _mm256_andnot_ps(in, _mm256_sub_ps(product, product)));
+    __m256 grad;
     // not fused: the forward rounded scale * q.k before subtracting (an fma would leave that
     // rounding, huge for huge scores, in the weight)
-    const __m256 product = _mm256_loadu_ps(row + t);
-    __m256 grad;
-    const __m256 x = plain ? _mm256_mul_ps(product, scale8)
-                           : apply8(mods, product, rows,
-                                    _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(key0 + t)),
-                                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
-                                    &grad);
-    if (mods.cap > 0.0f) _mm256_storeu_ps(cap_grad + t, grad);
+    const __m256 x = plain ? _mm256_mul_ps(product, scale8) : apply8(mods, product, rows, key, &grad);
+    if (mods.cap > 0.0f) _mm256_storeu_ps(cap_grad + t * rs, grad);
     // min(0, .): a recomputed score may exceed the forward's lse by a rounding error (minps
     // returns its second operand, a NaN, when there is one)
-    _mm256_storeu_ps(row + t, exp_nonpositive(_mm256_min_ps(zero, _mm256_sub_ps(x, shift))));
+    _mm256_storeu_ps(s + t * rs, _mm256_and_ps(in, exp_nonpositive(_mm256_min_ps(zero, _mm256_sub_ps(x, lse)))));
   }
-  for (; t < hi; ++t) {
-    const float x = mods.apply(row[t], i, key0 + t, cap_grad + t);
-    row[t] = exp_nonpositive(std::min(x - lse, 0.0f));  // std::min keeps a NaN first argument
-  }
-  zero_and_check(row + hi, width - hi, bad);
 }
 
-// dS = scale * P * (f * dP - delta) in place of dP (times 1 - t^2 from `cap_grad` under
-// soft-capping, when not null), for one row of a chunk, f the dropout factor
-// of each key (0 or 1 / (1 - p); 1 without dropout): the output used f * P. With dropout P also
-// becomes f * P, for dV. Outside the row's keys [lo, hi), P is 0 and so is dS; the dP it zeroes
-// are checked into `bad` first (a non-finite one means a non-finite dO, which would reach dV
-// through a weight of 0).
-inline void score_grad_row(float* p, float* dp, int64_t width, int64_t lo, int64_t hi, float delta, float scale,
-                           const float* cap_grad, const Dropout& dropout, DropoutRow keys, int64_t key0,
-                           __m256& bad) {
-  zero_and_check(dp, lo, bad);
-  const __m256 d8 = _mm256_set1_ps(delta), s8 = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f);
-  int64_t t = lo;
-#if defined(__AVX512F__)
-  if (!dropout.active && !cap_grad) {  // 16 keys at a time, the loop below's operations and bits
-    const __m512 d16 = _mm512_set1_ps(delta), s16 = _mm512_set1_ps(scale), one16 = _mm512_set1_ps(1.0f);
-    for (; t + 16 <= hi; t += 16) {
-      const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(p + t),
-                                     _mm512_sub_ps(_mm512_mul_ps(one16, _mm512_loadu_ps(dp + t)), d16));
-      _mm512_storeu_ps(dp + t, _mm512_mul_ps(g, s16));
-    }
+// dS = scale * P * (f * dP - delta) in place of dP for 8 rows over a chunk of W keys (times 1 - t^2
+// from `cap_grad` under soft-capping, when not null), f the dropout factor of each pair (0 or
+// 1 / (1 - p); 1 without dropout; `drop_a`, `drop_c` the rows' keys): the output used f * P. With
+// dropout P also becomes f * P, for dV.
+inline void score_grads_rows8(float* p, float* dp, int64_t rs, int64_t W, int64_t key0, __m256i lo, __m256i hi,
+                              __m256 delta, float scale, const float* cap_grad, const Dropout& dropout,
+                              __m256i drop_a, __m256i drop_c, __m256& bad) {
+  const __m256 s8 = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f);
+  __m256i key = _mm256_set1_epi32(static_cast<int>(key0));
+  for (int64_t t = 0; t < W; ++t, key = _mm256_add_epi32(key, _mm256_set1_epi32(1))) {
+    const __m256 in = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(lo, key), _mm256_cmpgt_epi32(hi, key)));
+    const __m256 d = _mm256_loadu_ps(dp + t * rs);
+    bad = _mm256_or_ps(bad, _mm256_andnot_ps(in, _mm256_sub_ps(d, d)));
+    const __m256 f = dropout.active ? dropout_factor_rows(dropout, drop_a, drop_c, key0 + t) : one;
+    const __m256 weight = _mm256_loadu_ps(p + t * rs);
+    const __m256 g = _mm256_mul_ps(weight, _mm256_sub_ps(_mm256_mul_ps(f, d), delta));
+    const __m256 chain = cap_grad ? _mm256_mul_ps(s8, _mm256_loadu_ps(cap_grad + t * rs)) : s8;
+    _mm256_storeu_ps(dp + t * rs, _mm256_and_ps(in, _mm256_mul_ps(g, chain)));
+    if (dropout.active) _mm256_storeu_ps(p + t * rs, _mm256_mul_ps(weight, f));
   }
-#endif
-  for (; t + 8 <= hi; t += 8) {
-    const __m256 f = dropout.active ? dropout_factor8(dropout, keys, key0 + t) : one;
-    const __m256 weight = _mm256_loadu_ps(p + t);
-    const __m256 g = _mm256_mul_ps(weight, _mm256_sub_ps(_mm256_mul_ps(f, _mm256_loadu_ps(dp + t)), d8));
-    const __m256 chain = cap_grad ? _mm256_mul_ps(s8, _mm256_loadu_ps(cap_grad + t)) : s8;
-    _mm256_storeu_ps(dp + t, _mm256_mul_ps(g, chain));
-    if (dropout.active) _mm256_storeu_ps(p + t, _mm256_mul_ps(weight, f));
-  }
-  for (; t < hi; ++t) {
-    const float f = dropout.active ? dropout_factor(dropout, keys, key0 + t) : 1.0f;
-    dp[t] = (cap_grad ? scale * cap_grad[t] : scale) * (p[t] * (f * dp[t] - delta));
-    p[t] *= f;
-  }
-  zero_and_check(dp + hi, width - hi, bad);
 }
+
+#if defined(__AVX512F__)
+// Both for 16 rows, plain scores and no dropout (the common case): the same operations lane by
+// lane, so the same bits.
+inline void weights_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512i lo, __m512i hi, __m512 lse,
+                           float scale, __m256& bad) {
+  const __m512 zero = _mm512_setzero_ps(), scale16 = _mm512_set1_ps(scale);
+  __m512 bad16 = _mm512_setzero_ps();
+  __m512i key = _mm512_set1_epi32(static_cast<int>(key0));
+  for (int64_t t = 0; t < W; ++t, key = _mm512_add_epi32(key, _mm512_set1_epi32(1))) {
+    const __mmask16 in = static_cast<__mmask16>(~_mm512_cmpgt_epi32_mask(lo, key)) & _mm512_cmpgt_epi32_mask(hi, key);
+    const __m512 product = _mm512_loadu_ps(s + t * rs);
+    bad16 = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(bad16), _mm512_castps_si512(
+        _mm512_maskz_sub_ps(static_cast<__mmask16>(~in), product, product))));  // OR: AVX512F has no float one
+    const __m512 x = _mm512_mul_ps(product, scale16);
+    _mm512_storeu_ps(s + t * rs, _mm512_maskz_mov_ps(in, exp_nonpositive(_mm512_min_ps(zero, _mm512_sub_ps(x, lse)))));
+  }
+  bad = _mm256_or_ps(bad, _mm256_or_ps(low_half(bad16), high_half(bad16)));
+}
+
+inline void score_grads_rows16(const float* p, float* dp, int64_t rs, int64_t W, int64_t key0, __m512i lo,
+                               __m512i hi, __m512 delta, float scale, __m256& bad) {
+  const __m512 s16 = _mm512_set1_ps(scale), one = _mm512_set1_ps(1.0f);
+  __m512 bad16 = _mm512_setzero_ps();
+  __m512i key = _mm512_set1_epi32(static_cast<int>(key0));
+  for (int64_t t = 0; t < W; ++t, key = _mm512_add_epi32(key, _mm512_set1_epi32(1))) {
+    const __mmask16 in = static_cast<__mmask16>(~_mm512_cmpgt_epi32_mask(lo, key)) & _mm512_cmpgt_epi32_mask(hi, key);
+    const __m512 d = _mm512_loadu_ps(dp + t * rs);
+    bad16 = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(bad16), _mm512_castps_si512(
+        _mm512_maskz_sub_ps(static_cast<__mmask16>(~in), d, d))));  // OR: AVX512F has no float one
+    const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(p + t * rs), _mm512_sub_ps(_mm512_mul_ps(one, d), delta));
+    _mm512_storeu_ps(dp + t * rs, _mm512_maskz_mul_ps(in, g, s16));
+  }
+  bad = _mm256_or_ps(bad, _mm256_or_ps(low_half(bad16), high_half(bad16)));
+}
+#endif
 
 // One chunk's share of dQ, dK and dV by attended pairs only, from its P (with dropout f * P) and
 // dS: for a chunk whose zeroed scores or dP held a non-finite value, which the three products
@@ -1140,8 +1147,9 @@ void exact_backward_chunk(int64_t rows, int64_t width, int64_t c0, const int64_t
 // delta [B, H, Lq] = rowsum(grad_out * out) - grad_lse, returns (dq, dk, dv) in float32, each
 // in the shape of its input, laid out as like_layout gives. FlashAttention's backward, by query
 // blocks: per block and chunk of keys, P from the lse, dP = dO V^T, dS = scale * P * (f dP - delta)
-// with f the dropout factors (1 without dropout), dV += (f P)^T dO, dQ += dS K, dK += dS^T Q; five
-// sgemm calls, nothing of size Lq x Lk is ever stored.
+// with f the dropout factors (1 without dropout), dV += (f P)^T dO, dQ += dS K, dK += dS^T Q; the
+// scores from the forward's register tiles, the other four products by sgemm; nothing of size
+// Lq x Lk is ever stored.
 // Blocks of different rows add into the same key rows, so a task owns whole (batch, kv head)
 // pairs; with fewer pairs than threads, each pair's rows are cut into `parts` that add into
 // their own copy of dK and dV, summed at the end (`parts` copies: still O(L) memory).
@@ -1196,14 +1204,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
 
     at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
       const SequentialBlas sequential_blas;
-      std::vector<float> weights(block * chunk), grads(block * chunk), cap_grads(softcap > 0.0 ? block * chunk : 0);
       // The scores come from the forward's register tiles, bit for bit the forward's: the weights
       // recomputed from its lse must round alike (a score one ulp lower under a huge scale would
-      // weigh 0 here where the forward gave it 1).
+      // weigh 0 here where the forward gave it 1). P (in place of the scores), dP, dS and the cap's
+      // derivative stay key-major with the rows as lanes, as the tiles give them: the four BLAS
+      // products read them transposed where they need to (a transpose of each chunk's scores into
+      // rows took 6-9% of a causal backward).
       const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
-      std::vector<float> qt(D * padded, 0.0f), scores(chunk * padded);
-      std::vector<int64_t> row_lo(block), row_hi(block);
-      std::vector<DropoutRow> row_keys(block);
+      std::vector<float> qt(D * padded, 0.0f), scores(chunk * padded), grads(chunk * padded, 0.0f);
+      std::vector<float> cap_grads(softcap > 0.0 ? chunk * padded : 0);
+      std::vector<float> weights_rows, grads_rows;  // [rows][width] copies for the exact path
+      std::vector<int64_t> row_lo(padded), row_hi(padded);
+      std::vector<DropoutRow> row_keys(padded);
+      std::vector<__m256i> lo8(padded / 8), hi8(padded / 8), drop_a8(padded / 8), drop_c8(padded / 8);
+      std::vector<__m256> lse8(padded / 8), delta8(padded / 8);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / (Hkv * parts), kv = (task / parts) % Hkv, part = task % parts;
         const int64_t* lo_seq = lo_data + (shared_rows ? 0 : b * Lq);
@@ -1234,51 +1248,92 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
             transpose(q_block, q2s, rows, D, 1.0f, qt.data(), rs);  // Qt[d][r], padding rows 0
             for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
             const float* delta_block = dl + (b * H + h) * Lq + first;
+            // The rows' lanes; padding rows (up to a whole group) attend nothing
+            for (int64_t u = 0; u < rs / 8; ++u) {
+              alignas(32) int32_t lo_lanes[8], hi_lanes[8], a_lanes[8], c_lanes[8];
+              alignas(32) float lse_lanes[8], delta_lanes[8];
+              for (int i = 0; i < 8; ++i) {
+                const int64_t j = 8 * u + i;
+                const bool real = j < rows;
+                lo_lanes[i] = real ? static_cast<int32_t>(row_lo[j]) : 0;
+                hi_lanes[i] = real ? static_cast<int32_t>(row_hi[j]) : 0;
+                lse_lanes[i] = real ? l_block[j] : 0.0f;
+                delta_lanes[i] = real ? delta_block[j] : 0.0f;
+                a_lanes[i] = real && dropout.active ? static_cast<int32_t>(row_keys[j].a) : 0;
+                c_lanes[i] = real && dropout.active ? static_cast<int32_t>(row_keys[j].c) : 0;
+              }
+              lo8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo_lanes));
+              hi8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi_lanes));
+              drop_a8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(a_lanes));
+              drop_c8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c_lanes));
+              lse8[u] = _mm256_load_ps(lse_lanes);
+              delta8[u] = _mm256_load_ps(delta_lanes);
+            }
+            const bool plain = mods.cap <= 0.0f && !mods.alibi && !dropout.active;
             for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
               const int64_t width = std::min(chunk, span_hi - c0);
-              float* p = weights.data();
-              float* ds = grads.data();
+              float* p = scores.data();  // S, then P in its place: [t][r], row stride rs
+              float* ds = grads.data();  // dP, then dS in its place, the same layout
+              float* cap = cap_grads.empty() ? nullptr : cap_grads.data();
               __m256 bad = _mm256_setzero_ps();
-              // Row-major [rows][width] buffers are column-major (width x rows) for BLAS.
-              // S[t][r] = q_r . k_t as the forward computes it, then P [rows][width] (the scale applies
-              // to the products in weights_chunk_row, as in the forward)
-              block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, scores.data());
-              transpose(scores.data(), rs, width, rows, 1.0f, p, width);
-              for (int64_t j = 0; j < rows; ++j) {
-                const int64_t a = std::clamp<int64_t>(row_lo[j] - c0, 0, width);
-                weights_chunk_row(p + j * width, width, a, std::clamp<int64_t>(row_hi[j] - c0, a, width), mods,
-                                  first + j, c0, l_block[j], cap_grads.empty() ? nullptr : cap_grads.data() + j * width, bad);
+              block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, p);
+  #if defined(__AVX512F__)
+              if (plain) {
+                for (int64_t u = 0; u < rs / 8; u += 2) {
+                  weights_rows16(p + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]),
+                                 join(lse8[u], lse8[u + 1]), mods.scale, bad);
+                }
+              } else
+  #endif
+              for (int64_t u = 0; u < rs / 8; ++u) {
+                weights_rows8(p + 8 * u, rs, width, c0, lo8[u], hi8[u], lse8[u], mods,
+                              _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first + 8 * u)),
+                                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                              cap ? cap + 8 * u : nullptr, bad);
               }
+              // Column-major for BLAS, P and dS are rows x width matrices with leading dimension rs.
               if (Dv > 0) {  // BLAS rejects a leading dimension of 0
-                // dP^T (width x rows) = V_chunk (width x Dv) dO^T (Dv x rows)
-                gemm('T', 'N', width, rows, Dv, 1.0f, v_head + c0 * v2s, v2s, go_block, g2s, 0.0f, ds, width);
+                // dP (rows x width) = dO (rows x Dv) V_chunk^T (Dv x width)
+                gemm('T', 'N', rows, width, Dv, 1.0f, go_block, g2s, v_head + c0 * v2s, v2s, 0.0f, ds, rs);
+                // lanes past the block's rows: not written, hold an earlier block's values
+                for (int64_t t = 0; t < width && rows < rs; ++t) std::fill(ds + t * rs + rows, ds + (t + 1) * rs, 0.0f);
               } else {
-                std::fill(ds, ds + rows * width, 0.0f);
+                std::fill(ds, ds + width * rs, 0.0f);
               }
-              for (int64_t j = 0; j < rows; ++j) {  // with dropout, also turns P into the weights the output used
-                const int64_t a = std::clamp<int64_t>(row_lo[j] - c0, 0, width);
-                score_grad_row(p + j * width, ds + j * width, width, a, std::clamp<int64_t>(row_hi[j] - c0, a, width),
-                               delta_block[j], static_cast<float>(scale),
-                               cap_grads.empty() ? nullptr : cap_grads.data() + j * width, dropout, row_keys[j], c0,
-                               bad);
+  #if defined(__AVX512F__)
+              if (plain && !cap) {
+                for (int64_t u = 0; u < rs / 8; u += 2) {
+                  score_grads_rows16(p + 8 * u, ds + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]),
+                                     join(hi8[u], hi8[u + 1]), join(delta8[u], delta8[u + 1]),
+                                     static_cast<float>(scale), bad);
+                }
+              } else
+  #endif
+              for (int64_t u = 0; u < rs / 8; ++u) {  // with dropout, also turns P into the weights the output used
+                score_grads_rows8(p + 8 * u, ds + 8 * u, rs, width, c0, lo8[u], hi8[u], delta8[u],
+                                  static_cast<float>(scale), cap ? cap + 8 * u : nullptr, dropout, drop_a8[u],
+                                  drop_c8[u], bad);
               }
               const bool first_chunk = c0 == span_lo;
               if (any_bits(bad)) {
-                exact_backward_chunk(rows, width, c0, row_lo.data(), row_hi.data(), p, ds, q_block, q2s,
-                                     go_block, g2s, k_head, k2s, dq_block, dq2s, dk_head, dk3s, dv_head, dv3s, D,
-                                     Dv, first_chunk);
+                weights_rows.resize(rows * width), grads_rows.resize(rows * width);
+                transpose(p, rs, width, rows, 1.0f, weights_rows.data(), width);
+                transpose(ds, rs, width, rows, 1.0f, grads_rows.data(), width);
+                exact_backward_chunk(rows, width, c0, row_lo.data(), row_hi.data(), weights_rows.data(),
+                                     grads_rows.data(), q_block, q2s, go_block, g2s, k_head, k2s, dq_block, dq2s,
+                                     dk_head, dk3s, dv_head, dv3s, D, Dv, first_chunk);
                 continue;
               }
               if (Dv > 0) {
                 // dV_chunk^T (Dv x width) += dO^T (Dv x rows) P (rows x width)
-                gemm('N', 'T', Dv, width, rows, 1.0f, go_block, g2s, p, width, 1.0f, dv_head + c0 * dv3s, dv3s);
+                gemm('N', 'N', Dv, width, rows, 1.0f, go_block, g2s, p, rs, 1.0f, dv_head + c0 * dv3s, dv3s);
               }
               if (D > 0) {
                 // dQ^T (D x rows) (+)= K_chunk^T (D x width) dS^T (width x rows)
-                gemm('N', 'N', D, rows, width, 1.0f, k_head + c0 * k2s, k2s, ds, width, first_chunk ? 0.0f : 1.0f,
+                gemm('N', 'T', D, rows, width, 1.0f, k_head + c0 * k2s, k2s, ds, rs, first_chunk ? 0.0f : 1.0f,
                      dq_block, dq2s);
                 // dK_chunk^T (D x width) += Q^T (D x rows) dS (rows x width)
-                gemm('N', 'T', D, width, rows, 1.0f, q_block, q2s, ds, width, 1.0f, dk_head + c0 * dk3s, dk3s);
+                gemm('N', 'N', D, width, rows, 1.0f, q_block, q2s, ds, rs, 1.0f, dk_head + c0 * dk3s, dk3s);
               }
             }
           }
