@@ -713,6 +713,17 @@ void transpose(const float* src, int64_t ss, int64_t rows, int64_t cols, float f
   }
 }
 
+// The lanes whose row attends `key` (lo <= key < hi), 8 rows as lanes.
+inline __m256i attends8(__m256i lo, __m256i hi, __m256i key) {
+  return _mm256_andnot_si256(_mm256_cmpgt_epi32(lo, key), _mm256_cmpgt_epi32(hi, key));
+}
+
+// `bad` ORed with x - x in the lanes not in `in` (NaN for an infinite or NaN x): a value that a
+// weight of 0 would otherwise hide.
+inline __m256 check_outside8(__m256 bad, __m256 in, __m256 x) {
+  return _mm256_or_ps(bad, _mm256_andnot_ps(in, _mm256_sub_ps(x, x)));
+}
+
 // The dropout factors of 8 rows (their keys a, c as lanes) for one key.
 inline __m256 dropout_factor_rows(const Dropout& d, __m256i a, __m256i c, int64_t key) {
   __m256i bits = fmix32(_mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(key + d.key_start)), a));
@@ -747,7 +758,7 @@ inline __m256 softmax_rows(float* s, int64_t rs, int64_t W, int64_t key0, __m256
   const auto masked = [&](int64_t from, int64_t to) {
     __m256i key = _mm256_set1_epi32(static_cast<int>(key0 + from));
     for (int64_t t = from; t < to; ++t, key = _mm256_add_epi32(key, _mm256_set1_epi32(1))) {
-      const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(lo, key), _mm256_cmpgt_epi32(hi, key));
+      const __m256i in = attends8(lo, hi, key);
       const __m256 x = _mm256_blendv_ps(neg_inf, score(t), _mm256_castsi256_ps(in));
       _mm256_storeu_ps(s + t * rs, x);
       chunk_max = _mm256_max_ps(chunk_max, x);
@@ -803,6 +814,16 @@ inline __m512i join(__m256i low, __m256i high) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
 }
 
+// attends8 and check_outside8 on 16 lanes (AVX512F has no float OR: integer one).
+inline __mmask16 attends16(__m512i lo, __m512i hi, __m512i key) {
+  return static_cast<__mmask16>(~_mm512_cmpgt_epi32_mask(lo, key)) & _mm512_cmpgt_epi32_mask(hi, key);
+}
+
+inline __m512 check_outside16(__m512 bad, __mmask16 in, __m512 x) {
+  const __m512 not_finite = _mm512_maskz_sub_ps(static_cast<__mmask16>(~in), x, x);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(bad), _mm512_castps_si512(not_finite)));
+}
+
 // softmax_rows on 16 rows (two of its vectors, a then b) for the common case, plain scores and
 // no dropout: the same steps lane by lane, in the same order, so the same bits; half the
 // instructions. `all_lo, all_hi`: keys all 16 rows attend.
@@ -815,7 +836,7 @@ inline void softmax_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512
   const auto masked = [&](int64_t from, int64_t to) {
     __m512i key = _mm512_set1_epi32(static_cast<int>(key0 + from));
     for (int64_t t = from; t < to; ++t, key = _mm512_add_epi32(key, _mm512_set1_epi32(1))) {
-      const __mmask16 in = static_cast<__mmask16>(~_mm512_cmpgt_epi32_mask(lo, key)) & _mm512_cmpgt_epi32_mask(hi, key);
+      const __mmask16 in = attends16(lo, hi, key);
       const __m512 x = _mm512_mask_blend_ps(in, neg_inf, _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale));
       _mm512_storeu_ps(s + t * rs, x);
       chunk_max = _mm512_max_ps(chunk_max, x);
@@ -1045,9 +1066,9 @@ inline void weights_rows8(float* s, int64_t rs, int64_t W, int64_t key0, __m256i
   const __m256 zero = _mm256_setzero_ps(), scale8 = _mm256_set1_ps(mods.scale);
   __m256i key = _mm256_set1_epi32(static_cast<int>(key0));
   for (int64_t t = 0; t < W; ++t, key = _mm256_add_epi32(key, _mm256_set1_epi32(1))) {
-    const __m256 in = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(lo, key), _mm256_cmpgt_epi32(hi, key)));
+    const __m256 in = _mm256_castsi256_ps(attends8(lo, hi, key));
     const __m256 product = _mm256_loadu_ps(s + t * rs);
-    bad = _mm256_or_ps(bad, _mm256_andnot_ps(in, _mm256_sub_ps(product, product)));
+    bad = check_outside8(bad, in, product);
     __m256 grad;
     // not fused: the forward rounded scale * q.k before subtracting (an fma would leave that
     // rounding, huge for huge scores, in the weight)
@@ -1069,9 +1090,9 @@ inline void score_grads_rows8(float* p, float* dp, int64_t rs, int64_t W, int64_
   const __m256 s8 = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f);
   __m256i key = _mm256_set1_epi32(static_cast<int>(key0));
   for (int64_t t = 0; t < W; ++t, key = _mm256_add_epi32(key, _mm256_set1_epi32(1))) {
-    const __m256 in = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(lo, key), _mm256_cmpgt_epi32(hi, key)));
+    const __m256 in = _mm256_castsi256_ps(attends8(lo, hi, key));
     const __m256 d = _mm256_loadu_ps(dp + t * rs);
-    bad = _mm256_or_ps(bad, _mm256_andnot_ps(in, _mm256_sub_ps(d, d)));
+    bad = check_outside8(bad, in, d);
     const __m256 f = dropout.active ? dropout_factor_rows(dropout, drop_a, drop_c, key0 + t) : one;
     const __m256 weight = _mm256_loadu_ps(p + t * rs);
     const __m256 g = _mm256_mul_ps(weight, _mm256_sub_ps(_mm256_mul_ps(f, d), delta));
@@ -1090,10 +1111,9 @@ inline void weights_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512
   __m512 bad16 = _mm512_setzero_ps();
   __m512i key = _mm512_set1_epi32(static_cast<int>(key0));
   for (int64_t t = 0; t < W; ++t, key = _mm512_add_epi32(key, _mm512_set1_epi32(1))) {
-    const __mmask16 in = static_cast<__mmask16>(~_mm512_cmpgt_epi32_mask(lo, key)) & _mm512_cmpgt_epi32_mask(hi, key);
+    const __mmask16 in = attends16(lo, hi, key);
     const __m512 product = _mm512_loadu_ps(s + t * rs);
-    bad16 = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(bad16), _mm512_castps_si512(
-        _mm512_maskz_sub_ps(static_cast<__mmask16>(~in), product, product))));  // OR: AVX512F has no float one
+    bad16 = check_outside16(bad16, in, product);
     const __m512 x = _mm512_mul_ps(product, scale16);
     _mm512_storeu_ps(s + t * rs, _mm512_maskz_mov_ps(in, exp_nonpositive(_mm512_min_ps(zero, _mm512_sub_ps(x, lse)))));
   }
@@ -1106,10 +1126,9 @@ inline void score_grads_rows16(const float* p, float* dp, int64_t rs, int64_t W,
   __m512 bad16 = _mm512_setzero_ps();
   __m512i key = _mm512_set1_epi32(static_cast<int>(key0));
   for (int64_t t = 0; t < W; ++t, key = _mm512_add_epi32(key, _mm512_set1_epi32(1))) {
-    const __mmask16 in = static_cast<__mmask16>(~_mm512_cmpgt_epi32_mask(lo, key)) & _mm512_cmpgt_epi32_mask(hi, key);
+    const __mmask16 in = attends16(lo, hi, key);
     const __m512 d = _mm512_loadu_ps(dp + t * rs);
-    bad16 = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(bad16), _mm512_castps_si512(
-        _mm512_maskz_sub_ps(static_cast<__mmask16>(~in), d, d))));  // OR: AVX512F has no float one
+    bad16 = check_outside16(bad16, in, d);
     const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(p + t * rs), _mm512_sub_ps(_mm512_mul_ps(one, d), delta));
     _mm512_storeu_ps(dp + t * rs, _mm512_maskz_mul_ps(in, g, s16));
   }
