@@ -787,11 +787,10 @@ inline __m256 softmax_rows(float* s, int64_t rs, int64_t W, int64_t key0, __m256
 }
 
 #if defined(__AVX512F__)
-// exp_nonpositive on 16 lanes: the same steps, lane by lane the same bits.
+// exp_nonpositive on 16 lanes: the same steps, lane by lane the same bits, less the clamp at -87:
+// the lanes below it (-inf too, whose steps give NaN) are zeroed by the last step's mask anyway.
 inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 cut = _mm512_set1_ps(-87.0f);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, cut, _CMP_LT_OQ);  // false for NaN
-  x = _mm512_max_ps(cut, x);  // x when x is NaN, as above
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);  // false for NaN
   const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
