@@ -523,6 +523,9 @@ inline void scores_tile1(const float* k0, int64_t D, const float* qt, int64_t rs
 template <int N>
 __attribute__((always_inline)) inline void accumulate16(__m512 (&a)[N][2], const float* src, int64_t item, int64_t step, int64_t count,
                          const float* rows, int64_t rs) {
+  // unrolled: a quarter of the loop's branches (documents forward, one thread, 620-629 -> 609-614
+  // ms; window 157-160 -> 154-156; the same FMAs in the same order)
+#pragma GCC unroll 4
   for (int64_t j = 0; j < count; ++j) {
     const float* row = rows + j * rs;
     __m512 r0 = _mm512_loadu_ps(row), r1 = _mm512_loadu_ps(row + 16);
