@@ -184,13 +184,6 @@ inline __m256 apply8(const ScoreMods& m, __m256 product, __m256i rows, __m256i k
 }
 
 
-inline float horizontal_max(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-  return _mm_cvtss_f32(m);
-}
-
 inline float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -265,19 +258,6 @@ inline float dropout_factor(const Dropout& d, DropoutRow r, int64_t key) {
   return bits >= d.threshold ? d.keep_scale : 0.0f;
 }
 
-// The factors of keys key .. key + 7.
-inline __m256 dropout_factor8(const Dropout& d, DropoutRow r, int64_t key) {
-  const __m256i keys =
-      _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(key + d.key_start)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  __m256i bits = fmix32(_mm256_xor_si256(keys, _mm256_set1_epi32(static_cast<int>(r.a))));
-  bits = fmix32(_mm256_xor_si256(bits, _mm256_set1_epi32(static_cast<int>(r.c))));
-  // unsigned bits >= threshold, as a signed comparison of both with the sign bit flipped
-  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
-  const __m256i below = _mm256_cmpgt_epi32(_mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(d.threshold)), sign),
-                                           _mm256_xor_si256(bits, sign));
-  return _mm256_andnot_ps(_mm256_castsi256_ps(below), _mm256_set1_ps(d.keep_scale));
-}
-
 inline float dot(const float* a, const float* b, int64_t n) {
   __m256 s8 = _mm256_setzero_ps();
   int64_t d = 0;
@@ -314,21 +294,6 @@ inline bool scale_and_check(float* x, int64_t n, float factor) {
     x[d] *= factor;
   }
   return finite;
-}
-
-// Zeroes x[0, n); ORs into `bad` what tells whether every x was finite before (see scale_and_check).
-inline void zero_and_check(float* x, int64_t n, __m256& bad) {
-  const __m256 zero = _mm256_setzero_ps();
-  int64_t t = 0;
-  for (; t + 8 <= n; t += 8) {
-    const __m256 v = _mm256_loadu_ps(x + t);
-    bad = _mm256_or_ps(bad, _mm256_sub_ps(v, v));
-    _mm256_storeu_ps(x + t, zero);
-  }
-  for (; t < n; ++t) {
-    bad = _mm256_or_ps(bad, _mm256_set1_ps(x[t] - x[t]));
-    x[t] = 0.0f;
-  }
 }
 
 // One query row by its attended pairs only, for rows where the block's products met a non-finite
@@ -733,6 +698,26 @@ void transpose(const float* src, int64_t ss, int64_t rows, int64_t cols, float f
   }
 }
 
+// A vector of 8 rows' values, value(i) for lane i (int32 or float lanes).
+template <class Value>
+inline __m256i int_lanes(Value value) {
+  alignas(32) int32_t lanes[8];
+  for (int i = 0; i < 8; ++i) lanes[i] = static_cast<int32_t>(value(i));
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+}
+
+template <class Value>
+inline __m256 float_lanes(Value value) {
+  alignas(32) float lanes[8];
+  for (int i = 0; i < 8; ++i) lanes[i] = value(i);
+  return _mm256_load_ps(lanes);
+}
+
+// The row indices first .. first + 7 as lanes.
+inline __m256i row_lanes(int64_t first) {
+  return _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 // The lanes whose row attends `key` (lo <= key < hi), 8 rows as lanes.
 inline __m256i attends8(__m256i lo, __m256i hi, __m256i key) {
   return _mm256_andnot_si256(_mm256_cmpgt_epi32(lo, key), _mm256_cmpgt_epi32(hi, key));
@@ -989,19 +974,14 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           if (dropout.active) row_keys[j] = j < rows ? dropout_row(dropout, b, h, first + j) : DropoutRow{};
         }
         for (int64_t u = 0; u < rs / 8; ++u) {
-          alignas(32) int32_t lo_lanes[8], hi_lanes[8], a_lanes[8], c_lanes[8];
-          all_lo[u] = 0, all_hi[u] = Lk;
-          for (int i = 0; i < 8; ++i) {
-            all_lo[u] = std::max(all_lo[u], row_lo[8 * u + i]), all_hi[u] = std::min(all_hi[u], row_hi[8 * u + i]);
-            lo_lanes[i] = static_cast<int32_t>(row_lo[8 * u + i]);
-            hi_lanes[i] = static_cast<int32_t>(row_hi[8 * u + i]);
-            a_lanes[i] = static_cast<int32_t>(row_keys[8 * u + i].a);
-            c_lanes[i] = static_cast<int32_t>(row_keys[8 * u + i].c);
-          }
-          lo8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo_lanes));
-          hi8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi_lanes));
-          drop_a8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(a_lanes));
-          drop_c8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c_lanes));
+          const int64_t* lo_u = row_lo.data() + 8 * u;
+          const int64_t* hi_u = row_hi.data() + 8 * u;
+          const DropoutRow* keys_u = row_keys.data() + 8 * u;
+          all_lo[u] = std::max<int64_t>(0, *std::max_element(lo_u, lo_u + 8)), all_hi[u] = std::min<int64_t>(Lk, *std::min_element(hi_u, hi_u + 8));
+          lo8[u] = int_lanes([&](int i) { return lo_u[i]; });
+          hi8[u] = int_lanes([&](int i) { return hi_u[i]; });
+          drop_a8[u] = int_lanes([&](int i) { return keys_u[i].a; });
+          drop_c8[u] = int_lanes([&](int i) { return keys_u[i].c; });
           max8[u] = _mm256_set1_ps(kNegInf);
           sum8[u] = _mm256_setzero_ps();
         }
@@ -1023,10 +1003,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   #endif
           for (int64_t u = 0; u < rs / 8; ++u) {
             rescale8[u] = softmax_rows(s + 8 * u, rs, width, c0, lo8[u], hi8[u], all_lo[u], all_hi[u], mods,
-                                       _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first + 8 * u)),
-                                                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
-                                       max8[u], sum8[u],
-                                       dropout, drop_a8[u], drop_c8[u]);
+                                       row_lanes(first + 8 * u), max8[u], sum8[u], dropout, drop_a8[u], drop_c8[u]);
           }
           for (int64_t g = 0; g < rs / kGroup; ++g) {
             bool ones = true;
@@ -1288,24 +1265,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
             const float* delta_block = dl + (b * H + h) * Lq + first;
             // The rows' lanes; padding rows (up to a whole group) attend nothing
             for (int64_t u = 0; u < rs / 8; ++u) {
-              alignas(32) int32_t lo_lanes[8], hi_lanes[8], a_lanes[8], c_lanes[8];
-              alignas(32) float lse_lanes[8], delta_lanes[8];
-              for (int i = 0; i < 8; ++i) {
-                const int64_t j = 8 * u + i;
-                const bool real = j < rows;
-                lo_lanes[i] = real ? static_cast<int32_t>(row_lo[j]) : 0;
-                hi_lanes[i] = real ? static_cast<int32_t>(row_hi[j]) : 0;
-                lse_lanes[i] = real ? l_block[j] : 0.0f;
-                delta_lanes[i] = real ? delta_block[j] : 0.0f;
-                a_lanes[i] = real && dropout.active ? static_cast<int32_t>(row_keys[j].a) : 0;
-                c_lanes[i] = real && dropout.active ? static_cast<int32_t>(row_keys[j].c) : 0;
-              }
-              lo8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo_lanes));
-              hi8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi_lanes));
-              drop_a8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(a_lanes));
-              drop_c8[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c_lanes));
-              lse8[u] = _mm256_load_ps(lse_lanes);
-              delta8[u] = _mm256_load_ps(delta_lanes);
+              const auto real = [&](int i) { return 8 * u + i < rows; };
+              lo8[u] = int_lanes([&](int i) { return real(i) ? row_lo[8 * u + i] : 0; });
+              hi8[u] = int_lanes([&](int i) { return real(i) ? row_hi[8 * u + i] : 0; });
+              drop_a8[u] = int_lanes([&](int i) { return real(i) && dropout.active ? row_keys[8 * u + i].a : 0; });
+              drop_c8[u] = int_lanes([&](int i) { return real(i) && dropout.active ? row_keys[8 * u + i].c : 0; });
+              lse8[u] = float_lanes([&](int i) { return real(i) ? l_block[8 * u + i] : 0.0f; });
+              delta8[u] = float_lanes([&](int i) { return real(i) ? delta_block[8 * u + i] : 0.0f; });
             }
             const bool plain = mods.cap <= 0.0f && !mods.alibi && !dropout.active;
             for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
@@ -1324,9 +1290,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               } else
   #endif
               for (int64_t u = 0; u < rs / 8; ++u) {
-                weights_rows8(p + 8 * u, rs, width, c0, lo8[u], hi8[u], lse8[u], mods,
-                              _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first + 8 * u)),
-                                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                weights_rows8(p + 8 * u, rs, width, c0, lo8[u], hi8[u], lse8[u], mods, row_lanes(first + 8 * u),
                               cap ? cap + 8 * u : nullptr, bad);
               }
               // Column-major for BLAS, P and dS are rows x width matrices with leading dimension rs.
