@@ -249,18 +249,15 @@ def main() -> None:
             else "forward")
     shape = (f"{args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, {args.heads} heads, "
              f"{args.kv_heads} kv heads" + (f", window {args.window}" if args.model == "mistral" else ", full causal"))
+    how = (f"one process, implementations taking turns, median of {args.interleaved} rounds (s)" if args.interleaved
+           else f"median of {args.repeats}")
+    print(f"# {args.model}-style decoder ({shape}), {what}, fp32, batch 1 "
+          f"(torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, cpu); {how}\n")
     if args.interleaved:
-        print(f"# {args.model}-style decoder ({shape}), {what}, fp32, batch 1 "
-              f"(torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, cpu); "
-              f"one process, implementations taking turns, median of {args.interleaved} rounds (s)\n")
         print("| L | " + " | ".join(args.implementations) + " |")
         print("|---:|" + "---:|" * len(args.implementations))
         _interleaved(args)
         return
-    print(f"# {args.model}-style decoder ({shape}), {what}, fp32, batch 1 "
-          f"(torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, cpu); "
-          f"median of {args.repeats}")
-    print()
     print("| L | implementation | time (s) | vs sdpa | attention share (1 - noop/time) | extra peak (GiB) |")
     print("|---:|---|---:|---:|---:|---:|")
     for length in args.lengths:
