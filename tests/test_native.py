@@ -277,6 +277,49 @@ def test_keys_and_values_of_a_model_layout_give_the_same_bits_gathered_or_not():
 
 
 @needs_native
+def test_large_outputs_reuse_freed_memory_and_overwrite_all_of_it():
+    """Outputs and gradients of 32 MiB or more come from mappings the kernel keeps when they are
+    freed (no page faults on the next call). A reused mapping still holding NaN from its last
+    tenant must not show through anywhere (rows with no key are zeros): the results equal those
+    computed in fresh memory, bit for bit. At most 256 MiB is kept, and release_memory() gives it
+    back."""
+    import attnkit.kernel
+
+    attnkit.kernel.release_memory()
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 2, 4096, 1024, generator=g) for _ in range(3))  # 32 MiB each
+    rows = torch.arange(4096).reshape(1, -1)
+    lo, hi = rows - 15, rows + 1
+    hi[:, 1000:1100] = lo[:, 1000:1100]  # rows with no key
+    grad_out = torch.randn(query.shape, generator=g)
+
+    def results():
+        out, lse = native.interval_forward(query, key, value, lo, hi, 0.03)
+        return (out, lse, *native.interval_backward(grad_out, query, key, value, out, lse, lo, hi, 0.03))
+
+    fresh = results()
+    expected = [t.clone() for t in fresh]
+    addresses = {t.data_ptr() for t in fresh if t.nbytes >= 32 << 20}
+    assert len(addresses) == 4  # output, dq, dk, dv
+    for t in fresh:
+        t.fill_(float("nan"))
+    del fresh, t
+    reused = results()
+    assert {t.data_ptr() for t in reused if t.nbytes >= 32 << 20} == addresses
+    assert torch.equal(reused[0][0, :, 1000:1100], torch.zeros(2, 100, 1024))
+    for got, want in zip(reused, expected):
+        assert torch.equal(got, want)
+    del reused
+    # the four results, and the backward's per-part key-gradient copies when it split rows
+    assert 4 * (32 << 20) <= attnkit.kernel.release_memory() <= 256 << 20
+    assert attnkit.kernel.release_memory() == 0
+
+    many = [native.interval_forward(query, key, value, lo, hi, 0.03)[0] for _ in range(10)]
+    del many
+    assert attnkit.kernel.release_memory() == 256 << 20  # the 8 most recently freed
+
+
+@needs_native
 def test_bad_inputs_raise():
     q = torch.randn(1, 2, 4, 8)
     lo, hi = torch.zeros(1, 4, dtype=torch.long), torch.full((1, 4), 4)

@@ -21,7 +21,9 @@
 // Built by attnkit/_backends/native/__init__.py with -O3 -mavx2 -mfma; the row loops use AVX2
 // intrinsics (no -ffast-math, which would let the compiler assume there are no infinities).
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
+#include <c10/core/CPUAllocator.h>
 #include <immintrin.h>
 #include <sys/mman.h>
 #include <torch/library.h>
@@ -33,7 +35,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <limits>
+#include <mutex>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -335,17 +339,11 @@ void exact_forward_row(const float* q_row, const float* k_head, int64_t k2s, con
   *lse = row_max + std::log(sum);
 }
 
-// A fresh tensor of >= 32 MiB is a fresh mapping (glibc maps such allocations anew each time),
-// whose every 4 KiB page faults on first touch. Asking for transparent huge pages where the
-// system offers them on request cuts the faults 512-fold. Only the 2 MiB-aligned interior can
-// use them; the advice is dropped with the mapping when the tensor is freed. Smaller tensors are
-// left alone: they may sit in glibc's heap, which keeps the advice after they are freed, and the
-// heap's next tenants (a model's activations, a KV cache) then fault in huge pages, compacting
-// memory on the way. Nor is any tensor advised where the kernel compacts memory synchronously to
-// find huge pages for advised regions (transparent_hugepage/defrag "always", "madvise" or
-// "defer+madvise"): after a large free (SDPA's dense-mask call, 1.3 GiB) the next window call
-// stalled in that compaction, 111 ms against 86 unadvised (L = 16384, 2 threads), where the advice
-// gained ~4% (81-83 ms against 85) on an unfragmented machine.
+// Where transparent huge pages can be asked for without stalls: not where the kernel compacts
+// memory synchronously to find them for advised regions (transparent_hugepage/defrag "always",
+// "madvise" or "defer+madvise"): after a large free (SDPA's dense-mask call, 1.3 GiB) the next
+// window call stalled in that compaction, 111 ms against 86 unadvised (L = 16384, 2 threads),
+// where the advice gained ~4% (81-83 ms against 85) on an unfragmented machine.
 bool huge_pages_without_stalls() {
   std::FILE* file = std::fopen("/sys/kernel/mm/transparent_hugepage/defrag", "r");
   if (file == nullptr) return false;
@@ -355,27 +353,117 @@ bool huge_pages_without_stalls() {
   return read && (std::strstr(line, "[defer]") != nullptr || std::strstr(line, "[never]") != nullptr);
 }
 
-at::Tensor with_huge_pages(at::Tensor t) {
+// ---- Output memory kept for the next call ---------------------------------------------------------
+//
+// glibc maps every allocation of 32 MiB or more afresh and unmaps it when it is freed, so such an
+// output (a [1, 8, 16384, 64] float32 output or gradient is exactly 32 MiB) faults in each of its
+// 4 KiB pages on first touch: 7.4 ms per 32 MiB with 2 threads writing, where the window forward
+// at L = 16384 takes ~80 ms. The kernel's outputs and gradients of that size come from this
+// allocator instead, which keeps the mappings of freed ones (the most recently freed first, at
+// most kKeptBytes in all) and hands one out again to a request of the same size: the next call,
+// or the next training step's output and gradients, writes to pages already there (window
+// forward 82-84 -> 75-77 ms, training step 317-319 -> 282-289 ms). attnkit.kernel.release_memory()
+// unmaps what is kept. A fresh mapping gets the huge-page advice where that cannot stall.
+// (MADV_FREE on the kept mappings, to let the system reclaim them, cost half the gain.)
+class KeptMappings final : public c10::Allocator {
+ public:
+  static constexpr size_t kFromBytes = size_t{32} << 20, kKeptBytes = size_t{256} << 20;
+
+  static KeptMappings& instance() {
+    static KeptMappings* const pool = new KeptMappings;  // never destroyed: tensors may outlive statics
+    return *pool;
+  }
+
+  c10::DataPtr allocate(size_t n) override {
+    if (n < kFromBytes) return c10::GetCPUAllocator()->allocate(n);
+    const size_t page = 4096, bytes = (n + page - 1) / page * page;
+    void* data = take(bytes);
+    if (data == nullptr) data = fresh(bytes);
+    return {data, new Mapping{data, bytes}, &give_back, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+
+  // Unmaps every kept mapping; returns the bytes released.
+  int64_t release() {
+    std::deque<Mapping> kept;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      kept.swap(kept_);
+      kept_bytes_ = 0;
+    }
+    int64_t bytes = 0;
+    for (const Mapping& m : kept) munmap(m.data, m.bytes), bytes += static_cast<int64_t>(m.bytes);
+    return bytes;
+  }
+
+ private:
+  struct Mapping {
+    void* data;
+    size_t bytes;
+  };
+
+  void* take(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = kept_.begin(); it != kept_.end(); ++it) {
+      if (it->bytes == bytes) {
+        void* data = it->data;
+        kept_bytes_ -= bytes;
+        kept_.erase(it);
+        return data;
+      }
+    }
+    return nullptr;
+  }
+
+  static void* fresh(size_t bytes) {
+    void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    TORCH_CHECK_WITH(OutOfMemoryError, data != MAP_FAILED, "attnkit native kernel: cannot map ", bytes,
+                     " bytes for an output");
 #ifdef MADV_HUGEPAGE
-  constexpr size_t kFreshMapping = size_t{32} << 20;
-  static const bool advise = huge_pages_without_stalls();
-  if (!advise || t.nbytes() < kFreshMapping) return t;
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = (begin + t.nbytes()) & ~(kHuge - 1);
-  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // advice: failure is harmless
+    static const bool advise = huge_pages_without_stalls();
+    if (advise) madvise(data, bytes, MADV_HUGEPAGE);  // advice: failure is harmless
 #endif
-  return t;
-}
+    return data;
+  }
+
+  static void give_back(void* context) {
+    const Mapping m = *static_cast<Mapping*>(context);
+    delete static_cast<Mapping*>(context);
+    std::deque<Mapping> evicted;
+    if (m.bytes <= kKeptBytes) {
+      KeptMappings& pool = instance();
+      std::lock_guard<std::mutex> lock(pool.mutex_);
+      pool.kept_.push_front(m);
+      pool.kept_bytes_ += m.bytes;
+      while (pool.kept_bytes_ > kKeptBytes) {
+        evicted.push_back(pool.kept_.back());
+        pool.kept_bytes_ -= pool.kept_.back().bytes;
+        pool.kept_.pop_back();
+      }
+    } else {
+      evicted.push_back(m);
+    }
+    for (const Mapping& e : evicted) munmap(e.data, e.bytes);  // outside the lock
+  }
+
+  std::mutex mutex_;
+  std::deque<Mapping> kept_;  // most recently freed first
+  size_t kept_bytes_ = 0;
+};
+
+int64_t release_kept_memory() { return KeptMappings::instance().release(); }
 
 // A fresh [B, heads, L, C] tensor (C the last dim), with its rows outer to its heads where `like`
 // has them so ([B, L, H, D] in memory, as a model's projections viewed as heads give): then the
 // caller's view back to [B, L, H * C] needs no copy, as with SDPA's outputs and gradients.
 at::Tensor like_layout(const at::Tensor& like, int64_t B, int64_t heads, int64_t L, int64_t C) {
   const bool rows_outer = like.size(1) > 1 && like.size(2) > 1 && like.stride(1) < like.stride(2);
-  const auto options = like.options();
-  return with_huge_pages(rows_outer ? at::empty({B, L, heads, C}, options).transpose(1, 2)
-                                    : at::empty({B, heads, L, C}, options));
+  const auto empty = [](std::initializer_list<int64_t> sizes) {
+    return at::Tensor(at::detail::empty_generic(sizes, &KeptMappings::instance(), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                at::kFloat, std::nullopt));
+  };
+  return rows_outer ? empty({B, L, heads, C}).transpose(1, 2) : empty({B, heads, L, C});
 }
 
 // Zero `rows` rows of `width` floats, `stride` apart (a block of an output laid out by like_layout).
@@ -1361,6 +1449,7 @@ TORCH_LIBRARY(attnkit_native, m) {
         "Tensor lo, Tensor hi, float scale, int block, int chunk, int parts, float dropout, int seed, "
         "float softcap, Tensor? alibi_slopes, int dropout_head_start, int dropout_row_start, int dropout_key_start) "
         "-> (Tensor, Tensor, Tensor)");
+  m.def("release_kept_memory() -> int", &release_kept_memory);
 }
 
 TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {

@@ -22,6 +22,7 @@ EXPECTED_SCHEMAS = {
                          "Tensor value, Tensor lse, Tensor delta, Tensor lo, Tensor hi, float scale, int block, "
                          "int chunk, int parts, float dropout, int seed, float softcap, Tensor? alibi_slopes, "
                          "int dropout_head_start, int dropout_row_start, int dropout_key_start) -> (Tensor, Tensor, Tensor)",
+    "release_kept_memory": "attnkit_native::release_kept_memory() -> int",
 }
 
 
@@ -92,6 +93,14 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
     return torch.ops.attnkit_native.interval_backward(grad_out, query, key, value, lse, delta, lo, hi, scale, block,
                                                       chunk, parts, dropout, seed, softcap or 0.0,
                                                       _slopes(alibi_slopes), *dropout_start)
+
+
+def release_kept_memory() -> int:
+    """Unmap the output memory the kernel keeps for reuse (see :func:`attnkit.kernel.release_memory`);
+    returns the bytes released (0 when the kernel is not loaded)."""
+    from .loading import available  # loading imports this module
+
+    return int(torch.ops.attnkit_native.release_kept_memory()) if available() else 0
 
 
 def _slopes(alibi_slopes: Tensor | None) -> Tensor | None:
