@@ -105,7 +105,7 @@ def _rss_kib(field: str) -> int:
 
 def child(contender: str, mask_name: str, length: int, window: int) -> None:
     """Time one first call, then measure the extra peak memory of a second one; print JSON.
-    ``ours-train`` / ``sdpa-train``: forward and backward (of the sum of squared outputs)."""
+    ``ours-train`` / ``sdpa-train``: forward and backward (from a fixed gradient of the output)."""
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
     train = contender.endswith("-train")
     contender = contender.removesuffix("-train")
@@ -115,9 +115,11 @@ def child(contender: str, mask_name: str, length: int, window: int) -> None:
         forward = (lambda: attnkit.attention(query, key, value, mask=structured)) if contender == "ours" else (
             lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=structured.dense(length, length)))
 
+        grad_out = torch.randn(query.shape)
+
         def call():
             output = forward()
-            output.square().sum().backward()
+            output.backward(grad_out)
             return output.detach()
         first = call
     elif contender == "ours":
@@ -288,19 +290,22 @@ def long_run(args: argparse.Namespace) -> None:
 
 
 def training(args: argparse.Namespace) -> None:
-    """Forward + backward (of the sum of squared outputs) for each mask: steady time of ours, ours
+    """Forward + backward (from a fixed gradient of the output, as FlashAttention's benchmarks time
+    it: no loss computed around the attention) for each mask: steady time of ours, ours
     on PyTorch's kernel and dense-mask SDPA (interleaved, in this process), useful GFLOP/s against
     a matmul; then first call and extra peak memory of ours and SDPA with the window, fresh
     process each."""
     length, window = args.length, args.window
     print(f"# forward + backward, B=1, H={HEADS}, D={HEAD_DIM}, fp32, L={length} ({describe_machine()})")
-    print(f"# steady: median of {args.repeats} interleaved runs; FlexAttention has no CPU backward in this torch\n")
+    print(f"# output.backward(fixed gradient) after each forward; steady: median of {args.repeats} interleaved runs; "
+          "FlexAttention has no CPU backward in this torch\n")
     query, key, value = (t.requires_grad_() for t in inputs(length))
+    grad_out = torch.randn(query.shape, generator=torch.Generator().manual_seed(1))
     flops, matmul = square_matmul()
 
     def step(forward):
         def run():
-            forward().square().sum().backward()
+            forward().backward(grad_out)
             query.grad = key.grad = value.grad = None
         return run
 
