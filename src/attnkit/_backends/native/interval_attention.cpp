@@ -614,7 +614,7 @@ __attribute__((always_inline)) inline void accumulate16(__m512 (&a)[N][2], const
 
 // s[i * ss][.] = sum_d k[i * k2s + d] qt[d][.] for i < N, over 32 rows.
 template <int N>
-inline void scores_tile16(const float* k, int64_t k2s, int64_t D, const float* qt, int64_t rs, float* s, int64_t ss) {
+__attribute__((always_inline)) inline void scores_tile16(const float* k, int64_t k2s, int64_t D, const float* qt, int64_t rs, float* s, int64_t ss) {
   __m512 a[N][2];
   _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
   accumulate16<N>(a, k, k2s, 1, D, qt, rs);
@@ -758,16 +758,15 @@ void block_values(const float* v, int64_t v2s, int64_t W, int64_t Dv, const floa
 }
 #endif
 
-// dst[c][r] = factor * src[r][c] for r < rows, c < cols (src row stride ss, dst row stride ds),
+// dst[c][r] = src[r][c] for r < rows, c < cols (src row stride ss, dst row stride ds),
 // by 8 x 8 tiles in registers where whole, element by element at the edges.
-void transpose(const float* src, int64_t ss, int64_t rows, int64_t cols, float factor, float* dst, int64_t ds) {
-  const __m256 f = _mm256_set1_ps(factor);
+void transpose(const float* src, int64_t ss, int64_t rows, int64_t cols, float* dst, int64_t ds) {
   int64_t r = 0;
   for (; r + 8 <= rows; r += 8) {
     int64_t c = 0;
     for (; c + 8 <= cols; c += 8) {
       __m256 x[8];
-      for (int i = 0; i < 8; ++i) x[i] = _mm256_mul_ps(_mm256_loadu_ps(src + (r + i) * ss + c), f);
+      for (int i = 0; i < 8; ++i) x[i] = _mm256_loadu_ps(src + (r + i) * ss + c);
       const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
       const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
       const __m256 t4 = _mm256_unpacklo_ps(x[4], x[5]), t5 = _mm256_unpackhi_ps(x[4], x[5]);
@@ -783,11 +782,11 @@ void transpose(const float* src, int64_t ss, int64_t rows, int64_t cols, float f
       for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + (c + i) * ds + r, y[i]);
     }
     for (; c < cols; ++c) {
-      for (int64_t i = r; i < r + 8; ++i) dst[c * ds + i] = factor * src[i * ss + c];
+      for (int64_t i = r; i < r + 8; ++i) dst[c * ds + i] = src[i * ss + c];
     }
   }
   for (; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) dst[c * ds + r] = factor * src[r * ss + c];
+    for (int64_t c = 0; c < cols; ++c) dst[c * ds + r] = src[r * ss + c];
   }
 }
 
@@ -1076,7 +1075,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           sum8[u] = _mm256_setzero_ps();
         }
         // Qt[d][r] = q_r[d], padding rows 0
-        transpose(q_block, q2s, rows, D, 1.0f, qt.data(), rs);
+        transpose(q_block, q2s, rows, D, qt.data(), rs);
         for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
         for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
           const int64_t width = std::min(chunk, span_hi - c0);
@@ -1104,7 +1103,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           }
           block_values(v_head + c0 * v2s, v2s, width, Dv, s, rs, ot.data(), start.data(), rescale8.data());
         }
-        transpose(ot.data(), rs, Dv, rows, 1.0f, o_block, o2s);  // out[r][dv] = Ot[dv][r], normalised below
+        transpose(ot.data(), rs, Dv, rows, o_block, o2s);  // out[r][dv] = Ot[dv][r], normalised below
         for (int64_t u = 0; u < rs / 8; ++u) {
           _mm256_storeu_ps(row_max.data() + 8 * u, max8[u]);
           _mm256_storeu_ps(row_sum.data() + 8 * u, sum8[u]);
@@ -1371,7 +1370,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
             const float* q_block = q + b * q0s + h * q1s + first * q2s;
             const float* go_block = go + b * g0s + h * g1s + first * g2s;
             const int64_t rs = (rows + kGroup - 1) / kGroup * kGroup;
-            transpose(q_block, q2s, rows, D, 1.0f, qt.data(), rs);  // Qt[d][r], padding rows 0
+            transpose(q_block, q2s, rows, D, qt.data(), rs);  // Qt[d][r], padding rows 0
             for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
             const float* delta_block = dl + (b * H + h) * Lq + first;
             // The rows' lanes; padding rows (up to a whole group) attend nothing
@@ -1438,8 +1437,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               const bool first_chunk = c0 == span_lo;
               if (any_bits(bad)) {
                 weights_rows.resize(rows * width), grads_rows.resize(rows * width);
-                transpose(p, rs, width, rows, 1.0f, weights_rows.data(), width);
-                transpose(ds, rs, width, rows, 1.0f, grads_rows.data(), width);
+                transpose(p, rs, width, rows, weights_rows.data(), width);
+                transpose(ds, rs, width, rows, grads_rows.data(), width);
                 exact_backward_chunk(rows, width, c0, row_lo.data(), row_hi.data(), weights_rows.data(),
                                      grads_rows.data(), q_block, q2s, go_block, g2s, k_head, k2s, dq_block, dq2s,
                                      dk_head, dk3s, dv_head, dv3s, D, Dv, first_chunk);
