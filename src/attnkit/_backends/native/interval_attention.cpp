@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <c10/core/CPUAllocator.h>
 #include <immintrin.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -375,7 +376,14 @@ class KeptMappings final : public c10::Allocator {
   static constexpr size_t kFromBytes = size_t{32} << 20, kKeptBytes = size_t{256} << 20;
 
   static KeptMappings& instance() {
-    static KeptMappings* const pool = new KeptMappings;  // never destroyed: tensors may outlive statics
+    static KeptMappings* const pool = [] {
+      auto* created = new KeptMappings;  // never destroyed: tensors may outlive statics
+      // A fork while another thread holds the lock (freeing a tensor) would leave it held forever
+      // in the child (a DataLoader worker): hold it across fork, release it on both sides.
+      pthread_atfork([] { instance().mutex_.lock(); }, [] { instance().mutex_.unlock(); },
+                     [] { instance().mutex_.unlock(); });
+      return created;
+    }();
     return *pool;
   }
 
