@@ -91,18 +91,38 @@ constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
 constexpr float kExpQ0 = 0.9999997019767761f, kExpQ1 = 0.4999915063381195f, kExpQ2 = 0.1666763573884964f,
                 kExpQ3 = 0.04189793020486832f, kExpQ4 = 0.008290314115583897f;
 
+// The steps both vector widths share (one definition, so the same bits): exp(r) for x = n ln2 + r,
+// and n.
+inline __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256 fnmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
+inline __m256 sub(__m256 a, __m256 b) { return _mm256_sub_ps(a, b); }
+template <class V> V splat(float x);
+template <> inline __m256 splat<__m256>(float x) { return _mm256_set1_ps(x); }
+#if defined(__AVX512F__)
+inline __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m512 fnmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fnmadd_ps(a, b, c); }
+inline __m512 sub(__m512 a, __m512 b) { return _mm512_sub_ps(a, b); }
+template <> inline __m512 splat<__m512>(float x) { return _mm512_set1_ps(x); }
+#endif
+
+template <class V>
+inline V exp_reduced(V x, V& n) {
+  n = sub(fmadd(x, splat<V>(kLog2e), splat<V>(kRound)), splat<V>(kRound));
+  V r = fnmadd(n, splat<V>(kLn2High), x);
+  r = fnmadd(n, splat<V>(kLn2Low), r);
+  V p = fmadd(splat<V>(kExpQ4), r, splat<V>(kExpQ3));
+  p = fmadd(p, r, splat<V>(kExpQ2));
+  p = fmadd(p, r, splat<V>(kExpQ1));
+  p = fmadd(p, r, splat<V>(kExpQ0));
+  return fmadd(p, r, splat<V>(1.0f));
+}
+
 inline __m256 exp_nonpositive(__m256 x) {
   const __m256 cut = _mm256_set1_ps(-87.0f);
   const __m256 underflow = _mm256_cmp_ps(x, cut, _CMP_LT_OQ);  // false for NaN
   x = _mm256_max_ps(cut, x);  // maxps returns its second operand, x, when x is NaN
-  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(kRound)), _mm256_set1_ps(kRound));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
-  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kExpQ4), r, _mm256_set1_ps(kExpQ3));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpQ2));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpQ1));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpQ0));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256 n;
+  const __m256 p = exp_reduced(x, n);
   // p 2^n through the exponent bits (n >= -126: 2^n is normal, the product rounds as scalef's);
   // a NaN lane converts to INT_MIN, whose exponent bits give 2^0: p (NaN) passes unchanged
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
@@ -896,14 +916,8 @@ inline __m256 softmax_rows(float* s, int64_t rs, int64_t W, int64_t key0, __m256
 // the lanes below it (-inf too, whose steps give NaN) are zeroed by the last step's mask anyway.
 inline __m512 exp_nonpositive(__m512 x) {
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);  // false for NaN
-  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(kRound)), _mm512_set1_ps(kRound));
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kExpQ4), r, _mm512_set1_ps(kExpQ3));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpQ2));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpQ1));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpQ0));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  __m512 n;
+  const __m512 p = exp_reduced(x, n);
   // p 2^n in one instruction (the 8-lane form's product with the exponent bits, the same bits);
   // a NaN p stays NaN
   return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~underflow), p, n);
