@@ -24,6 +24,7 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <c10/core/CPUAllocator.h>
+#include <cpuid.h>
 #include <immintrin.h>
 #include <pthread.h>
 #include <sys/mman.h>
@@ -1000,10 +1001,17 @@ inline void softmax_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512
 // Cache hints for the rows a block reads or writes once: its query rows and its output rows, 8 KiB
 // each of a 32 MiB tensor for a 32-row block, far from anything the hardware prefetchers follow.
 // The next block's query rows into L2 as a block starts, its own output rows into L1 for writing
-// (PREFETCHW, a NOP on CPUs without it) as its last chunk starts. Window, L = 16384: the forward
+// (PREFETCHW where the CPU has it, a read hint elsewhere) as its last chunk starts. Window, L = 16384: the forward
 // 141-143 -> 136-141 ms on one thread, 74-75 -> 71-73 ms on two (4 alternating rounds; with every
 // block reading and writing one block's rows, timing only, 132-134 ms: the bound); documents level.
+bool has_prefetchw() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(0x80000001u, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 8)) != 0;  // PRFCHW
+}
+
 inline void prefetch_rows(const float* first, int64_t rows, int64_t stride, int64_t width, bool for_writing) {
+  static const bool prefetchw = has_prefetchw();  // asked of the CPU: the build flags do not imply it
+  for_writing = for_writing && prefetchw;
   for (int64_t j = 0; j < rows; ++j) {
     const uintptr_t begin = reinterpret_cast<uintptr_t>(first + j * stride);
     const uintptr_t end = begin + static_cast<uintptr_t>(width) * sizeof(float);
