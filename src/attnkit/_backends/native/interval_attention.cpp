@@ -1001,9 +1001,10 @@ inline void softmax_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512
 // Cache hints for the rows a block reads or writes once: its query rows and its output rows, 8 KiB
 // each of a 32 MiB tensor for a 32-row block, far from anything the hardware prefetchers follow.
 // The next block's query rows into L2 as a block starts, its own output rows into L1 for writing
-// (PREFETCHW where the CPU has it, a read hint elsewhere) as its last chunk starts. Window, L = 16384: the forward
-// 141-143 -> 136-141 ms on one thread, 74-75 -> 71-73 ms on two (4 alternating rounds; with every
-// block reading and writing one block's rows, timing only, 132-134 ms: the bound); documents level.
+// (PREFETCHW where the CPU has it, a read hint elsewhere) as its last chunk starts. Window,
+// L = 16384: the forward 141-143 -> 136-141 ms on one thread, 74-75 -> 71-73 ms on two (4
+// alternating rounds; with every block reading and writing one block's rows, timing only,
+// 132-134 ms: the bound); documents level.
 bool has_prefetchw() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   return __get_cpuid(0x80000001u, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 8)) != 0;  // PRFCHW
