@@ -92,12 +92,16 @@ constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
 constexpr float kExpQ0 = 0.9999997019767761f, kExpQ1 = 0.4999915063381195f, kExpQ2 = 0.1666763573884964f,
                 kExpQ3 = 0.04189793020486832f, kExpQ4 = 0.008290314115583897f;
 
-// The steps both vector widths share (one definition, so the same bits): exp(r) for x = n ln2 + r,
+// The steps the three forms share (one definition, so the same bits): exp(r) for x = n ln2 + r,
 // and n.
+inline float fmadd(float a, float b, float c) { return std::fma(a, b, c); }
+inline float fnmadd(float a, float b, float c) { return std::fma(-a, b, c); }
+inline float sub(float a, float b) { return a - b; }
 inline __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
 inline __m256 fnmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
 inline __m256 sub(__m256 a, __m256 b) { return _mm256_sub_ps(a, b); }
 template <class V> V splat(float x);
+template <> inline float splat<float>(float x) { return x; }
 template <> inline __m256 splat<__m256>(float x) { return _mm256_set1_ps(x); }
 #if defined(__AVX512F__)
 inline __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
@@ -132,14 +136,8 @@ inline __m256 exp_nonpositive(__m256 x) {
 
 inline float exp_nonpositive(float x) {
   if (!(x >= -87.0f)) return x < -87.0f ? 0.0f : x;  // underflow (and -inf) to 0; NaN stays
-  const float n = std::fma(x, kLog2e, kRound) - kRound;
-  float r = std::fma(-n, kLn2High, x);
-  r = std::fma(-n, kLn2Low, r);
-  float p = std::fma(kExpQ4, r, kExpQ3);
-  p = std::fma(p, r, kExpQ2);
-  p = std::fma(p, r, kExpQ1);
-  p = std::fma(p, r, kExpQ0);
-  p = std::fma(p, r, 1.0f);
+  float n;
+  const float p = exp_reduced(x, n);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float two_n;
   std::memcpy(&two_n, &bits, sizeof(float));
@@ -622,8 +620,9 @@ inline void scores_tile1(const float* k0, int64_t D, const float* qt, int64_t rs
 // Both products: a[i][.] += sum_j src[i * item + j * step] rows[j][.] for i < N over 32 rows (row
 // stride rs), j = 0 .. count - 1 in order. The loops over i here and in the tiles are unrolled by
 // pragma: GCC then keeps a[N][2] in registers (left to itself it passed the accumulators through
-// the stack at every tile's start and end: 72 spills in the library). (The callers' switches over N stay written out: one
-// dispatch through a generic lambda ran the scores 5-10% slower at D = 16 and 32.)
+// the stack at every tile's start and end: 72 spills in the library). (The callers' switches over
+// N stay written out: one dispatch through a generic lambda ran the scores 5-10% slower at D = 16
+// and 32.)
 template <int N>
 __attribute__((always_inline)) inline void accumulate16(__m512 (&a)[N][2], const float* src, int64_t item, int64_t step, int64_t count,
                          const float* rows, int64_t rs) {
@@ -860,6 +859,13 @@ inline __m256 dropout_factor_rows(const Dropout& d, __m256i a, __m256i c, int64_
   return _mm256_andnot_ps(_mm256_castsi256_ps(below), _mm256_set1_ps(d.keep_scale));
 }
 
+// The keys [a, z) of a chunk of W keys from key0 that all of a vector's rows attend: [all_lo,
+// all_hi) clipped to the chunk (most keys of a block: no mask and nothing to check there).
+inline std::pair<int64_t, int64_t> attended_by_all(int64_t all_lo, int64_t all_hi, int64_t key0, int64_t W) {
+  const int64_t a = std::clamp<int64_t>(all_lo - key0, 0, W);
+  return {a, std::clamp<int64_t>(all_hi - key0, a, W)};
+}
+
 // The running softmax of 8 rows (one vector) over a chunk of W keys from key0, in place in
 // S[t][.] (row stride rs): the products q . k become scores by `mods` (the scale after the product,
 // as the definition orders them: scaling q first would overflow where the score does not; `rows`
@@ -890,7 +896,7 @@ inline __m256 softmax_rows(float* s, int64_t rs, int64_t W, int64_t key0, __m256
       chunk_max = _mm256_max_ps(chunk_max, x);
     }
   };
-  const int64_t a = std::clamp<int64_t>(all_lo - key0, 0, W), z = std::clamp<int64_t>(all_hi - key0, a, W);
+  const auto [a, z] = attended_by_all(all_lo, all_hi, key0, W);
   masked(0, a);
   for (int64_t t = a; t < z; ++t) {
     const __m256 x = score(t);
@@ -940,6 +946,23 @@ inline __m512 check_outside16(__m512 bad, __mmask16 in, __m512 x) {
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(bad), _mm512_castps_si512(not_finite)));
 }
 
+// A chunk of W keys from key0 for 16 rows, in key order: masked(t, in) on each key that some of
+// the rows do not attend (`in`: the rows that do), plain(from, to) on the keys all 16 attend.
+template <class Masked, class Plain>
+inline void split_keys16(int64_t W, int64_t key0, __m512i lo, __m512i hi, int64_t all_lo, int64_t all_hi,
+                         Masked masked, Plain plain) {
+  const auto [a, z] = attended_by_all(all_lo, all_hi, key0, W);
+  const auto each_masked = [&](int64_t from, int64_t to) {
+    __m512i key = _mm512_set1_epi32(static_cast<int>(key0 + from));
+    for (int64_t t = from; t < to; ++t, key = _mm512_add_epi32(key, _mm512_set1_epi32(1))) {
+      masked(t, attends16(lo, hi, key));
+    }
+  };
+  each_masked(0, a);
+  plain(a, z);
+  each_masked(z, W);
+}
+
 // softmax_rows on 16 rows (two of its vectors, a then b) for the common case, plain scores and
 // no dropout: the same steps lane by lane, in the same order, so the same bits; half the
 // instructions. `all_lo, all_hi`: keys all 16 rows attend.
@@ -949,38 +972,34 @@ inline void softmax_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512
   const __m512 neg_inf = _mm512_set1_ps(kNegInf), scale = _mm512_set1_ps(scale_value);
   const __m512 row_max = join(max_a, max_b);
   __m512 chunk_max = row_max;
-  const auto masked = [&](int64_t from, int64_t to) {
-    __m512i key = _mm512_set1_epi32(static_cast<int>(key0 + from));
-    for (int64_t t = from; t < to; ++t, key = _mm512_add_epi32(key, _mm512_set1_epi32(1))) {
-      const __mmask16 in = attends16(lo, hi, key);
-      const __m512 x = _mm512_mask_blend_ps(in, neg_inf, _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale));
+  const auto masked = [&](int64_t t, __mmask16 in) {
+    const __m512 x = _mm512_mask_blend_ps(in, neg_inf, _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale));
+    _mm512_storeu_ps(s + t * rs, x);
+    chunk_max = _mm512_max_ps(chunk_max, x);
+  };
+  const auto plain = [&](int64_t from, int64_t to) {
+    // Four running maxima, not one: a chain of dependent max instructions waits their latency on
+    // every key (max is exact, so any order gives the same bits).
+    __m512 max1 = neg_inf, max2 = neg_inf, max3 = neg_inf;
+    int64_t t = from;
+    for (; t + 4 <= to; t += 4) {
+      const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale);
+      const __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(s + (t + 1) * rs), scale);
+      const __m512 x2 = _mm512_mul_ps(_mm512_loadu_ps(s + (t + 2) * rs), scale);
+      const __m512 x3 = _mm512_mul_ps(_mm512_loadu_ps(s + (t + 3) * rs), scale);
+      _mm512_storeu_ps(s + t * rs, x0), _mm512_storeu_ps(s + (t + 1) * rs, x1);
+      _mm512_storeu_ps(s + (t + 2) * rs, x2), _mm512_storeu_ps(s + (t + 3) * rs, x3);
+      chunk_max = _mm512_max_ps(chunk_max, x0), max1 = _mm512_max_ps(max1, x1);
+      max2 = _mm512_max_ps(max2, x2), max3 = _mm512_max_ps(max3, x3);
+    }
+    for (; t < to; ++t) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale);
       _mm512_storeu_ps(s + t * rs, x);
       chunk_max = _mm512_max_ps(chunk_max, x);
     }
+    chunk_max = _mm512_max_ps(_mm512_max_ps(chunk_max, max1), _mm512_max_ps(max2, max3));
   };
-  const int64_t a = std::clamp<int64_t>(all_lo - key0, 0, W), z = std::clamp<int64_t>(all_hi - key0, a, W);
-  masked(0, a);
-  // Four running maxima, not one: a chain of dependent max instructions waits their latency on
-  // every key (max is exact, so any order gives the same bits).
-  __m512 max1 = neg_inf, max2 = neg_inf, max3 = neg_inf;
-  int64_t t = a;
-  for (; t + 4 <= z; t += 4) {
-    const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale);
-    const __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(s + (t + 1) * rs), scale);
-    const __m512 x2 = _mm512_mul_ps(_mm512_loadu_ps(s + (t + 2) * rs), scale);
-    const __m512 x3 = _mm512_mul_ps(_mm512_loadu_ps(s + (t + 3) * rs), scale);
-    _mm512_storeu_ps(s + t * rs, x0), _mm512_storeu_ps(s + (t + 1) * rs, x1);
-    _mm512_storeu_ps(s + (t + 2) * rs, x2), _mm512_storeu_ps(s + (t + 3) * rs, x3);
-    chunk_max = _mm512_max_ps(chunk_max, x0), max1 = _mm512_max_ps(max1, x1);
-    max2 = _mm512_max_ps(max2, x2), max3 = _mm512_max_ps(max3, x3);
-  }
-  for (; t < z; ++t) {
-    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale);
-    _mm512_storeu_ps(s + t * rs, x);
-    chunk_max = _mm512_max_ps(chunk_max, x);
-  }
-  chunk_max = _mm512_max_ps(_mm512_max_ps(chunk_max, max1), _mm512_max_ps(max2, max3));
-  masked(z, W);
+  split_keys16(W, key0, lo, hi, all_lo, all_hi, masked, plain);
   const __m512 shift = _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_cmp_ps_mask(chunk_max, neg_inf, _CMP_EQ_OQ)),
                                            chunk_max);
   const __m512 rescale = _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_cmp_ps_mask(row_max, neg_inf, _CMP_EQ_OQ)),
@@ -1255,23 +1274,19 @@ inline void weights_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512
                            int64_t all_hi, __m512 lse, float scale, __m256& bad) {
   const __m512 zero = _mm512_setzero_ps(), scale16 = _mm512_set1_ps(scale);
   __m512 bad16 = _mm512_setzero_ps();
-  const auto masked = [&](int64_t from, int64_t to) {
-    __m512i key = _mm512_set1_epi32(static_cast<int>(key0 + from));
-    for (int64_t t = from; t < to; ++t, key = _mm512_add_epi32(key, _mm512_set1_epi32(1))) {
-      const __mmask16 in = attends16(lo, hi, key);
-      const __m512 product = _mm512_loadu_ps(s + t * rs);
-      bad16 = check_outside16(bad16, in, product);
-      const __m512 x = _mm512_mul_ps(product, scale16);
-      _mm512_storeu_ps(s + t * rs, _mm512_maskz_mov_ps(in, exp_nonpositive(_mm512_min_ps(zero, _mm512_sub_ps(x, lse)))));
+  const auto masked = [&](int64_t t, __mmask16 in) {
+    const __m512 product = _mm512_loadu_ps(s + t * rs);
+    bad16 = check_outside16(bad16, in, product);
+    const __m512 x = _mm512_mul_ps(product, scale16);
+    _mm512_storeu_ps(s + t * rs, _mm512_maskz_mov_ps(in, exp_nonpositive(_mm512_min_ps(zero, _mm512_sub_ps(x, lse)))));
+  };
+  const auto plain = [&](int64_t from, int64_t to) {
+    for (int64_t t = from; t < to; ++t) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale16);
+      _mm512_storeu_ps(s + t * rs, exp_nonpositive(_mm512_min_ps(zero, _mm512_sub_ps(x, lse))));
     }
   };
-  const int64_t a = std::clamp<int64_t>(all_lo - key0, 0, W), z = std::clamp<int64_t>(all_hi - key0, a, W);
-  masked(0, a);
-  for (int64_t t = a; t < z; ++t) {
-    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale16);
-    _mm512_storeu_ps(s + t * rs, exp_nonpositive(_mm512_min_ps(zero, _mm512_sub_ps(x, lse))));
-  }
-  masked(z, W);
+  split_keys16(W, key0, lo, hi, all_lo, all_hi, masked, plain);
   bad = _mm256_or_ps(bad, _mm256_or_ps(low_half(bad16), high_half(bad16)));
 }
 
@@ -1279,23 +1294,19 @@ inline void score_grads_rows16(const float* p, float* dp, int64_t rs, int64_t W,
                                __m512i hi, int64_t all_lo, int64_t all_hi, __m512 delta, float scale, __m256& bad) {
   const __m512 s16 = _mm512_set1_ps(scale);
   __m512 bad16 = _mm512_setzero_ps();
-  const auto masked = [&](int64_t from, int64_t to) {
-    __m512i key = _mm512_set1_epi32(static_cast<int>(key0 + from));
-    for (int64_t t = from; t < to; ++t, key = _mm512_add_epi32(key, _mm512_set1_epi32(1))) {
-      const __mmask16 in = attends16(lo, hi, key);
-      const __m512 d = _mm512_loadu_ps(dp + t * rs);
-      bad16 = check_outside16(bad16, in, d);
-      const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(p + t * rs), _mm512_sub_ps(d, delta));
-      _mm512_storeu_ps(dp + t * rs, _mm512_maskz_mul_ps(in, g, s16));
+  const auto masked = [&](int64_t t, __mmask16 in) {
+    const __m512 d = _mm512_loadu_ps(dp + t * rs);
+    bad16 = check_outside16(bad16, in, d);
+    const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(p + t * rs), _mm512_sub_ps(d, delta));
+    _mm512_storeu_ps(dp + t * rs, _mm512_maskz_mul_ps(in, g, s16));
+  };
+  const auto plain = [&](int64_t from, int64_t to) {
+    for (int64_t t = from; t < to; ++t) {
+      const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(p + t * rs), _mm512_sub_ps(_mm512_loadu_ps(dp + t * rs), delta));
+      _mm512_storeu_ps(dp + t * rs, _mm512_mul_ps(g, s16));
     }
   };
-  const int64_t a = std::clamp<int64_t>(all_lo - key0, 0, W), z = std::clamp<int64_t>(all_hi - key0, a, W);
-  masked(0, a);
-  for (int64_t t = a; t < z; ++t) {
-    const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(p + t * rs), _mm512_sub_ps(_mm512_loadu_ps(dp + t * rs), delta));
-    _mm512_storeu_ps(dp + t * rs, _mm512_mul_ps(g, s16));
-  }
-  masked(z, W);
+  split_keys16(W, key0, lo, hi, all_lo, all_hi, masked, plain);
   bad = _mm256_or_ps(bad, _mm256_or_ps(low_half(bad16), high_half(bad16)));
 }
 #endif
