@@ -1,10 +1,16 @@
-"""Timing helpers shared by the benchmark scripts: interleaved repeats, medians."""
+"""Timing helpers shared by the benchmark scripts: interleaved repeats, medians, the machine's
+matmul rate and its FMA peak."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -28,10 +34,34 @@ def median_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int
 
 
 def square_matmul() -> tuple[float, Callable[[], object]]:
-    """Flops and a callable of a 2048^3 fp32 matrix product: the machine's practical peak, the rate
-    no attention kernel's two products can beat."""
+    """Flops and a callable of a 2048^3 fp32 matrix product: PyTorch's own matmul rate on this
+    machine. Near the cores' FMA peak where the BLAS uses their widest vectors (MKL on Intel and on
+    AMD Zen 4: 85-100%), far below it where it does not (MKL on AMD Zen 5: 40%, and attention
+    kernels then beat it): :func:`fma_peak` says which."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     return 2 * 2048**3, (lambda: a @ b)
+
+
+def fma_peak(threads: int) -> tuple[float | None, str]:
+    """``(GFLOP/s, how)``: the cores' float32 FMA peak on ``threads`` threads, measured by
+    ``fma_peak.c`` (built here with the system C compiler for this CPU, ``-march=native``), or
+    ``(None, why not)`` where it cannot be built or run."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return None, "no C compiler"
+    source = Path(__file__).with_name("fma_peak.c")
+    with tempfile.TemporaryDirectory() as folder:
+        program = Path(folder) / "fma_peak"
+        built = subprocess.run([compiler, "-O2", "-march=native", "-fopenmp", str(source), "-o", str(program)],
+                               capture_output=True, text=True)
+        if built.returncode != 0:
+            return None, f"fma_peak.c did not build: {(built.stderr.strip().splitlines() or ['?'])[-1]}"
+        ran = subprocess.run([str(program)], capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if ran.returncode != 0:
+        return None, f"fma_peak exited with {ran.returncode}"
+    gflops, _, lanes, _ = ran.stdout.split()
+    return float(gflops), f"benchmarks/fma_peak.c, {threads} threads, {lanes}-lane FMA"
 
 
 def describe_machine(device: torch.device | str = "cpu") -> str:
