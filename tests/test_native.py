@@ -113,6 +113,29 @@ def test_gradients_match_the_oracle(c, parts, with_lse, seed):
         torch.testing.assert_close(grad.double(), want, atol=5e-5 * size, rtol=0, msg=f"d{name}")
 
 
+@needs_native
+@pytest.mark.parametrize("dk, dv, block, chunk", [(80, 72, 37, 13), (130, 17, 64, 100), (64, 64, 96, 7),
+                                                  (5, 150, 33, 64)])
+def test_gradients_of_wide_heads_and_many_rows_match_the_oracle(dk, dv, block, chunk):
+    """Head dims across and between the backward's 64-feature tiles (whole and partial vectors), blocks
+    of several 32-row groups with padding, chunks cut mid-tile, GQA, keys laid out as a model's."""
+    g = torch.Generator().manual_seed(dk * 1000 + dv)
+    lq, lk = 150, 170
+    query = torch.randn(2, 4, lq, dk, generator=g)
+    key, value = (torch.randn(2, lk, 2, dim, generator=g).transpose(1, 2) for dim in (dk, dv))
+    lo = torch.randint(-3, lk, (2, lq), generator=g)
+    hi = lo + torch.randint(0, lk, (2, lq), generator=g)
+    c = dict(query=query, key=key, value=value, lo=lo, hi=hi, scale=dk ** -0.5)
+    out, lse = native.interval_forward(query, key, value, lo, hi, c["scale"], block=block, chunk=chunk)
+    grad_out, grad_lse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    grads = native.interval_backward(grad_out, query, key, value, out, lse, lo, hi, c["scale"], grad_lse,
+                                     block=block, chunk=chunk, parts=2)
+    for name, grad, want in zip("qkv", grads, _oracle_gradients(c, grad_out, grad_lse)):
+        # sums of up to 170 keys and 150 features of O(1) terms in fp32: ~1e-5 of the largest
+        size = max(1.0, want.abs().max().item())
+        torch.testing.assert_close(grad.double(), want, atol=5e-5 * size, rtol=0, msg=f"d{name}")
+
+
 def _kept(c, p, seed):
     """The kernel's dropout pattern, read through its output: with the identity as values a row's
     output is its weights, dropped ones exactly 0 (kept ones are > 0 unless exp underflows, which
