@@ -5,8 +5,10 @@
 // kernel cuts the rows into blocks; a block computes scores only over the span of its rows'
 // intervals, masks each row to its own interval while taking the softmax (no mask tensor), and
 // multiplies by the values, with a flash-style running softmax over chunks of keys. The forward's
-// two products are register-tiled here (see "The forward's products"); the backward's five go
-// through the BLAS sgemm that PyTorch itself links (MKL on x86). Compared with PyTorch's fused CPU
+// two products are register-tiled here (see "The forward's products"); the backward recomputes
+// the scores with the same tiles, and its four other products run on register tiles too in the
+// AVX-512 build (see "The backward's products over rows"), through the BLAS sgemm that PyTorch
+// itself links (MKL on x86) in the AVX2 build. Compared with PyTorch's fused CPU
 // kernel on the same blocks it avoids the kernel's fixed 512-key chunks (a 512 window's 543-key
 // span would run as 512 + 31), the additive mask pass, and partial outputs merged in Python.
 //
@@ -18,8 +20,9 @@
 // Optional dropout on the weights, from a seed (see Dropout). interval_backward (further down)
 // gives the gradients from the same intervals, seed and the saved lse.
 //
-// Built by attnkit/_backends/native/__init__.py with -O3 -mavx2 -mfma; the row loops use AVX2
-// intrinsics (no -ffast-math, which would let the compiler assume there are no infinities).
+// Built by attnkit/_backends/native/building.py with -O3 -mavx2 -mfma (and -mavx512f on a CPU with
+// AVX-512); the row loops use AVX2 or AVX-512 intrinsics (no -ffast-math, which would let the
+// compiler assume there are no infinities).
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
@@ -1479,9 +1482,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       // The scores come from the forward's register tiles, bit for bit the forward's: the weights
       // recomputed from its lse must round alike (a score one ulp lower under a huge scale would
       // weigh 0 here where the forward gave it 1). P (in place of the scores), dP, dS and the cap's
-      // derivative stay key-major with the rows as lanes, as the tiles give them: the four BLAS
-      // products read them transposed where they need to (a transpose of each chunk's scores into
-      // rows took 6-9% of a causal backward).
+      // derivative stay key-major with the rows as lanes, as the tiles give them: the other four
+      // products (tiles or BLAS) read them so (a transpose of each chunk's scores into rows took
+      // 6-9% of a causal backward).
       const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
       std::vector<float> qt(D * padded, 0.0f), scores(chunk * padded), grads(chunk * padded, 0.0f);
   #if defined(__AVX512F__)
