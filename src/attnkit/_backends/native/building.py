@@ -47,11 +47,15 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-s
 AVX512_FLAGS = ["-mavx512f"]
 
 
+def wide() -> bool:
+    """Whether this machine gets the AVX-512 build: an AVX-512 CPU, unless ``ATTNKIT_NATIVE_AVX512=0``
+    (which keeps the 256-bit build, e.g. to compare the two)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and os.environ.get("ATTNKIT_NATIVE_AVX512") != "0"
+
+
 def flags() -> list[str]:
-    """The compiler flags for this machine (:data:`FLAGS`, plus :data:`AVX512_FLAGS` on an AVX-512 CPU
-    unless ``ATTNKIT_NATIVE_AVX512=0``, which keeps the 256-bit build, e.g. to compare the two)."""
-    wide = torch.backends.cpu.get_cpu_capability() == "AVX512" and os.environ.get("ATTNKIT_NATIVE_AVX512") != "0"
-    return FLAGS + AVX512_FLAGS if wide else FLAGS
+    """The compiler flags for this machine (:data:`FLAGS`, plus :data:`AVX512_FLAGS` where :func:`wide`)."""
+    return FLAGS + AVX512_FLAGS if wide() else FLAGS
 
 
 def cache_dir() -> Path:

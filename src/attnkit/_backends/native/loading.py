@@ -40,6 +40,7 @@ class _Library:
         self.loaded: bool | None = None
         self.why_not = ""
         self.path: Path | None = None
+        self.wide = False  # the AVX-512 build (see building.wide)
         self.not_built = False  # it would run here: only the build step is missing
         self.hinted = False
 
@@ -57,6 +58,7 @@ class _Library:
             return False, why
         if not _torch_supported():
             return False, f"built for torch 2.13, this is torch {torch.__version__}"
+        self.wide = _build.wide()  # before the path, which the same flags name
         path = self.path = _build.library_path()
         if not path.exists():
             self.not_built = True
@@ -129,6 +131,12 @@ def hint_if_not_built() -> None:
     _library.hinted = True
     warnings.warn(f"attnkit: the native CPU kernel for structured masks is not built, so they run on "
                   f"PyTorch's kernels (slower); build it once with: {REBUILD}", UserWarning, stacklevel=3)
+
+
+def backward_tiled() -> bool:
+    """Whether the loaded kernel's backward runs all five products on its register tiles (the
+    AVX-512 build); the AVX2 build's backward takes four of them through sgemm, about half as fast."""
+    return available() and _library.wide
 
 
 def loaded_from() -> Path | None:
