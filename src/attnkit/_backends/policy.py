@@ -9,9 +9,9 @@ traced by ``torch.compile``), in order:
    speed nobody measured there.
 3. ``return_weights``: ``"torch"``'s materialised path of fused ops (weights are ``Lq x Lk`` anyway).
 4. Plain causal (``causal=True`` or ``masks.causal()``, nothing else; over one query row the call
-   holds neither): square, attnkit's native kernel from 128 x 128 (with the AVX2 build's backward,
-   only below 4096 x 4096 where a backward will run), where it beat SDPA's causal path, else that
-   path; other shapes, the interval op.
+   holds neither): square, attnkit's native kernel from 128 x 128 (with its AVX2 build, only below
+   4096 x 4096 where a backward will run), where it beat SDPA's causal path, else that path; other
+   shapes, the interval op.
 5. A decoding step (one query row) with a structured mask: ``"torch"`` with the mask's one dense
    row per sequence.
 6. A structured mask, soft-capping, ALiBi or sinks (SDPA has none of these), or dropout where
@@ -60,11 +60,11 @@ AUTO_MAX_VISITED = ((1024 * 1024, 0.3), (float("inf"), 0.6))  # (pairs below, vi
 #: rows, 2026-11-25, AVX-512 machine): 0.80-0.91x at 4096-16384 with 8 query / 2 kv heads, D = 64,
 #: model layout, 1 and 2 threads; 0.82-0.95x with 8 / 8 heads contiguous; D = 128 (4 heads)
 #: 0.96-0.98x on 2 threads, 0.98-1.09x on one: the native kernel serves every length.
-#: With the backward's products on register tiles (the AVX-512 build, 2026-11-26, an AMD Zen 5
-#: where SDPA's kernels run at the same speed as on the earlier machine relative to its matmul),
-#: forward + backward at 2048, 4096 and 8192 (8 heads, D = 64, 2 threads): 0.35x, 0.38x, 0.40x
-#: SDPA's time (the AVX2 build there: 0.76x, 0.85x, 0.88x, where the earlier machine gave 1.06x at
-#: 4096): the cap at 4096 holds for the AVX2 build only.
+#: With the backward's products on register tiles (2026-11-26, an AMD Zen 5), forward + backward
+#: at 2048, 4096 and 8192 (8 heads, D = 64, 2 threads) in the AVX-512 build: 0.35x, 0.38x, 0.40x
+#: SDPA's time; the AVX2 build there, with sgemm: 0.76x, 0.85x, 0.88x (its tiles were level with
+#: that sgemm), where the earlier machine gave 1.06x at 4096: the cap at 4096 holds for the AVX2
+#: build only.
 NATIVE_MIN_PAIRS = 128 * 128
 NATIVE_MAX_COMPUTED = 0.9
 NATIVE_CAUSAL_MAX_PAIRS = 4096 * 4096
@@ -87,7 +87,7 @@ def choose(call: AttentionCall) -> str:
         if call.q_len == call.k_len:
             pairs = call.q_len * call.k_len
             native_faster = (NATIVE_MIN_PAIRS <= pairs
-                             and (pairs < NATIVE_CAUSAL_MAX_PAIRS or not call.needs_grad or _native_backward_tiled())
+                             and (pairs < NATIVE_CAUSAL_MAX_PAIRS or not call.needs_grad or _native_wide())
                              and _native_serves(call.query.device.type, call.query.dtype, False))
             return "interval" if native_faster else "torch"
         return "interval"
@@ -109,9 +109,9 @@ def choose(call: AttentionCall) -> str:
 
 
 @_torch_private.assume_constant_result
-def _native_backward_tiled() -> bool:
+def _native_wide() -> bool:
     """Process state (which build of the kernel is loaded), read once per trace."""
-    return native.backward_tiled()
+    return native.wide()
 
 
 @_torch_private.assume_constant_result

@@ -15,8 +15,8 @@ size, the compiler that built it and the torch build. :mod:`.loading` loads noth
 not match its record, so a truncated, corrupted or foreign file never reaches this process. The
 record's compiler is part of the key: a build with another compiler (``CXX``) is not a no-op.
 
-Requirements: x86-64 with AVX2 and FMA (the flags below; AVX-512 is used where the CPU has it), and
-a torch that exports the BLAS ``sgemm_`` the kernel multiplies with (the official x86 builds link MKL).
+Requirements: x86-64 with AVX2 and FMA (the flags below; AVX-512 is used where the CPU has it); the
+kernel computes its products itself (no BLAS).
 """
 
 from __future__ import annotations

@@ -6,9 +6,8 @@
 // intervals, masks each row to its own interval while taking the softmax (no mask tensor), and
 // multiplies by the values, with a flash-style running softmax over chunks of keys. The forward's
 // two products are register-tiled here (see "The forward's products"); the backward recomputes
-// the scores with the same tiles, and its four other products run on register tiles too in the
-// AVX-512 build (see "The backward's products over rows"), through the BLAS sgemm that PyTorch
-// itself links (MKL on x86) in the AVX2 build. Compared with PyTorch's fused CPU
+// the scores with the same tiles, and its four other products run on register tiles too (see
+// "The backward's products over rows"): no BLAS. Compared with PyTorch's fused CPU
 // kernel on the same blocks it avoids the kernel's fixed 512-key chunks (a 512 window's 543-key
 // span would run as 512 + 31), the additive mask pass, and partial outputs merged in Python.
 //
@@ -47,40 +46,9 @@
 #include <utility>
 #include <vector>
 
-extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-                       const float* beta, float* c, const int* ldc);
-// MKL's per-thread thread count (weak: absent where PyTorch links another BLAS).
-extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));  // the C interface (lower case is Fortran's)
-
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Column-major C = alpha * op(A) op(B) + beta * C, as BLAS defines it.
-void gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  const int M = static_cast<int>(m), N = static_cast<int>(n), K = static_cast<int>(k);
-  const int LDA = static_cast<int>(lda), LDB = static_cast<int>(ldb), LDC = static_cast<int>(ldc);
-  sgemm_(&transa, &transb, &M, &N, &K, &alpha, a, &LDA, b, &LDB, &beta, c, &LDC);
-}
-
-// Within one of our parallel tasks, BLAS must run on the calling thread: under torch.compile's
-// inductor (OpenMP threads already busy) MKL otherwise starts its own threads inside each call,
-// oversubscribing the cores (measured: compiled training 0.58x eager at L = 4096, H = 4, window
-// 256; eager itself 27 -> 22 ms with this). Restores the thread's setting on scope exit.
-class SequentialBlas {
- public:
-  SequentialBlas() : previous_(MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0) {}
-  ~SequentialBlas() {
-    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(previous_);
-  }
-  SequentialBlas(const SequentialBlas&) = delete;
-  SequentialBlas& operator=(const SequentialBlas&) = delete;
-
- private:
-  int previous_;
-};
 
 // exp(x) for x <= 0, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2 (n rounded to nearest by
 // adding and subtracting 1.5 * 2^23, two instructions where a round is three), r in two steps
@@ -1314,16 +1282,20 @@ inline void score_grads_rows16(const float* p, float* dp, int64_t rs, int64_t W,
 }
 #endif
 
-#if defined(__AVX512F__)
 // ---- The backward's products over rows, register-tiled -------------------------------------------
 //
 // dV += (f P)^T dO and dK += dS^T Q sum over a block's rows: out[t][c] += sum_r w[t][r] x[r][c],
 // with w key-major (rows as lanes, as the scores' tiles leave P and dS) and x the rows of dO or Q
-// as given. N = 6 keys by up to 64 features (4 vectors) per tile, 24 accumulators: per row, 4
-// vector loads of x and 6 broadcasts of w for 24 FMA. With dP = dO V^T (block_scores) and dQ^T +=
-// K^T dS^T (block_values) the backward no longer calls sgemm in this build: MKL's sgemm on these
-// shapes (a 32-row block: an inner dimension of 32) ran at ~40% of the FMA rate of the scores'
-// tiles on an AMD Zen 5 (61% of a window backward's time, for 4 of its 5 products).
+// as given. With these, dP = dO V^T (block_scores) and dQ^T += K^T dS^T (block_values), the
+// backward calls no BLAS: MKL's sgemm on these shapes (a 32-row block: an inner dimension of 32)
+// ran at ~40% of the FMA rate of the scores' tiles on an AMD Zen 5 (61% of a window backward's
+// time, for 4 of its 5 products: the backward now takes half the time); the 256-bit build, level
+// with MKL's 256-bit code there, took 0.89-0.99x its time with sgemm (L = 16384, 2 threads) and
+// was level at GPT training shapes.
+
+#if defined(__AVX512F__)
+// N = 6 keys by up to 64 features (4 vectors) per tile, 24 accumulators: per row, 4 vector loads
+// of x and 6 broadcasts of w for 24 FMA.
 
 // out[i * os + c] += sum_{r < rows} w[i * rs + r] x[r * xs + c] for i < N, c < 16 V (the last
 // vector's lanes by `last`), in row order from the value in `out`.
@@ -1381,36 +1353,93 @@ void block_rows_product(const float* w, int64_t rs, int64_t W, int64_t rows, con
     }
   }
 }
+#else
+// The same in 256-bit vectors: 2 keys by 32 features (4 vectors), 8 accumulators (3 keys would
+// spill: 16 registers); the last vector masked when it is partial (`Partial`: a masked store is
+// slow on some CPUs, whole vectors take plain ones).
+template <int N, int V, bool Partial>
+__attribute__((always_inline)) inline void rows_tile8(const float* w, int64_t rs, int64_t rows, const float* x, int64_t xs,
+                                                      float* out, int64_t os, __m256i last) {
+  const auto load = [&](const float* from, int v) {
+    return Partial && v == V - 1 ? _mm256_maskload_ps(from, last) : _mm256_loadu_ps(from);
+  };
+  __m256 a[N][V];
+  _Pragma("GCC unroll 4") for (int i = 0; i < N; ++i) {
+    _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) a[i][v] = load(out + i * os + 8 * v, v);
+  }
+#pragma GCC unroll 2
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256 row[V];
+    _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) row[v] = load(x + r * xs + 8 * v, v);
+    _Pragma("GCC unroll 4") for (int i = 0; i < N; ++i) {
+      const __m256 c = _mm256_broadcast_ss(w + i * rs + r);
+      _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) a[i][v] = _mm256_fmadd_ps(c, row[v], a[i][v]);
+    }
+  }
+  _Pragma("GCC unroll 4") for (int i = 0; i < N; ++i) {
+    _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) {
+      float* to = out + i * os + 8 * v;
+      if (Partial && v == V - 1) {
+        _mm256_maskstore_ps(to, last, a[i][v]);
+      } else {
+        _mm256_storeu_ps(to, a[i][v]);
+      }
+    }
+  }
+}
+
+template <int V, bool Partial>
+void rows_tiles8(const float* w, int64_t rs, int64_t W, int64_t rows, const float* x, int64_t xs, float* out,
+                 int64_t os, __m256i last) {
+  int64_t t = 0;
+  for (; t + 2 <= W; t += 2) rows_tile8<2, V, Partial>(w + t * rs, rs, rows, x, xs, out + t * os, os, last);
+  if (t < W) rows_tile8<1, V, Partial>(w + t * rs, rs, rows, x, xs, out + t * os, os, last);
+}
+
+// Out[t][c] += sum_{r < rows} W[t][r] X[r][c] for the W keys of a chunk (w row stride rs, x row
+// stride xs, out row stride os), C features.
+void block_rows_product(const float* w, int64_t rs, int64_t W, int64_t rows, const float* x, int64_t xs, int64_t C,
+                        float* out, int64_t os) {
+  for (int64_t c0 = 0; c0 < C; c0 += 32) {
+    const int64_t left = std::min<int64_t>(C - c0, 32), vectors = (left + 7) / 8, tail = left - 8 * (vectors - 1);
+    const __m256i last = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(tail)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const float* xc = x + c0;
+    float* oc = out + c0;
+    switch (vectors * 2 + (tail < 8)) {
+      case 8: rows_tiles8<4, false>(w, rs, W, rows, xc, xs, oc, os, last); break;
+      case 9: rows_tiles8<4, true>(w, rs, W, rows, xc, xs, oc, os, last); break;
+      case 6: rows_tiles8<3, false>(w, rs, W, rows, xc, xs, oc, os, last); break;
+      case 7: rows_tiles8<3, true>(w, rs, W, rows, xc, xs, oc, os, last); break;
+      case 4: rows_tiles8<2, false>(w, rs, W, rows, xc, xs, oc, os, last); break;
+      case 5: rows_tiles8<2, true>(w, rs, W, rows, xc, xs, oc, os, last); break;
+      case 2: rows_tiles8<1, false>(w, rs, W, rows, xc, xs, oc, os, last); break;
+      default: rows_tiles8<1, true>(w, rs, W, rows, xc, xs, oc, os, last); break;
+    }
+  }
+}
 #endif
 
 // One chunk's share of dQ, dK and dV by attended pairs only, from its P (with dropout f * P) and
 // dS: for a chunk whose zeroed scores or dP held a non-finite value, which the three products
 // would have multiplied by 0 into NaN. Within the attended pairs it is IEEE arithmetic like the
 // products (0 * inf is NaN). `row_lo`, `row_hi` as block_span gives them (empty for rows whose lse
-// is -inf). dQ element (j, d) is dq[j * dq_row + d * dq_col]: the block's rows of the gradient, or
-// the tiled backward's transposed accumulator; `first_chunk` zeroes it first.
+// is -inf). dQ goes into the block's transposed accumulator dQt[d][j] (row stride rs), zeroed
+// first when `zero_dq`.
 void exact_backward_chunk(int64_t rows, int64_t width, int64_t c0, const int64_t* row_lo, const int64_t* row_hi,
                           const float* p, const float* ds, const float* q_block, int64_t q2s,
-                          const float* go_block, int64_t g2s, const float* k_head, int64_t k2s, float* dq,
-                          int64_t dq_row, int64_t dq_col, float* dk_head, int64_t dk2s, float* dv_head, int64_t dv2s,
-                          int64_t D, int64_t Dv, bool first_chunk) {
-  for (int64_t j = 0; j < rows && first_chunk; ++j) {
-    for (int64_t d = 0; d < D; ++d) dq[j * dq_row + d * dq_col] = 0.0f;
-  }
+                          const float* go_block, int64_t g2s, const float* k_head, int64_t k2s, float* dqt,
+                          int64_t rs, float* dk_head, int64_t dk2s, float* dv_head, int64_t dv2s, int64_t D,
+                          int64_t Dv, bool zero_dq) {
+  if (zero_dq) std::fill(dqt, dqt + D * rs, 0.0f);
   for (int64_t j = 0; j < rows; ++j) {
     const int64_t a = std::clamp<int64_t>(row_lo[j] - c0, 0, width), z = std::clamp<int64_t>(row_hi[j] - c0, 0, width);
     const float* q_row = q_block + j * q2s;
     const float* go_row = go_block + j * g2s;
-    float* dq_j = dq + j * dq_row;
     for (int64_t t = a; t < z; ++t) {
       const float g = ds[j * width + t];
       const int64_t key = c0 + t;
       const float* k_row = k_head + key * k2s;
-      if (dq_col == 1) {
-        axpy(dq_j, g, k_row, D);
-      } else {
-        for (int64_t d = 0; d < D; ++d) dq_j[d * dq_col] = std::fma(g, k_row[d], dq_j[d * dq_col]);
-      }
+      for (int64_t d = 0; d < D; ++d) dqt[d * rs + j] = std::fma(g, k_row[d], dqt[d * rs + j]);
       axpy(dk_head + key * dk2s, g, q_row, D);
       axpy(dv_head + key * dv2s, p[j * width + t], go_row, Dv);
     }
@@ -1422,9 +1451,9 @@ void exact_backward_chunk(int64_t rows, int64_t width, int64_t c0, const int64_t
 // in the shape of its input, laid out as like_layout gives. FlashAttention's backward, by query
 // blocks: per block and chunk of keys, P from the lse, dP = dO V^T, dS = scale * P * (f dP - delta)
 // with f the dropout factors (1 without dropout), dV += (f P)^T dO, dQ += dS K, dK += dS^T Q; the
-// scores from the forward's register tiles, the other four products by register tiles too in the
-// AVX-512 build (dQ accumulated transposed, Qt-like, and transposed out at the block's end; see
-// block_rows_product), by sgemm in the AVX2 build; nothing of size Lq x Lk is ever stored.
+// scores from the forward's register tiles, the other four products on register tiles too (dQ
+// accumulated transposed, like Qt, and transposed out at the block's end; see block_rows_product);
+// nothing of size Lq x Lk is ever stored.
 // Blocks of different rows add into the same key rows, so a task owns whole (batch, kv head)
 // pairs; with fewer pairs than threads, each pair's rows are cut into `parts` that add into
 // their own copy of dK and dV, summed at the end (`parts` copies: still O(L) memory).
@@ -1478,20 +1507,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const bool shared_rows = lo.size(0) == 1;
 
     at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
-      const SequentialBlas sequential_blas;
       // The scores come from the forward's register tiles, bit for bit the forward's: the weights
       // recomputed from its lse must round alike (a score one ulp lower under a huge scale would
       // weigh 0 here where the forward gave it 1). P (in place of the scores), dP, dS and the cap's
-      // derivative stay key-major with the rows as lanes, as the tiles give them: the other four
-      // products (tiles or BLAS) read them so (a transpose of each chunk's scores into rows took
-      // 6-9% of a causal backward).
+      // derivative stay key-major with the rows as lanes, as the tiles give them, and the other
+      // four products read them so (a transpose of each chunk's scores into rows took 6-9% of a
+      // causal backward).
       const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
       std::vector<float> qt(D * padded, 0.0f), scores(chunk * padded), grads(chunk * padded, 0.0f);
-  #if defined(__AVX512F__)
       std::vector<float> got(Dv * padded), dqt(D * padded);  // dO^T and dQ^T: rows as lanes, like Qt
       std::vector<Start> dq_start(padded / kGroup);
       const std::vector<__m256> no_rescale(padded / 8);
-  #endif
       std::vector<float> cap_grads(softcap > 0.0 ? chunk * padded : 0);
       std::vector<float> weights_rows, grads_rows;  // [rows][width] copies for the exact path
       std::vector<int64_t> row_lo(padded), row_hi(padded);
@@ -1528,11 +1554,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
             const int64_t rs = (rows + kGroup - 1) / kGroup * kGroup;
             transpose(q_block, q2s, rows, D, qt.data(), rs);  // Qt[d][r], padding rows 0
             for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
-  #if defined(__AVX512F__)
             transpose(go_block, g2s, rows, Dv, got.data(), rs);  // dOt[dv][r], padding rows 0
             for (int64_t d = 0; d < Dv; ++d) std::fill(got.data() + d * rs + rows, got.data() + (d + 1) * rs, 0.0f);
             bool dq_started = false;  // dQt holds this block's sum so far
-  #endif
             const float* delta_block = dl + (b * H + h) * Lq + first;
             // The rows' lanes; padding rows (up to a whole group) attend nothing
             for (int64_t u = 0; u < rs / 8; ++u) {
@@ -1571,23 +1595,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 weights_rows8(p + 8 * u, rs, width, c0, lo8[u], hi8[u], lse8[u], mods, row_lanes(first + 8 * u),
                               cap ? cap + 8 * u : nullptr, bad);
               }
-  #if defined(__AVX512F__)
               // dP[t][r] = sum_dv V[t][dv] dOt[dv][r]: the scores' tiles (padding rows of dOt are 0)
               block_scores(v_head + c0 * v2s, v2s, width, Dv, got.data(), rs, ds);
-              // lanes past the block's rows: 0, as the sgemm build leaves them (0 * an infinite value
-              // there would look like a masked non-finite value below)
+              // lanes past the block's rows: 0 (0 times an infinite value there would read as a
+              // masked non-finite value below)
               for (int64_t t = 0; t < width && rows < rs; ++t) std::fill(ds + t * rs + rows, ds + (t + 1) * rs, 0.0f);
-  #else
-              // Column-major for BLAS, P and dS are rows x width matrices with leading dimension rs.
-              if (Dv > 0) {  // BLAS rejects a leading dimension of 0
-                // dP (rows x width) = dO (rows x Dv) V_chunk^T (Dv x width)
-                gemm('T', 'N', rows, width, Dv, 1.0f, go_block, g2s, v_head + c0 * v2s, v2s, 0.0f, ds, rs);
-                // lanes past the block's rows: not written, hold an earlier block's values
-                for (int64_t t = 0; t < width && rows < rs; ++t) std::fill(ds + t * rs + rows, ds + (t + 1) * rs, 0.0f);
-              } else {
-                std::fill(ds, ds + width * rs, 0.0f);
-              }
-  #endif
   #if defined(__AVX512F__)
               if (plain && !cap) {
                 for (int64_t u = 0; u < rs / 8; u += 2) {
@@ -1603,47 +1615,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                                   static_cast<float>(scale), cap ? cap + 8 * u : nullptr, dropout, drop_a8[u],
                                   drop_c8[u], bad);
               }
-              const bool first_chunk = c0 == span_lo;
               if (any_bits(bad)) {
                 weights_rows.resize(rows * width), grads_rows.resize(rows * width);
                 transpose(p, rs, width, rows, weights_rows.data(), width);
                 transpose(ds, rs, width, rows, grads_rows.data(), width);
-  #if defined(__AVX512F__)
                 exact_backward_chunk(rows, width, c0, row_lo.data(), row_hi.data(), weights_rows.data(),
-                                     grads_rows.data(), q_block, q2s, go_block, g2s, k_head, k2s, dqt.data(), 1, rs,
+                                     grads_rows.data(), q_block, q2s, go_block, g2s, k_head, k2s, dqt.data(), rs,
                                      dk_head, dk3s, dv_head, dv3s, D, Dv, !dq_started);
                 dq_started = true;
-  #else
-                exact_backward_chunk(rows, width, c0, row_lo.data(), row_hi.data(), weights_rows.data(),
-                                     grads_rows.data(), q_block, q2s, go_block, g2s, k_head, k2s, dq_block, dq2s, 1,
-                                     dk_head, dk3s, dv_head, dv3s, D, Dv, first_chunk);
-  #endif
                 continue;
               }
-  #if defined(__AVX512F__)
               // dV_chunk += (f P)^T dO, dQt (+)= K_chunk^T dS^T, dK_chunk += dS^T Q
               block_rows_product(p, rs, width, rows, go_block, g2s, Dv, dv_head + c0 * dv3s, dv3s);
               std::fill(dq_start.begin(), dq_start.end(), dq_started ? Start::kKeep : Start::kZero);
               block_values(k_head + c0 * k2s, k2s, width, D, ds, rs, dqt.data(), dq_start.data(), no_rescale.data());
               dq_started = true;
               block_rows_product(ds, rs, width, rows, q_block, q2s, D, dk_head + c0 * dk3s, dk3s);
-  #else
-              if (Dv > 0) {
-                // dV_chunk^T (Dv x width) += dO^T (Dv x rows) P (rows x width)
-                gemm('N', 'N', Dv, width, rows, 1.0f, go_block, g2s, p, rs, 1.0f, dv_head + c0 * dv3s, dv3s);
-              }
-              if (D > 0) {
-                // dQ^T (D x rows) (+)= K_chunk^T (D x width) dS^T (width x rows)
-                gemm('N', 'T', D, rows, width, 1.0f, k_head + c0 * k2s, k2s, ds, rs, first_chunk ? 0.0f : 1.0f,
-                     dq_block, dq2s);
-                // dK_chunk^T (D x width) += Q^T (D x rows) dS (rows x width)
-                gemm('N', 'N', D, width, rows, 1.0f, q_block, q2s, ds, rs, 1.0f, dk_head + c0 * dk3s, dk3s);
-              }
-  #endif
             }
-  #if defined(__AVX512F__)
             transpose(dqt.data(), rs, D, rows, dq_block, dq2s);  // dq[r][d] = dQt[d][r]
-  #endif
           }
         }
       }

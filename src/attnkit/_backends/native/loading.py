@@ -133,9 +133,9 @@ def hint_if_not_built() -> None:
                   f"PyTorch's kernels (slower); build it once with: {REBUILD}", UserWarning, stacklevel=3)
 
 
-def backward_tiled() -> bool:
-    """Whether the loaded kernel's backward runs all five products on its register tiles (the
-    AVX-512 build); the AVX2 build's backward takes four of them through sgemm, about half as fast."""
+def wide() -> bool:
+    """Whether the loaded kernel is the AVX-512 build: its products in 512-bit vectors, the backward
+    about twice as fast as the AVX2 build's on such a CPU."""
     return available() and _library.wide
 
 

@@ -62,7 +62,7 @@ def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: 
         default_block, default_chunk = tiles(lo, hi)
         block, chunk = block or default_block, chunk or default_chunk
     _require_library()
-    query, key, value = _blas_rows(query, key, value)
+    query, key, value = _plain_rows(query, key, value)
     return torch.ops.attnkit_native.interval_forward(query, key, value, lo, hi, scale, block, chunk, dropout, seed,
                                                      softcap or 0.0, _slopes(alibi_slopes), *dropout_start)
 
@@ -89,7 +89,7 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
     if grad_lse is not None:
         delta = delta - grad_lse
     _require_library()
-    grad_out, query, key, value = _blas_rows(grad_out, query, key, value)
+    grad_out, query, key, value = _plain_rows(grad_out, query, key, value)
     return torch.ops.attnkit_native.interval_backward(grad_out, query, key, value, lse, delta, lo, hi, scale, block,
                                                       chunk, parts, dropout, seed, softcap or 0.0,
                                                       _slopes(alibi_slopes), *dropout_start)
@@ -117,8 +117,9 @@ def _require_library() -> None:
         raise RuntimeError(f"attnkit native kernel unavailable: {why_unavailable()}")
 
 
-def _blas_rows(*tensors: Tensor) -> tuple[Tensor, ...]:
-    """BLAS reads rows at a stride >= the row length. A size-1 dim may carry any stride (and
-    ``.contiguous()`` keeps it), so such rare layouts are copied with fresh strides."""
+def _plain_rows(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The kernel reads rows of unit stride along the head dimension, at a stride >= the row
+    length. A size-1 dim may carry any stride (and ``.contiguous()`` keeps it), so such rare layouts
+    are copied with fresh strides."""
     return tuple(t if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1]
                  else t.clone(memory_format=torch.contiguous_format) for t in tensors)
