@@ -1575,7 +1575,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 all_lo16[u] = std::max(all_lo16[u], row_lo[j]), all_hi16[u] = std::min(all_hi16[u], row_hi[j]);
               }
             }
-            const bool plain = mods.cap <= 0.0f && !mods.alibi && !dropout.active;
+            // plain scores: the weights in 16 lanes (dropout enters only the score gradients)
+            const bool plain = mods.cap <= 0.0f && !mods.alibi;
             for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
               const int64_t width = std::min(chunk, span_hi - c0);
               float* p = scores.data();  // S, then P in its place: [t][r], row stride rs
@@ -1601,7 +1602,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               // masked non-finite value below)
               for (int64_t t = 0; t < width && rows < rs; ++t) std::fill(ds + t * rs + rows, ds + (t + 1) * rs, 0.0f);
   #if defined(__AVX512F__)
-              if (plain && !cap) {
+              if (plain && !dropout.active) {
                 for (int64_t u = 0; u < rs / 8; u += 2) {
                   score_grads_rows16(p + 8 * u, ds + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]),
                                      join(hi8[u], hi8[u + 1]), all_lo16[u / 2], all_hi16[u / 2],
