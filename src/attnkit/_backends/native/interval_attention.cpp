@@ -917,6 +917,22 @@ inline __m512 check_outside16(__m512 bad, __mmask16 in, __m512 x) {
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(bad), _mm512_castps_si512(not_finite)));
 }
 
+// fmix32 and dropout_factor_rows on 16 lanes: the same integer steps, so the same pattern.
+inline __m512i fmix32(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x85EBCA6Bu)));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0xC2B2AE35u)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+inline __m512 dropout_factor_rows(const Dropout& d, __m512i a, __m512i c, int64_t key) {
+  __m512i bits = fmix32(_mm512_xor_si512(_mm512_set1_epi32(static_cast<int>(key + d.key_start)), a));
+  bits = fmix32(_mm512_xor_si512(bits, c));
+  const __mmask16 kept = _mm512_cmpge_epu32_mask(bits, _mm512_set1_epi32(static_cast<int>(d.threshold)));
+  return _mm512_maskz_mov_ps(kept, _mm512_set1_ps(d.keep_scale));
+}
+
 // A chunk of W keys from key0 for 16 rows, in key order: masked(t, in) on each key that some of
 // the rows do not attend (`in`: the rows that do), plain(from, to) on the keys all 16 attend.
 template <class Masked, class Plain>
@@ -934,12 +950,14 @@ inline void split_keys16(int64_t W, int64_t key0, __m512i lo, __m512i hi, int64_
   each_masked(z, W);
 }
 
-// softmax_rows on 16 rows (two of its vectors, a then b) for the common case, plain scores and
-// no dropout: the same steps lane by lane, in the same order, so the same bits; half the
-// instructions. `all_lo, all_hi`: keys all 16 rows attend.
+// softmax_rows on 16 rows (two of its vectors, a then b) for plain scores, with dropout or not
+// (`dropout` and the rows' keys a, c): the same steps lane by lane, in the same order, so the same
+// bits; half the instructions. `all_lo, all_hi`: keys all 16 rows attend.
+template <bool Dropped>
 inline void softmax_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512i lo, __m512i hi, int64_t all_lo,
                            int64_t all_hi, float scale_value, __m256& max_a, __m256& max_b, __m256& sum_a,
-                           __m256& sum_b, __m256& rescale_a, __m256& rescale_b) {
+                           __m256& sum_b, __m256& rescale_a, __m256& rescale_b, const Dropout& dropout,
+                           __m512i drop_a, __m512i drop_c) {
   const __m512 neg_inf = _mm512_set1_ps(kNegInf), scale = _mm512_set1_ps(scale_value);
   const __m512 row_max = join(max_a, max_b);
   __m512 chunk_max = row_max;
@@ -979,7 +997,7 @@ inline void softmax_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512
   for (int64_t t = 0; t < W; ++t) {
     const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t * rs), shift));
     sum = _mm512_add_ps(sum, e);
-    _mm512_storeu_ps(s + t * rs, e);
+    _mm512_storeu_ps(s + t * rs, Dropped ? _mm512_mul_ps(e, dropout_factor_rows(dropout, drop_a, drop_c, key0 + t)) : e);
   }
   const __m512 row_sum = _mm512_fmadd_ps(join(sum_a, sum_b), rescale, sum);
   max_a = low_half(chunk_max), max_b = high_half(chunk_max);
@@ -1131,11 +1149,13 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           float* s = scores.data();
           block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s);
   #if defined(__AVX512F__)
-          if (mods.cap <= 0.0f && !mods.alibi && !dropout.active) {
+          if (mods.cap <= 0.0f && !mods.alibi) {
             for (int64_t u = 0; u < rs / 8; u += 2) {  // rs / 8 is a multiple of 4
-              softmax_rows16(s + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]),
-                             std::max(all_lo[u], all_lo[u + 1]), std::min(all_hi[u], all_hi[u + 1]), mods.scale,
-                             max8[u], max8[u + 1], sum8[u], sum8[u + 1], rescale8[u], rescale8[u + 1]);
+              const auto rows16 = dropout.active ? softmax_rows16<true> : softmax_rows16<false>;
+              rows16(s + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]),
+                     std::max(all_lo[u], all_lo[u + 1]), std::min(all_hi[u], all_hi[u + 1]), mods.scale, max8[u],
+                     max8[u + 1], sum8[u], sum8[u + 1], rescale8[u], rescale8[u + 1], dropout,
+                     join(drop_a8[u], drop_a8[u + 1]), join(drop_c8[u], drop_c8[u + 1]));
             }
           } else
   #endif
@@ -1261,20 +1281,30 @@ inline void weights_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512
   bad = _mm256_or_ps(bad, _mm256_or_ps(low_half(bad16), high_half(bad16)));
 }
 
-inline void score_grads_rows16(const float* p, float* dp, int64_t rs, int64_t W, int64_t key0, __m512i lo,
-                               __m512i hi, int64_t all_lo, int64_t all_hi, __m512 delta, float scale, __m256& bad) {
+// With dropout (`Dropped`), dS = scale P (f dP - delta) and P becomes f P, the weights the
+// output used, as score_grads_rows8 computes them.
+template <bool Dropped>
+inline void score_grads_rows16(float* p, float* dp, int64_t rs, int64_t W, int64_t key0, __m512i lo,
+                               __m512i hi, int64_t all_lo, int64_t all_hi, __m512 delta, float scale, __m256& bad,
+                               const Dropout& dropout, __m512i drop_a, __m512i drop_c) {
   const __m512 s16 = _mm512_set1_ps(scale);
   __m512 bad16 = _mm512_setzero_ps();
+  // g = P (f dP - delta) at key t (f P into p with dropout)
+  const auto gradient = [&](int64_t t, __m512 d) {
+    const __m512 weight = _mm512_loadu_ps(p + t * rs);
+    if (!Dropped) return _mm512_mul_ps(weight, _mm512_sub_ps(d, delta));
+    const __m512 f = dropout_factor_rows(dropout, drop_a, drop_c, key0 + t);
+    _mm512_storeu_ps(p + t * rs, _mm512_mul_ps(weight, f));
+    return _mm512_mul_ps(weight, _mm512_sub_ps(_mm512_mul_ps(f, d), delta));
+  };
   const auto masked = [&](int64_t t, __mmask16 in) {
     const __m512 d = _mm512_loadu_ps(dp + t * rs);
     bad16 = check_outside16(bad16, in, d);
-    const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(p + t * rs), _mm512_sub_ps(d, delta));
-    _mm512_storeu_ps(dp + t * rs, _mm512_maskz_mul_ps(in, g, s16));
+    _mm512_storeu_ps(dp + t * rs, _mm512_maskz_mul_ps(in, gradient(t, d), s16));
   };
   const auto plain = [&](int64_t from, int64_t to) {
     for (int64_t t = from; t < to; ++t) {
-      const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(p + t * rs), _mm512_sub_ps(_mm512_loadu_ps(dp + t * rs), delta));
-      _mm512_storeu_ps(dp + t * rs, _mm512_mul_ps(g, s16));
+      _mm512_storeu_ps(dp + t * rs, _mm512_mul_ps(gradient(t, _mm512_loadu_ps(dp + t * rs)), s16));
     }
   };
   split_keys16(W, key0, lo, hi, all_lo, all_hi, masked, plain);
@@ -1575,8 +1605,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 all_lo16[u] = std::max(all_lo16[u], row_lo[j]), all_hi16[u] = std::min(all_hi16[u], row_hi[j]);
               }
             }
-            // plain scores: the weights in 16 lanes (dropout enters only the score gradients)
-            const bool plain = mods.cap <= 0.0f && !mods.alibi;
+            const bool plain = mods.cap <= 0.0f && !mods.alibi;  // then 16 lanes, with dropout or not
             for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
               const int64_t width = std::min(chunk, span_hi - c0);
               float* p = scores.data();  // S, then P in its place: [t][r], row stride rs
@@ -1602,12 +1631,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               // masked non-finite value below)
               for (int64_t t = 0; t < width && rows < rs; ++t) std::fill(ds + t * rs + rows, ds + (t + 1) * rs, 0.0f);
   #if defined(__AVX512F__)
-              if (plain && !dropout.active) {
+              if (plain) {
                 for (int64_t u = 0; u < rs / 8; u += 2) {
-                  score_grads_rows16(p + 8 * u, ds + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]),
-                                     join(hi8[u], hi8[u + 1]), all_lo16[u / 2], all_hi16[u / 2],
-                                     join(delta8[u], delta8[u + 1]),
-                                     static_cast<float>(scale), bad);
+                  const auto rows16 = dropout.active ? score_grads_rows16<true> : score_grads_rows16<false>;
+                  rows16(p + 8 * u, ds + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]),
+                         all_lo16[u / 2], all_hi16[u / 2], join(delta8[u], delta8[u + 1]), static_cast<float>(scale),
+                         bad, dropout, join(drop_a8[u], drop_a8[u + 1]), join(drop_c8[u], drop_c8[u + 1]));
                 }
               } else
   #endif
