@@ -225,12 +225,22 @@ inline Dropout make_dropout(double p, int64_t seed, int64_t head_start, int64_t 
   return d;
 }
 
-inline uint32_t fmix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x85EBCA6Bu;
-  x ^= x >> 13;
-  x *= 0xC2B2AE35u;
-  return x ^ (x >> 16);
+// fmix32 (MurmurHash3's finaliser) on one word or on 8 or 16 lanes: one definition of its steps,
+// so every form gives the same pattern.
+template <int N> inline uint32_t xor_shifted(uint32_t x) { return x ^ (x >> N); }
+inline uint32_t times(uint32_t x, uint32_t c) { return x * c; }
+template <int N> inline __m256i xor_shifted(__m256i x) { return _mm256_xor_si256(x, _mm256_srli_epi32(x, N)); }
+inline __m256i times(__m256i x, uint32_t c) { return _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(c))); }
+#if defined(__AVX512F__)
+template <int N> inline __m512i xor_shifted(__m512i x) { return _mm512_xor_si512(x, _mm512_srli_epi32(x, N)); }
+inline __m512i times(__m512i x, uint32_t c) { return _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(c))); }
+#endif
+
+template <class U>
+inline U fmix32(U x) {
+  x = times(xor_shifted<16>(x), 0x85EBCA6Bu);
+  x = times(xor_shifted<13>(x), 0xC2B2AE35u);
+  return xor_shifted<16>(x);
 }
 
 inline uint32_t mix(uint32_t x, uint32_t v) { return fmix32(x ^ fmix32(v + 0x9E3779B9u)); }
@@ -242,14 +252,6 @@ inline DropoutRow dropout_row(const Dropout& d, int64_t b, int64_t h, int64_t i)
                static_cast<uint32_t>(i + d.row_start));
   };
   return {chain(d.seed_low), chain(d.seed_high)};
-}
-
-inline __m256i fmix32(__m256i x) {
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x85EBCA6Bu)));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0xC2B2AE35u)));
-  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
 // The factor of weight (row, key): 1 / (1 - p) when kept, 0 when dropped.
@@ -917,15 +919,7 @@ inline __m512 check_outside16(__m512 bad, __mmask16 in, __m512 x) {
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(bad), _mm512_castps_si512(not_finite)));
 }
 
-// fmix32 and dropout_factor_rows on 16 lanes: the same integer steps, so the same pattern.
-inline __m512i fmix32(__m512i x) {
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x85EBCA6Bu)));
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0xC2B2AE35u)));
-  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-}
-
+// dropout_factor_rows on 16 lanes: the same integer steps, so the same pattern.
 inline __m512 dropout_factor_rows(const Dropout& d, __m512i a, __m512i c, int64_t key) {
   __m512i bits = fmix32(_mm512_xor_si512(_mm512_set1_epi32(static_cast<int>(key + d.key_start)), a));
   bits = fmix32(_mm512_xor_si512(bits, c));
