@@ -927,6 +927,38 @@ inline __m512 dropout_factor_rows(const Dropout& d, __m512i a, __m512i c, int64_
   return _mm512_maskz_mov_ps(kept, _mm512_set1_ps(d.keep_scale));
 }
 
+// tanh_via_exp and apply8 on 16 lanes: the same operations in the same order, so the same bits.
+inline __m512 tanh_via_exp(__m512 y) {
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(y)));
+  const __m512 e = exp_nonpositive(_mm512_mul_ps(_mm512_set1_ps(-2.0f), magnitude));
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(sign, _mm512_castps_si512(y))));
+}
+
+inline __m512 apply16(const ScoreMods& m, __m512 product, __m512i rows, __m512i keys, __m512* cap_grad) {
+  __m512 x = _mm512_mul_ps(product, _mm512_set1_ps(m.scale));
+  if (m.cap > 0.0f) {
+    const __m512 cap = _mm512_set1_ps(m.cap);
+    const __m512 t = tanh_via_exp(_mm512_div_ps(x, cap));
+    x = _mm512_mul_ps(cap, t);
+    if (cap_grad) *cap_grad = _mm512_sub_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(t, t));
+  }
+  if (m.alibi) {
+    const __m512i distance =
+        _mm512_abs_epi32(_mm512_sub_epi32(_mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(m.offset))), keys));
+    x = _mm512_sub_ps(x, _mm512_mul_ps(_mm512_set1_ps(m.slope), _mm512_cvtepi32_ps(distance)));
+  }
+  return x;
+}
+
+// The row indices first .. first + 15 as lanes.
+inline __m512i row_lanes16(int64_t first) {
+  return _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)),
+                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
 // A chunk of W keys from key0 for 16 rows, in key order: masked(t, in) on each key that some of
 // the rows do not attend (`in`: the rows that do), plain(from, to) on the keys all 16 attend.
 template <class Masked, class Plain>
@@ -944,19 +976,25 @@ inline void split_keys16(int64_t W, int64_t key0, __m512i lo, __m512i hi, int64_
   each_masked(z, W);
 }
 
-// softmax_rows on 16 rows (two of its vectors, a then b) for plain scores, with dropout or not
-// (`dropout` and the rows' keys a, c): the same steps lane by lane, in the same order, so the same
-// bits; half the instructions. `all_lo, all_hi`: keys all 16 rows attend.
-template <bool Dropped>
+// softmax_rows on 16 rows (two of its vectors, a then b; `rows` their indices): plain scores or
+// modified by `mods` (`Plain`), with dropout or not (`Dropped`; `dropout` and the rows' keys a, c):
+// the same steps lane by lane, in the same order, so the same bits; half the instructions.
+// `all_lo, all_hi`: keys all 16 rows attend.
+template <bool Plain, bool Dropped>
 inline void softmax_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512i lo, __m512i hi, int64_t all_lo,
-                           int64_t all_hi, float scale_value, __m256& max_a, __m256& max_b, __m256& sum_a,
-                           __m256& sum_b, __m256& rescale_a, __m256& rescale_b, const Dropout& dropout,
-                           __m512i drop_a, __m512i drop_c) {
-  const __m512 neg_inf = _mm512_set1_ps(kNegInf), scale = _mm512_set1_ps(scale_value);
+                           int64_t all_hi, const ScoreMods& mods, __m512i rows, __m256& max_a, __m256& max_b,
+                           __m256& sum_a, __m256& sum_b, __m256& rescale_a, __m256& rescale_b,
+                           const Dropout& dropout, __m512i drop_a, __m512i drop_c) {
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf), scale = _mm512_set1_ps(mods.scale);
+  const auto score = [&](int64_t t) {
+    const __m512 product = _mm512_loadu_ps(s + t * rs);
+    return Plain ? _mm512_mul_ps(product, scale)
+                 : apply16(mods, product, rows, _mm512_set1_epi32(static_cast<int>(key0 + t)), nullptr);
+  };
   const __m512 row_max = join(max_a, max_b);
   __m512 chunk_max = row_max;
   const auto masked = [&](int64_t t, __mmask16 in) {
-    const __m512 x = _mm512_mask_blend_ps(in, neg_inf, _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale));
+    const __m512 x = _mm512_mask_blend_ps(in, neg_inf, score(t));
     _mm512_storeu_ps(s + t * rs, x);
     chunk_max = _mm512_max_ps(chunk_max, x);
   };
@@ -966,17 +1004,14 @@ inline void softmax_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512
     __m512 max1 = neg_inf, max2 = neg_inf, max3 = neg_inf;
     int64_t t = from;
     for (; t + 4 <= to; t += 4) {
-      const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale);
-      const __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(s + (t + 1) * rs), scale);
-      const __m512 x2 = _mm512_mul_ps(_mm512_loadu_ps(s + (t + 2) * rs), scale);
-      const __m512 x3 = _mm512_mul_ps(_mm512_loadu_ps(s + (t + 3) * rs), scale);
+      const __m512 x0 = score(t), x1 = score(t + 1), x2 = score(t + 2), x3 = score(t + 3);
       _mm512_storeu_ps(s + t * rs, x0), _mm512_storeu_ps(s + (t + 1) * rs, x1);
       _mm512_storeu_ps(s + (t + 2) * rs, x2), _mm512_storeu_ps(s + (t + 3) * rs, x3);
       chunk_max = _mm512_max_ps(chunk_max, x0), max1 = _mm512_max_ps(max1, x1);
       max2 = _mm512_max_ps(max2, x2), max3 = _mm512_max_ps(max3, x3);
     }
     for (; t < to; ++t) {
-      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale);
+      const __m512 x = score(t);
       _mm512_storeu_ps(s + t * rs, x);
       chunk_max = _mm512_max_ps(chunk_max, x);
     }
@@ -1143,20 +1178,21 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           float* s = scores.data();
           block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s);
   #if defined(__AVX512F__)
-          if (mods.cap <= 0.0f && !mods.alibi) {
-            for (int64_t u = 0; u < rs / 8; u += 2) {  // rs / 8 is a multiple of 4
-              const auto rows16 = dropout.active ? softmax_rows16<true> : softmax_rows16<false>;
-              rows16(s + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]),
-                     std::max(all_lo[u], all_lo[u + 1]), std::min(all_hi[u], all_hi[u + 1]), mods.scale, max8[u],
-                     max8[u + 1], sum8[u], sum8[u + 1], rescale8[u], rescale8[u + 1], dropout,
-                     join(drop_a8[u], drop_a8[u + 1]), join(drop_c8[u], drop_c8[u + 1]));
-            }
-          } else
-  #endif
+          const bool plain = mods.cap <= 0.0f && !mods.alibi;
+          const auto rows16 = plain ? (dropout.active ? softmax_rows16<true, true> : softmax_rows16<true, false>)
+                                    : (dropout.active ? softmax_rows16<false, true> : softmax_rows16<false, false>);
+          for (int64_t u = 0; u < rs / 8; u += 2) {  // rs / 8 is a multiple of 4
+            rows16(s + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]),
+                   std::max(all_lo[u], all_lo[u + 1]), std::min(all_hi[u], all_hi[u + 1]), mods,
+                   row_lanes16(first + 8 * u), max8[u], max8[u + 1], sum8[u], sum8[u + 1], rescale8[u],
+                   rescale8[u + 1], dropout, join(drop_a8[u], drop_a8[u + 1]), join(drop_c8[u], drop_c8[u + 1]));
+          }
+  #else
           for (int64_t u = 0; u < rs / 8; ++u) {
             rescale8[u] = softmax_rows(s + 8 * u, rs, width, c0, lo8[u], hi8[u], all_lo[u], all_hi[u], mods,
                                        row_lanes(first + 8 * u), max8[u], sum8[u], dropout, drop_a8[u], drop_c8[u]);
           }
+  #endif
           for (int64_t g = 0; g < rs / kGroup; ++g) {
             bool ones = true;
             for (int i = 0; i < 4; ++i) {
@@ -1251,37 +1287,47 @@ inline void score_grads_rows8(float* p, float* dp, int64_t rs, int64_t W, int64_
 }
 
 #if defined(__AVX512F__)
-// Both for 16 rows, plain scores and no dropout (the common case): the same operations lane by
-// lane, so the same bits. Keys [all_lo, all_hi) are attended by all 16 rows: no mask and nothing
-// to check there (most keys of a block, as in the forward; the masks and checks were ~40% of
-// these loops' instructions).
+// Both for 16 rows (`rows` their indices): the same operations lane by lane, so the same bits;
+// plain scores (`Plain`) or modified by `mods`. Keys [all_lo, all_hi) are attended by all 16 rows:
+// no mask and nothing to check there (most keys of a block, as in the forward; the masks and checks
+// were ~40% of these loops' instructions).
+template <bool Plain>
 inline void weights_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512i lo, __m512i hi, int64_t all_lo,
-                           int64_t all_hi, __m512 lse, float scale, __m256& bad) {
-  const __m512 zero = _mm512_setzero_ps(), scale16 = _mm512_set1_ps(scale);
+                           int64_t all_hi, __m512 lse, const ScoreMods& mods, __m512i rows, float* cap_grad,
+                           __m256& bad) {
+  const __m512 zero = _mm512_setzero_ps(), scale16 = _mm512_set1_ps(mods.scale);
   __m512 bad16 = _mm512_setzero_ps();
+  // the weight of key t from its product (the cap's derivative into cap_grad under soft-capping)
+  const auto weight = [&](int64_t t, __m512 product) {
+    __m512 grad;
+    const __m512 x = Plain ? _mm512_mul_ps(product, scale16)
+                           : apply16(mods, product, rows, _mm512_set1_epi32(static_cast<int>(key0 + t)), &grad);
+    if (!Plain && mods.cap > 0.0f) _mm512_storeu_ps(cap_grad + t * rs, grad);
+    return exp_nonpositive(_mm512_min_ps(zero, _mm512_sub_ps(x, lse)));
+  };
   const auto masked = [&](int64_t t, __mmask16 in) {
     const __m512 product = _mm512_loadu_ps(s + t * rs);
     bad16 = check_outside16(bad16, in, product);
-    const __m512 x = _mm512_mul_ps(product, scale16);
-    _mm512_storeu_ps(s + t * rs, _mm512_maskz_mov_ps(in, exp_nonpositive(_mm512_min_ps(zero, _mm512_sub_ps(x, lse)))));
+    _mm512_storeu_ps(s + t * rs, _mm512_maskz_mov_ps(in, weight(t, product)));
   };
   const auto plain = [&](int64_t from, int64_t to) {
-    for (int64_t t = from; t < to; ++t) {
-      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + t * rs), scale16);
-      _mm512_storeu_ps(s + t * rs, exp_nonpositive(_mm512_min_ps(zero, _mm512_sub_ps(x, lse))));
-    }
+    for (int64_t t = from; t < to; ++t) _mm512_storeu_ps(s + t * rs, weight(t, _mm512_loadu_ps(s + t * rs)));
   };
   split_keys16(W, key0, lo, hi, all_lo, all_hi, masked, plain);
   bad = _mm256_or_ps(bad, _mm256_or_ps(low_half(bad16), high_half(bad16)));
 }
 
 // With dropout (`Dropped`), dS = scale P (f dP - delta) and P becomes f P, the weights the
-// output used, as score_grads_rows8 computes them.
-template <bool Dropped>
+// output used; under soft-capping (`Capped`) times cap_grad: as score_grads_rows8 computes them.
+template <bool Dropped, bool Capped>
 inline void score_grads_rows16(float* p, float* dp, int64_t rs, int64_t W, int64_t key0, __m512i lo,
-                               __m512i hi, int64_t all_lo, int64_t all_hi, __m512 delta, float scale, __m256& bad,
-                               const Dropout& dropout, __m512i drop_a, __m512i drop_c) {
-  const __m512 s16 = _mm512_set1_ps(scale);
+                               __m512i hi, int64_t all_lo, int64_t all_hi, __m512 delta, float scale,
+                               const float* cap_grad, __m256& bad, const Dropout& dropout, __m512i drop_a,
+                               __m512i drop_c) {
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  const auto chain = [&](int64_t t) {
+    return Capped ? _mm512_mul_ps(scale16, _mm512_loadu_ps(cap_grad + t * rs)) : scale16;
+  };
   __m512 bad16 = _mm512_setzero_ps();
   // g = P (f dP - delta) at key t (f P into p with dropout)
   const auto gradient = [&](int64_t t, __m512 d) {
@@ -1294,11 +1340,11 @@ inline void score_grads_rows16(float* p, float* dp, int64_t rs, int64_t W, int64
   const auto masked = [&](int64_t t, __mmask16 in) {
     const __m512 d = _mm512_loadu_ps(dp + t * rs);
     bad16 = check_outside16(bad16, in, d);
-    _mm512_storeu_ps(dp + t * rs, _mm512_maskz_mul_ps(in, gradient(t, d), s16));
+    _mm512_storeu_ps(dp + t * rs, _mm512_maskz_mul_ps(in, gradient(t, d), chain(t)));
   };
   const auto plain = [&](int64_t from, int64_t to) {
     for (int64_t t = from; t < to; ++t) {
-      _mm512_storeu_ps(dp + t * rs, _mm512_mul_ps(gradient(t, _mm512_loadu_ps(dp + t * rs)), s16));
+      _mm512_storeu_ps(dp + t * rs, _mm512_mul_ps(gradient(t, _mm512_loadu_ps(dp + t * rs)), chain(t)));
     }
   };
   split_keys16(W, key0, lo, hi, all_lo, all_hi, masked, plain);
@@ -1599,7 +1645,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 all_lo16[u] = std::max(all_lo16[u], row_lo[j]), all_hi16[u] = std::min(all_hi16[u], row_hi[j]);
               }
             }
-            const bool plain = mods.cap <= 0.0f && !mods.alibi;  // then 16 lanes, with dropout or not
+            const bool plain = mods.cap <= 0.0f && !mods.alibi;
             for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
               const int64_t width = std::min(chunk, span_hi - c0);
               float* p = scores.data();  // S, then P in its place: [t][r], row stride rs
@@ -1608,37 +1654,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               __m256 bad = _mm256_setzero_ps();
               block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, p);
   #if defined(__AVX512F__)
-              if (plain) {
-                for (int64_t u = 0; u < rs / 8; u += 2) {
-                  weights_rows16(p + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]),
-                                 all_lo16[u / 2], all_hi16[u / 2], join(lse8[u], lse8[u + 1]), mods.scale, bad);
-                }
-              } else
-  #endif
+              for (int64_t u = 0; u < rs / 8; u += 2) {
+                (plain ? weights_rows16<true> : weights_rows16<false>)(
+                    p + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]), all_lo16[u / 2],
+                    all_hi16[u / 2], join(lse8[u], lse8[u + 1]), mods, row_lanes16(first + 8 * u),
+                    cap ? cap + 8 * u : nullptr, bad);
+              }
+  #else
               for (int64_t u = 0; u < rs / 8; ++u) {
                 weights_rows8(p + 8 * u, rs, width, c0, lo8[u], hi8[u], lse8[u], mods, row_lanes(first + 8 * u),
                               cap ? cap + 8 * u : nullptr, bad);
               }
+  #endif
               // dP[t][r] = sum_dv V[t][dv] dOt[dv][r]: the scores' tiles (padding rows of dOt are 0)
               block_scores(v_head + c0 * v2s, v2s, width, Dv, got.data(), rs, ds);
               // lanes past the block's rows: 0 (0 times an infinite value there would read as a
               // masked non-finite value below)
               for (int64_t t = 0; t < width && rows < rs; ++t) std::fill(ds + t * rs + rows, ds + (t + 1) * rs, 0.0f);
   #if defined(__AVX512F__)
-              if (plain) {
-                for (int64_t u = 0; u < rs / 8; u += 2) {
-                  const auto rows16 = dropout.active ? score_grads_rows16<true> : score_grads_rows16<false>;
-                  rows16(p + 8 * u, ds + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]),
-                         all_lo16[u / 2], all_hi16[u / 2], join(delta8[u], delta8[u + 1]), static_cast<float>(scale),
-                         bad, dropout, join(drop_a8[u], drop_a8[u + 1]), join(drop_c8[u], drop_c8[u + 1]));
-                }
-              } else
-  #endif
+              // with dropout, also turns P into the weights the output used
+              const auto grads16 = cap ? (dropout.active ? score_grads_rows16<true, true> : score_grads_rows16<false, true>)
+                                       : (dropout.active ? score_grads_rows16<true, false> : score_grads_rows16<false, false>);
+              for (int64_t u = 0; u < rs / 8; u += 2) {
+                grads16(p + 8 * u, ds + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]),
+                        all_lo16[u / 2], all_hi16[u / 2], join(delta8[u], delta8[u + 1]), static_cast<float>(scale),
+                        cap ? cap + 8 * u : nullptr, bad, dropout, join(drop_a8[u], drop_a8[u + 1]),
+                        join(drop_c8[u], drop_c8[u + 1]));
+              }
+  #else
               for (int64_t u = 0; u < rs / 8; ++u) {  // with dropout, also turns P into the weights the output used
                 score_grads_rows8(p + 8 * u, ds + 8 * u, rs, width, c0, lo8[u], hi8[u], delta8[u],
                                   static_cast<float>(scale), cap ? cap + 8 * u : nullptr, dropout, drop_a8[u],
                                   drop_c8[u], bad);
               }
+  #endif
               if (any_bits(bad)) {
                 weights_rows.resize(rows * width), grads_rows.resize(rows * width);
                 transpose(p, rs, width, rows, weights_rows.data(), width);
