@@ -1,0 +1,59 @@
+"""The native kernel's two builds compute the same bits: the AVX-512 build (16-lane softmax, weights,
+score gradients, dropout hash, soft-capping and ALiBi; 512-bit product tiles) against the AVX2 build
+(8 lanes, 256-bit tiles), which computes each result by the same operations in the same order. The
+AVX2 build is compiled into a temporary cache and run in a child process (a process can load only
+one library registering the kernel's ops); the outputs, lse and all three gradients must be equal,
+NaN for NaN, on calls with dropout, soft-capping, ALiBi, planted NaN/inf and an overflowing scale."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attnkit._backends import native
+
+CASES = """
+import sys, torch
+from attnkit._backends import native
+results = []
+for case, (length, dim, p, block, chunk, cap, alibi, scale) in enumerate([
+        (300, 64, 0.1, 32, 64, 30.0, False, 0.3), (257, 40, 0.5, 64, 37, 0.0, True, 0.3),
+        (200, 16, 0.0, 96, 50, 5.0, True, 0.7), (180, 80, 0.2, 32, 1000, 2.0, True, 1.5),
+        (150, 24, 0.0, 33, 17, 50.0, False, 3e37), (130, 8, 0.0, 40, 9, 0.0, False, 0.5)]):
+    g = torch.Generator().manual_seed(case)
+    q, k, v = (torch.randn(2, 4, length, dim, generator=g) for _ in range(3))
+    k[0, 1, 5, 3] = float("inf")
+    q[1, 2, 7, 0] = float("nan")
+    lo = torch.randint(-5, length, (2, length), generator=g)
+    hi = lo + torch.randint(0, length, (2, length), generator=g)
+    slopes = torch.rand(2, 4, generator=g) if alibi else None
+    options = dict(block=block, chunk=chunk, dropout=p, seed=11, softcap=cap or None, alibi_slopes=slopes)
+    out, lse = native.interval_forward(q, k, v, lo, hi, scale, **options)
+    grad_out = torch.randn(out.shape, generator=g)
+    results.append((out, lse, *native.interval_backward(grad_out, q, k, v, out, lse, lo, hi, scale, **options)))
+torch.save((native.wide(), results), sys.argv[1])
+"""
+
+
+def _run(path, env=None):
+    done = subprocess.run([sys.executable, "-c", CASES, str(path)], capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return torch.load(path)
+
+
+@pytest.mark.skipif(not native.available() or not native.wide(), reason="needs the AVX-512 build loaded")
+def test_the_avx2_and_avx512_builds_give_the_same_bits(tmp_path):
+    env = {**os.environ, "ATTNKIT_NATIVE_AVX512": "0", "ATTNKIT_NATIVE_DIR": str(tmp_path / "cache")}
+    built = subprocess.run([sys.executable, "-m", "attnkit.kernel", "--strict"], capture_output=True, text=True,
+                           env=env, check=False)
+    assert built.returncode == 0, built.stdout + built.stderr
+    (was_wide, wide), (was_narrow, narrow) = _run(tmp_path / "wide.pt"), _run(tmp_path / "narrow.pt", env)
+    assert was_wide and not was_narrow
+    for case, (ours, theirs) in enumerate(zip(wide, narrow)):
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ours, theirs):
+            assert torch.equal(a.isnan(), b.isnan()), (case, name)
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), (case, name, (a - b).nan_to_num().abs().max())
