@@ -124,11 +124,41 @@ inline float tanh_via_exp(float y) {
   return std::copysign((1.0f - e) / (1.0f + e), y);
 }
 
-inline __m256 tanh_via_exp(__m256 y) {
-  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
-  const __m256 e = exp_nonpositive(_mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(sign, y)));
-  const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
-  return _mm256_or_ps(t, _mm256_and_ps(sign, y));  // t >= 0 (or NaN): y's sign
+// The lane operations the 8- and 16-lane forms of tanh_via_exp and ScoreMods::apply share (one
+// definition of each form's steps, so the same bits): |y|, t with y's sign (t >= 0 or NaN), and
+// |row + offset - key| as floats.
+inline __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+inline __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+inline __m256 div(__m256 a, __m256 b) { return _mm256_div_ps(a, b); }
+inline __m256 magnitude(__m256 y) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), y); }
+inline __m256 with_sign_of(__m256 t, __m256 y) { return _mm256_or_ps(t, _mm256_and_ps(_mm256_set1_ps(-0.0f), y)); }
+inline __m256 key_distance(__m256i rows, int64_t offset, __m256i keys) {
+  return _mm256_cvtepi32_ps(
+      _mm256_abs_epi32(_mm256_sub_epi32(_mm256_add_epi32(rows, _mm256_set1_epi32(static_cast<int>(offset))), keys)));
+}
+#if defined(__AVX512F__)
+inline __m512 exp_nonpositive(__m512 x);  // further down, with the other 16-lane forms
+inline __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+inline __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+inline __m512 div(__m512 a, __m512 b) { return _mm512_div_ps(a, b); }
+inline __m512 magnitude(__m512 y) {
+  return _mm512_castsi512_ps(_mm512_andnot_si512(_mm512_set1_epi32(static_cast<int>(0x80000000u)), _mm512_castps_si512(y)));
+}
+inline __m512 with_sign_of(__m512 t, __m512 y) {
+  const __m512i sign = _mm512_and_si512(_mm512_set1_epi32(static_cast<int>(0x80000000u)), _mm512_castps_si512(y));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
+}
+inline __m512 key_distance(__m512i rows, int64_t offset, __m512i keys) {
+  return _mm512_cvtepi32_ps(
+      _mm512_abs_epi32(_mm512_sub_epi32(_mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(offset))), keys)));
+}
+#endif
+
+template <class V>
+inline V tanh_via_exp(V y) {
+  const V one = splat<V>(1.0f);
+  const V e = exp_nonpositive(mul(splat<V>(-2.0f), magnitude(y)));
+  return with_sign_of(div(sub(one, e), add(one, e)), y);
 }
 
 // What turns a product q . k into a score: the scale, then Gemma 2's soft-capping
@@ -165,21 +195,18 @@ ScoreMods score_mods(double scale, double softcap, const at::Tensor& slopes, int
   return m;
 }
 
-// ScoreMods::apply for 8 pairs at once: rows at key positions `row_pos` (minus the offset) and keys
-// `keys` (int32 lanes), the same operations in the same order; `cap_grad` receives 1 - t^2.
-inline __m256 apply8(const ScoreMods& m, __m256 product, __m256i rows, __m256i keys, __m256* cap_grad) {
-  __m256 x = _mm256_mul_ps(product, _mm256_set1_ps(m.scale));
+// ScoreMods::apply for 8 or 16 pairs at once: rows `rows` and keys `keys` (int32 lanes), the same
+// operations in the same order; `cap_grad` receives 1 - t^2.
+template <class V, class I>
+inline V apply_lanes(const ScoreMods& m, V product, I rows, I keys, V* cap_grad = nullptr) {
+  V x = mul(product, splat<V>(m.scale));
   if (m.cap > 0.0f) {
-    const __m256 cap = _mm256_set1_ps(m.cap);
-    const __m256 t = tanh_via_exp(_mm256_div_ps(x, cap));
-    x = _mm256_mul_ps(cap, t);
-    if (cap_grad) *cap_grad = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(t, t));
+    const V cap = splat<V>(m.cap);
+    const V t = tanh_via_exp(div(x, cap));
+    x = mul(cap, t);
+    if (cap_grad) *cap_grad = sub(splat<V>(1.0f), mul(t, t));
   }
-  if (m.alibi) {
-    const __m256i distance =
-        _mm256_abs_epi32(_mm256_sub_epi32(_mm256_add_epi32(rows, _mm256_set1_epi32(static_cast<int>(m.offset))), keys));
-    x = _mm256_sub_ps(x, _mm256_mul_ps(_mm256_set1_ps(m.slope), _mm256_cvtepi32_ps(distance)));
-  }
+  if (m.alibi) x = sub(x, mul(splat<V>(m.slope), key_distance(rows, m.offset, keys)));
   return x;
 }
 
@@ -857,7 +884,7 @@ inline __m256 softmax_rows(float* s, int64_t rs, int64_t W, int64_t key0, __m256
   const auto score = [&](int64_t t) {
     const __m256 product = _mm256_loadu_ps(s + t * rs);
     return plain ? _mm256_mul_ps(product, scale)
-                 : apply8(mods, product, rows, _mm256_set1_epi32(static_cast<int>(key0 + t)), nullptr);
+                 : apply_lanes(mods, product, rows, _mm256_set1_epi32(static_cast<int>(key0 + t)));
   };
   __m256 chunk_max = row_max;
   const auto masked = [&](int64_t from, int64_t to) {
@@ -927,32 +954,6 @@ inline __m512 dropout_factor_rows(const Dropout& d, __m512i a, __m512i c, int64_
   return _mm512_maskz_mov_ps(kept, _mm512_set1_ps(d.keep_scale));
 }
 
-// tanh_via_exp and apply8 on 16 lanes: the same operations in the same order, so the same bits.
-inline __m512 tanh_via_exp(__m512 y) {
-  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 magnitude = _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(y)));
-  const __m512 e = exp_nonpositive(_mm512_mul_ps(_mm512_set1_ps(-2.0f), magnitude));
-  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(sign, _mm512_castps_si512(y))));
-}
-
-inline __m512 apply16(const ScoreMods& m, __m512 product, __m512i rows, __m512i keys, __m512* cap_grad) {
-  __m512 x = _mm512_mul_ps(product, _mm512_set1_ps(m.scale));
-  if (m.cap > 0.0f) {
-    const __m512 cap = _mm512_set1_ps(m.cap);
-    const __m512 t = tanh_via_exp(_mm512_div_ps(x, cap));
-    x = _mm512_mul_ps(cap, t);
-    if (cap_grad) *cap_grad = _mm512_sub_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(t, t));
-  }
-  if (m.alibi) {
-    const __m512i distance =
-        _mm512_abs_epi32(_mm512_sub_epi32(_mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(m.offset))), keys));
-    x = _mm512_sub_ps(x, _mm512_mul_ps(_mm512_set1_ps(m.slope), _mm512_cvtepi32_ps(distance)));
-  }
-  return x;
-}
-
 // The row indices first .. first + 15 as lanes.
 inline __m512i row_lanes16(int64_t first) {
   return _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)),
@@ -989,7 +990,7 @@ inline void softmax_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512
   const auto score = [&](int64_t t) {
     const __m512 product = _mm512_loadu_ps(s + t * rs);
     return Plain ? _mm512_mul_ps(product, scale)
-                 : apply16(mods, product, rows, _mm512_set1_epi32(static_cast<int>(key0 + t)), nullptr);
+                 : apply_lanes(mods, product, rows, _mm512_set1_epi32(static_cast<int>(key0 + t)));
   };
   const __m512 row_max = join(max_a, max_b);
   __m512 chunk_max = row_max;
@@ -1256,7 +1257,7 @@ inline void weights_rows8(float* s, int64_t rs, int64_t W, int64_t key0, __m256i
     __m256 grad;
     // not fused: the forward rounded scale * q.k before subtracting (an fma would leave that
     // rounding, huge for huge scores, in the weight)
-    const __m256 x = plain ? _mm256_mul_ps(product, scale8) : apply8(mods, product, rows, key, &grad);
+    const __m256 x = plain ? _mm256_mul_ps(product, scale8) : apply_lanes(mods, product, rows, key, &grad);
     if (mods.cap > 0.0f) _mm256_storeu_ps(cap_grad + t * rs, grad);
     // min(0, .): a recomputed score may exceed the forward's lse by a rounding error (minps
     // returns its second operand, a NaN, when there is one)
@@ -1301,7 +1302,7 @@ inline void weights_rows16(float* s, int64_t rs, int64_t W, int64_t key0, __m512
   const auto weight = [&](int64_t t, __m512 product) {
     __m512 grad;
     const __m512 x = Plain ? _mm512_mul_ps(product, scale16)
-                           : apply16(mods, product, rows, _mm512_set1_epi32(static_cast<int>(key0 + t)), &grad);
+                           : apply_lanes(mods, product, rows, _mm512_set1_epi32(static_cast<int>(key0 + t)), &grad);
     if (!Plain && mods.cap > 0.0f) _mm512_storeu_ps(cap_grad + t * rs, grad);
     return exp_nonpositive(_mm512_min_ps(zero, _mm512_sub_ps(x, lse)));
   };
