@@ -1107,6 +1107,12 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   const int64_t v0s = value.stride(0), v1s = value.stride(1), v2s = value.stride(2);
   const int64_t o0s = out.stride(0), o1s = out.stride(1), o2s = out.stride(2);
   const int64_t shared_rows = lo.size(0) == 1;
+#if defined(__AVX512F__)
+  // which 16-lane softmax: plain scores or modified (ScoreMods), with dropout or not (one per call)
+  const bool plain = static_cast<float>(softcap) <= 0.0f && !slopes.defined();
+  const auto softmax16 = plain ? (dropout.active ? softmax_rows16<true, true> : softmax_rows16<true, false>)
+                               : (dropout.active ? softmax_rows16<false, true> : softmax_rows16<false, false>);
+#endif
 
   const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
   // Tasks are (batch, head, block) in order, and threads claim runs of `claim` consecutive ones as
@@ -1179,14 +1185,11 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           float* s = scores.data();
           block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s);
   #if defined(__AVX512F__)
-          const bool plain = mods.cap <= 0.0f && !mods.alibi;
-          const auto rows16 = plain ? (dropout.active ? softmax_rows16<true, true> : softmax_rows16<true, false>)
-                                    : (dropout.active ? softmax_rows16<false, true> : softmax_rows16<false, false>);
           for (int64_t u = 0; u < rs / 8; u += 2) {  // rs / 8 is a multiple of 4
-            rows16(s + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]),
-                   std::max(all_lo[u], all_lo[u + 1]), std::min(all_hi[u], all_hi[u + 1]), mods,
-                   row_lanes16(first + 8 * u), max8[u], max8[u + 1], sum8[u], sum8[u + 1], rescale8[u],
-                   rescale8[u + 1], dropout, join(drop_a8[u], drop_a8[u + 1]), join(drop_c8[u], drop_c8[u + 1]));
+            softmax16(s + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]),
+                      std::max(all_lo[u], all_lo[u + 1]), std::min(all_hi[u], all_hi[u + 1]), mods,
+                      row_lanes16(first + 8 * u), max8[u], max8[u + 1], sum8[u], sum8[u + 1], rescale8[u],
+                      rescale8[u + 1], dropout, join(drop_a8[u], drop_a8[u + 1]), join(drop_c8[u], drop_c8[u + 1]));
           }
   #else
           for (int64_t u = 0; u < rs / 8; ++u) {
@@ -1576,6 +1579,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const int64_t dk0s = dk.stride(0), dk1s = dk.stride(1), dk2s = dk.stride(2), dk3s = dk.stride(3);
     const int64_t dv0s = dv.stride(0), dv1s = dv.stride(1), dv2s = dv.stride(2), dv3s = dv.stride(3);
     const bool shared_rows = lo.size(0) == 1;
+    // Soft-capping as ScoreMods sees it (a float cap > 0): the cap's derivative is stored then
+    const bool capped = static_cast<float>(softcap) > 0.0f;
+#if defined(__AVX512F__)
+    // which 16-lane weights and score gradients (one per call)
+    const auto weights16 = capped || slopes.defined() ? weights_rows16<false> : weights_rows16<true>;
+    const auto grads16 = capped ? (dropout.active ? score_grads_rows16<true, true> : score_grads_rows16<false, true>)
+                                : (dropout.active ? score_grads_rows16<true, false> : score_grads_rows16<false, false>);
+#endif
 
     at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
       // The scores come from the forward's register tiles, bit for bit the forward's: the weights
@@ -1589,7 +1600,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       std::vector<float> got(Dv * padded), dqt(D * padded);  // dO^T and dQ^T: rows as lanes, like Qt
       std::vector<Start> dq_start(padded / kGroup);
       const std::vector<__m256> no_rescale(padded / 8);
-      std::vector<float> cap_grads(softcap > 0.0 ? chunk * padded : 0);
+      std::vector<float> cap_grads(capped ? chunk * padded : 0);
       std::vector<float> weights_rows, grads_rows;  // [rows][width] copies for the exact path
       std::vector<int64_t> row_lo(padded), row_hi(padded);
       std::vector<DropoutRow> row_keys(padded);
@@ -1646,7 +1657,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 all_lo16[u] = std::max(all_lo16[u], row_lo[j]), all_hi16[u] = std::min(all_hi16[u], row_hi[j]);
               }
             }
-            const bool plain = mods.cap <= 0.0f && !mods.alibi;
             for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
               const int64_t width = std::min(chunk, span_hi - c0);
               float* p = scores.data();  // S, then P in its place: [t][r], row stride rs
@@ -1656,10 +1666,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, p);
   #if defined(__AVX512F__)
               for (int64_t u = 0; u < rs / 8; u += 2) {
-                (plain ? weights_rows16<true> : weights_rows16<false>)(
-                    p + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]), all_lo16[u / 2],
-                    all_hi16[u / 2], join(lse8[u], lse8[u + 1]), mods, row_lanes16(first + 8 * u),
-                    cap ? cap + 8 * u : nullptr, bad);
+                weights16(p + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]), all_lo16[u / 2],
+                          all_hi16[u / 2], join(lse8[u], lse8[u + 1]), mods, row_lanes16(first + 8 * u),
+                          cap ? cap + 8 * u : nullptr, bad);
               }
   #else
               for (int64_t u = 0; u < rs / 8; ++u) {
@@ -1673,10 +1682,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               // masked non-finite value below)
               for (int64_t t = 0; t < width && rows < rs; ++t) std::fill(ds + t * rs + rows, ds + (t + 1) * rs, 0.0f);
   #if defined(__AVX512F__)
-              // with dropout, also turns P into the weights the output used
-              const auto grads16 = cap ? (dropout.active ? score_grads_rows16<true, true> : score_grads_rows16<false, true>)
-                                       : (dropout.active ? score_grads_rows16<true, false> : score_grads_rows16<false, false>);
-              for (int64_t u = 0; u < rs / 8; u += 2) {
+              for (int64_t u = 0; u < rs / 8; u += 2) {  // with dropout, also turns P into the weights the output used
                 grads16(p + 8 * u, ds + 8 * u, rs, width, c0, join(lo8[u], lo8[u + 1]), join(hi8[u], hi8[u + 1]),
                         all_lo16[u / 2], all_hi16[u / 2], join(delta8[u], delta8[u + 1]), static_cast<float>(scale),
                         cap ? cap + 8 * u : nullptr, bad, dropout, join(drop_a8[u], drop_a8[u + 1]),
