@@ -265,7 +265,7 @@ def _print_tables(rows: list) -> None:
         diffs = ", ".join(f"{errors[c]:.1e}" for c in ("sdpa", "flex") if c in errors)
         print(f"| {name} | {_fmt_mib(first['ours'])} | {_fmt_mib(first['sdpa'])} | "
               f"{_fmt_mib(first.get('flex', {})) if 'flex' in first else 'n/a'} | {ratio} "
-              f"| {useful:.0f} | {peak:.0f} | {useful / peak:.0%} | {_share(useful, fma)} | {diffs} |")
+              f"| {useful:.0f} | {peak:.0f} | {useful / peak:.0%} | {share_of_peak(useful, fma)} | {diffs} |")
     print(peak_note([row[5] for row in rows]))
     for row in rows:
         if row[-1]:
@@ -280,7 +280,8 @@ def machine_peak() -> tuple[float | None, str]:
     return fma_peak(torch.get_num_threads())
 
 
-def _share(gflops: float, fma: float | None) -> str:
+def share_of_peak(gflops: float, fma: float | None) -> str:
+    """``gflops`` as a share of the FMA peak ``fma``, or n/a where it was not measured."""
     return "n/a" if fma is None else f"{gflops / fma:.0%}"
 
 
@@ -354,7 +355,7 @@ def training(args: argparse.Namespace) -> None:
         matmul_rates.append(peak)
         print(f"| {name} | {_fmt_ms(times['ours'])} | {_fmt_ms(times.get('ours-fused'))} | {_fmt_ms(times['sdpa'])} "
               f"| {times['sdpa'] / times['ours']:.1f}x | {useful:.0f} | {peak:.0f} | {useful / peak:.0%} "
-              f"| {_share(useful, fma)} |", flush=True)
+              f"| {share_of_peak(useful, fma)} |", flush=True)
 
     # Dropout on the weights (SDPA would run its math path: 8 x L^2 weights, 8 GiB at 16384)
     structured, _ = mask_set(length, window)[f"sliding window {window}"]

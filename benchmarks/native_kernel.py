@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from attnkit._backends import native  # noqa: E402
-from common import describe_machine, fma_peak, median_times, square_matmul  # noqa: E402
-from masks import HEAD_DIM, HEADS, attended_pairs, inputs, mask_set  # noqa: E402
+from common import describe_machine, median_times, square_matmul  # noqa: E402
+from masks import HEAD_DIM, HEADS, attended_pairs, inputs, machine_peak, mask_set, peak_note, share_of_peak  # noqa: E402
 
 SHORT = {"window": 0, "documents": 1, "padding": 2}
 
@@ -48,7 +48,8 @@ def main() -> None:
     flops, matmul = square_matmul()
     print(f"# native kernel, B=1, H={HEADS}, D={HEAD_DIM}, fp32, L={length} ({describe_machine()}); "
           f"median of {args.repeats} interleaved runs; ours / matmul in useful GFLOP/s\n")
-    fma, how = fma_peak(torch.get_num_threads())
+    fma, _ = machine_peak()
+    matmul_rates = []
     print("| mask | direction | tiles | ms | useful GFLOP/s | matmul GFLOP/s | ours / matmul | ours / FMA peak |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     all_masks = list(mask_set(length).items())
@@ -74,11 +75,12 @@ def main() -> None:
                                                                       dropout=args.dropout, seed=1))
         times = median_times(contenders, repeats=args.repeats)
         peak = flops / times.pop("matmul") / 1e9
+        matmul_rates.append(peak)
         for (direction, label), seconds in times.items():
             useful = (1.0 if direction == "forward" else 2.5) * 4 * HEAD_DIM * pairs * HEADS / seconds / 1e9
             print(f"| {name} | {direction} | {label} | {seconds * 1e3:.1f} | {useful:.0f} | {peak:.0f} "
-                  f"| {useful / peak:.0%} | {'n/a' if fma is None else f'{useful / fma:.0%}'} |", flush=True)
-    print(f"\nFMA peak: {'not measured' if fma is None else f'{fma:.0f} GFLOP/s'} ({how}).")
+                  f"| {useful / peak:.0%} | {share_of_peak(useful, fma)} |", flush=True)
+    print(peak_note(matmul_rates))
 
 
 if __name__ == "__main__":
