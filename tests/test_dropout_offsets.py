@@ -11,6 +11,7 @@ import attnkit
 from attnkit import masks
 from attnkit._backends import dropout as _dropout
 from attnkit._backends import policy
+from attnkit._backends.interval_inputs import IntervalInputs
 from attnkit.core import attention_piece
 
 P = 0.3
@@ -61,7 +62,7 @@ def test_the_native_kernel_draws_a_piece_at_its_offsets():
     offsets = _dropout.at_positions(_seed(), 2, 5, 10)
     assert offsets.shape == (4,) and _dropout.has_offsets(offsets)
     piece = (q[:, 2:4, 5:20] * 0.01, k[:, 1:2, 10:30].expand(2, 2, 20, 8), identity)
-    assert policy.kernel_for(*piece, lo, hi, None, P, False, True, seed=offsets) == "native"
+    assert policy.kernel_for(IntervalInputs(*piece, lo, hi, dropout=P, seed=offsets)) == "native"
     ours = attention_piece(*piece, seed=_seed(), heads=2, rows=5, keys=10, dropout=P, backend="tiled")
     with native.turned_off():
         theirs = attention_piece(*piece, seed=_seed(), heads=2, rows=5, keys=10, dropout=P, backend="tiled")

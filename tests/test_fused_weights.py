@@ -105,4 +105,4 @@ def test_auto_returns_weights_from_the_torch_backend():
     q = torch.randn(3, 4)
     call = make_call(q, q, q, mask=None, causal=False, scale=None, dropout=0.0, generator=None,
                      return_weights=True)
-    assert _backends.resolve("auto", call).name == "torch"
+    assert _backends.resolve("auto", call)[0].name == "torch"

@@ -79,8 +79,9 @@ def test_compiled_runs_the_eager_kernels_forward_and_backward(name, kernel, monk
     eager_kernels, chosen[:] = list(chosen), []
     compiled_loss = compiled(*inputs)
     compiled_grads = torch.autograd.grad(compiled_loss, inputs)
-    # eager asks once more, in the backward, whether a non-native kernel must see the inputs first
-    assert (eager_kernels[0], eager_kernels[-1]) == (chosen[0], chosen[-1]) and len(chosen) == 2
+    # the forward chooses once and the backward runs what it ran (eager asks once more, in the
+    # autograd backward, only where the kernel choice could be off the native kernel)
+    assert eager_kernels[0] == chosen[0] and len(chosen) == 1
     assert torch.equal(eager_loss, compiled_loss)
     for a, b in zip(eager_grads, compiled_grads):
         torch.testing.assert_close(a, b, **CLOSE)
@@ -106,9 +107,9 @@ def test_opcheck_schema_fake_kernel_and_autograd_registration():
     lo, hi = torch.zeros(1, 1, 8, dtype=torch.long), torch.arange(1, 9)[None, None]  # [S, R, Lq]
     bias = torch.randn(1, 1, 8, 8, requires_grad=True)
     slopes, sinks = torch.tensor([0.5]), torch.tensor([0.3], requires_grad=True)
-    for args in ((q.requires_grad_(), k, v, lo, hi, None, None, None, 0.5, None, 0.0, None, True, False),
-                 (q, k, v, lo, hi, bias, None, None, 0.5, None, 0.0, None, False, True),
-                 (q, k, v, lo, hi, None, slopes, sinks, 0.5, 3.0, 0.0, None, False, False)):
+    for args in ((q.requires_grad_(), k, v, lo, hi, None, None, None, 0.5, None, 0.0, None, True, False, ""),
+                 (q, k, v, lo, hi, bias, None, None, 0.5, None, 0.0, None, False, True, ""),
+                 (q, k, v, lo, hi, None, slopes, sinks, 0.5, 3.0, 0.0, None, False, False, "")):
         results = torch.library.opcheck(torch.ops.attnkit.interval_attention.default, args)
         assert set(results.values()) == {"SUCCESS"}, results
 

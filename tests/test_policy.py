@@ -22,9 +22,9 @@ def test_on_a_device_where_attnkit_was_not_measured_auto_runs_pytorchs_kernels()
     """The meta device stands for any device but the CPU: structured masks and dropout, which go
     to attnkit's kernels on the CPU, go to "torch" there."""
     for kwargs in (dict(mask=masks.sliding_window(256)), dict(dropout=0.1), dict(mask=masks.document([2048] * 2))):
-        assert choose(_call(**kwargs)).name == "tiled", kwargs
-        assert choose(_call("meta", **kwargs)).name == "torch", kwargs
-    assert choose(_call("meta", return_lse=True)).name == "tiled"  # the one backend with an lse
+        assert choose(_call(**kwargs)).backend == "tiled", kwargs
+        assert choose(_call("meta", **kwargs)).backend == "torch", kwargs
+    assert choose(_call("meta", return_lse=True)).backend == "tiled"  # the one backend with an lse
     out = attnkit.attention(*(torch.empty(1, 2, 64, 8, device="meta") for _ in range(3)), mask=masks.causal())
     assert out.device.type == "meta" and out.shape == (1, 2, 64, 8)
 
@@ -123,7 +123,7 @@ def test_a_decoding_step_with_a_structured_mask_runs_sdpa_on_its_one_row(monkeyp
     key, value = (torch.randn(2, 2, 9, 16, generator=generator, dtype=torch.float64) for _ in range(2))
     call = make_call(query.float(), key.float(), value.float(), mask=mask, causal=False, scale=None, dropout=0.0,
                      generator=None, return_weights=False)
-    assert choose(call).name == "torch"
+    assert choose(call).backend == "torch"
     got = attnkit.attention(query.float(), key.float(), value.float(), mask=mask)
     assert seen == [((2, 1, 1, 9), (2, 2, 2, 16))]
     expected, _ = oracle_attention(query, key, value, mask=mask.dense(1, 9))

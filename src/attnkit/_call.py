@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -53,6 +54,9 @@ class AttentionCall:
     softcap: float | None = None
     alibi_slopes: Tensor | None = None
     sinks: Tensor | None = None
+    #: What runs the call (:class:`attnkit._backends.policy.Route`), decided once by
+    #: :func:`attnkit._backends.resolve` before the backend runs; None until then.
+    route: Any = None
 
     @property
     def q_len(self) -> int:

@@ -130,7 +130,8 @@ def piece_gradients(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse:
     backend's :attr:`~._backends.Backend.gradients`, resolved from ``backend`` as the forward's
     was, with the same dropout pattern."""
     call, seed = _piece(query, key, value, seed, heads, rows, keys, {**arguments, "return_lse": True})
-    chosen = _backends.resolve(backend, call)
+    chosen, route = _backends.resolve(backend, call)
+    call = replace(call, route=route)
     if chosen.gradients is None:
         raise ValueError(f"backend {chosen.name!r} has no backward from its output and lse")
     if not chosen.structured:
@@ -157,7 +158,8 @@ def _piece(query: Tensor, key: Tensor, value: Tensor, seed: Tensor | None, heads
 def _run(call, backend: str, seed: Tensor | None) -> Tensor | tuple[Tensor, ...]:
     """Run a validated call; ``seed``: the dropout seed when given (else one is drawn)."""
     return_weights, return_lse = call.return_weights, call.return_lse
-    chosen = _backends.resolve(backend, call)
+    chosen, route = _backends.resolve(backend, call)
+    call = replace(call, route=route)
     if call.dropout > 0:  # drawn only once the call is valid: a failed call leaves the generator alone
         if seed is None:
             seed = _dropout.draw_seed(call.generator, call.query.device)

@@ -5,19 +5,20 @@ A backend is a function from a validated :class:`~attnkit._call.AttentionCall` t
 implements the same contract (masks with True = may attend, bottom-right causal, zeros for rows
 with no key, dropout on the weights with attnkit's one pattern, masked-out pairs never read), so
 they are interchangeable and the test suite checks each against one oracle. ``"auto"`` is not a
-backend but a choice made per call by :mod:`.policy`.
+backend but a choice made once per call by :mod:`.policy`: a :class:`Route` (backend, and for the
+tiled backend its kernel), kept on the call (``AttentionCall.route``) for the backend to follow.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import Tensor
 
 from .._call import AttentionCall
 
-__all__ = ["Backend", "register_backend", "get_backend", "backends", "choose", "auto_runs", "resolve"]
+__all__ = ["Backend", "Route", "register_backend", "get_backend", "backends", "choose", "auto_runs", "resolve"]
 
 # Returns (output, weights or None), or (output, weights or None, lse) from backends that
 # declare returns_lse (the lse is used when the call asks for it).
@@ -78,29 +79,28 @@ def get_backend(name: str) -> Backend:
         raise ValueError(f"unknown backend {name!r}; available: {backends()}") from None
 
 
-def choose(call: AttentionCall) -> Backend:
-    """What ``backend="auto"`` runs for ``call`` (:mod:`.policy`): a registered backend, or the tiled
-    backend with its kernel left to run time (its op may then run the fused kernel densely)."""
-    name = _policy.choose(call)
-    return _AUTO_TILED if name == "interval" else _REGISTRY[name]
+def choose(call: AttentionCall) -> Route:
+    """What ``backend="auto"`` runs for ``call`` (:mod:`.policy`): a backend and, for the tiled
+    backend, its kernel (or ``""``: chosen by its op from the row bounds at run time)."""
+    return _policy.choose(call)
 
 
 def auto_runs(call: AttentionCall) -> str:
     """What ``"auto"`` runs for ``call``, read from its data as the op would: ``"torch"``, or the
-    tiled op's kernel, ``"tiled:native"``, ``"tiled:blocks"`` or ``"tiled:dense"`` (PyTorch's
-    fused kernel over the dense mask). For tests and benchmarks."""
-    backend = choose(call)
-    if backend is not _AUTO_TILED and backend.name != "tiled":
-        return backend.name
-    query, key, value, lo, hi, bias = _tiled.interval_inputs(call)
-    return "tiled:" + _policy.kernel_for(query, key, value, lo, hi, bias, call.dropout, _tiled.causal_only(call),
-                                         backend is not _AUTO_TILED, call.softcap, call.alibi_slopes, call.seed)
+    tiled backend with its kernel, ``"tiled:native"``, ``"tiled:blocks"``, ``"tiled:dense"`` (PyTorch's
+    fused kernel over the dense mask) or ``"tiled:triton"``. For tests and benchmarks."""
+    route = choose(call)
+    if route.backend != "tiled" or route.kernel:
+        return str(route)
+    return "tiled:" + _policy.kernel_for(_tiled.interval_inputs(replace(call, route=route)))
 
 
-def resolve(name: str, call: AttentionCall) -> Backend:
-    """The backend that will run ``call`` when the user asked for ``name``; an explicit name is
-    never replaced: a backend that cannot do what the call asks is an error."""
-    backend = choose(call) if name == "auto" else get_backend(name)
+def resolve(name: str, call: AttentionCall) -> tuple[Backend, Route]:
+    """The backend that will run ``call`` when the user asked for ``name``, and the route it takes
+    (decided here, once per call: the backend's backward follows it). An explicit name is never
+    replaced: a backend that cannot do what the call asks is an error."""
+    route = choose(call) if name == "auto" else Route(get_backend(name).name)
+    backend = get_backend(route.backend)
     if call.return_weights and not backend.returns_weights:
         capable = [b.name for b in _REGISTRY.values() if b.returns_weights]
         raise ValueError(
@@ -116,11 +116,12 @@ def resolve(name: str, call: AttentionCall) -> Backend:
     device = call.query.device.type
     if backend.devices is not None and device not in backend.devices:
         raise ValueError(f"backend {backend.name!r} runs on {sorted(backend.devices)}, the inputs are on {device!r}")
-    return backend
+    return backend, route
 
 
 from . import fused as _fused  # noqa: E402  (registration needs the registry above)
 from . import policy as _policy  # noqa: E402
+from .policy import Route  # noqa: E402
 from . import reference as _reference  # noqa: E402
 from . import tiled as _tiled  # noqa: E402
 
@@ -139,7 +140,3 @@ register_backend(
             "else PyTorch's kernels per block), O(L) memory", returns_weights=True, returns_lse=True, structured=True,
             gradients=_tiled.tiled_gradients)
 )
-# What "auto" runs for structured masks: the same backend, whose op picks its kernel from the row
-# bounds at run time, the fused kernel over the dense mask included (policy.kernel_for).
-_AUTO_TILED = Backend("tiled", _tiled.auto_tiled_attention, "the tiled backend's op, kernel chosen at run time",
-                      returns_weights=True, returns_lse=True, structured=True, gradients=_tiled.auto_tiled_gradients)

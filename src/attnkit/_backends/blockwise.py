@@ -34,29 +34,29 @@ from torch import Tensor
 from .._call import bias_dtype
 from . import dropout as _dropout
 from . import kernels, numerics
-from .tiled_plan import Group, Problem, dense_plan, plans, settings
+from .tiled_plan import BlockRun, Problem, dense_plan, plans, settings
 
 __all__ = ["forward", "backward", "dense_attention", "allowed_pairs"]
 
 
-def _group_heads(t: Tensor, group: int) -> Tensor:
-    """``[N, H, n, ...]`` -> ``[N, H / group, group * n, ...]``: query heads sharing a key/value
+def _stack_query_heads(t: Tensor, heads_per_kv: int) -> Tensor:
+    """``[N, H, n, ...]`` -> ``[N, Hkv, heads_per_kv * n, ...]``: query heads sharing a key/value
     head become extra rows of that head (row ``g * n + i`` is head ``g``'s query ``i``), so GQA
     never copies keys. A tensor with one head (shared by all heads) repeats its rows instead."""
-    if group == 1:
+    if heads_per_kv == 1:
         return t
     n, h, rows = t.shape[:3]
     if h == 1:
-        return t.repeat(1, 1, group, *([1] * (t.dim() - 3)))
-    return t.reshape(n, h // group, group * rows, *t.shape[3:])
+        return t.repeat(1, 1, heads_per_kv, *([1] * (t.dim() - 3)))
+    return t.reshape(n, h // heads_per_kv, heads_per_kv * rows, *t.shape[3:])
 
 
-def _ungroup_heads(t: Tensor, group: int) -> Tensor:
-    """Inverse of :func:`_group_heads`."""
-    if group == 1:
+def _unstack_query_heads(t: Tensor, heads_per_kv: int) -> Tensor:
+    """Inverse of :func:`_stack_query_heads`."""
+    if heads_per_kv == 1:
         return t
     n, hkv, rows = t.shape[:3]
-    return t.reshape(n, hkv * group, rows // group, *t.shape[3:])
+    return t.reshape(n, hkv * heads_per_kv, rows // heads_per_kv, *t.shape[3:])
 
 
 def _blocks_of(t: Tensor, b: int, start: int, step: int, count: int, length: int) -> Tensor:
@@ -76,21 +76,21 @@ class _Call:
         self.query, self.key, self.value = query, key, value
         self.lo, self.hi, self.mask = lo, hi, bias
         self.scale, self.dropout, self.seed, self.softcap, self.alibi = scale, dropout, seed, softcap, alibi
-        self.group = query.shape[1] // key.shape[1]
+        self.heads_per_kv = query.shape[1] // key.shape[1]
         self.flash = softcap is None and kernels.flash_applies(query, value, dropout)
         # ALiBi differs from block to block like a dense mask: no batched blocks, no coarse levels
         self.problem = Problem(lo.cpu(), hi.cpu(), query.shape[2], key.shape[2], query.shape[0],
                                bias is not None or alibi is not None)
 
-    def queries(self, g: Group, b: int, t: Tensor | None = None) -> Tensor:
+    def queries(self, g: BlockRun, b: int, t: Tensor | None = None) -> Tensor:
         """Rows of ``g`` from ``t`` (default: the query) for sequence ``b``, grouped by kv head."""
         t = self.query if t is None else t
-        return _group_heads(_blocks_of(t, b, g.q0, g.rows, g.count, g.rows), self.group)
+        return _stack_query_heads(_blocks_of(t, b, g.q0, g.rows, g.count, g.rows), self.heads_per_kv)
 
-    def keys(self, g: Group, b: int, t: Tensor) -> Tensor:
+    def keys(self, g: BlockRun, b: int, t: Tensor) -> Tensor:
         return _blocks_of(t, b, g.key_start, g.key_step, g.count, g.length)
 
-    def bias(self, g: Group, b: int) -> tuple[Tensor | None, Tensor | None]:
+    def bias(self, g: BlockRun, b: int) -> tuple[Tensor | None, Tensor | None]:
         """The additive mask of ``g``'s first block (shared by all its blocks), grouped like the
         queries, or None when every pair is allowed; and which grouped rows have at least one key
         (None when all do)."""
@@ -119,17 +119,17 @@ class _Call:
             bias = torch.zeros(allowed.shape, dtype=bias_dtype(self.query.dtype), device=self.query.device)
             bias = bias.masked_fill_(~allowed, float("-inf"))
         has_key = (bias != float("-inf")).any(-1, keepdim=True)
-        return _group_heads(bias, self.group), _group_heads(has_key, self.group)[..., 0]
+        return _stack_query_heads(bias, self.heads_per_kv), _stack_query_heads(has_key, self.heads_per_kv)[..., 0]
 
-    def keep(self, g: Group, b: int) -> Tensor | None:
-        """The dropout pattern of one piece, ``[count, Hkv, group * rows, length]``, drawn at the
+    def keep(self, g: BlockRun, b: int) -> Tensor | None:
+        """The dropout pattern of one piece, ``[count, Hkv, heads_per_kv * rows, length]``, drawn at the
         piece's positions in the call (the same pattern as the native kernel's), or None."""
         if self.dropout == 0:
             return None
         index = dict(dtype=torch.int64, device=self.query.device)
-        rows = torch.arange(self.group * g.rows, **index)
+        rows = torch.arange(self.heads_per_kv * g.rows, **index)
         block = torch.arange(g.count, **index)[:, None, None, None]
-        heads = torch.arange(self.key.shape[1], **index)[None, :, None, None] * self.group + (rows // g.rows)[:, None]
+        heads = torch.arange(self.key.shape[1], **index)[None, :, None, None] * self.heads_per_kv + (rows // g.rows)[:, None]
         positions = g.q0 + block * g.rows + (rows % g.rows)[:, None]
         keys = g.key_start + block * g.key_step + torch.arange(g.length, **index)
         return _dropout.kept(self.seed, torch.tensor(b, **index), heads, positions, keys, self.dropout)
@@ -144,15 +144,15 @@ def _merge_into(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> Non
     lse.copy_(merged)
 
 
-def _pieces(call: _Call, groups: list[Group], plain: bool, backward: bool = False) -> Iterator[tuple[Group, int]]:
-    """Each kernel call as (group, sequence). Groups are cut so that one call holds at most
+def _pieces(call: _Call, runs: list[BlockRun], plain: bool, backward: bool = False) -> Iterator[tuple[BlockRun, int]]:
+    """Each kernel call as (block run, sequence). Runs are cut so that one call holds at most
     ``call_scores`` scores with the ``plain``-ops kernel (which materialises them) or ``call_rows``
     rows (times heads) of its partial results with the fused one: query rows in the forward; query
     rows and key rows in the backward, whose key gradients are as long as the (overlapping) key
     views. A batch of blocks is cut into fewer blocks, one block into fewer rows."""
     heads = call.query.shape[1]
     config = settings()
-    for g in groups:
+    for g in runs:
         if plain:
             per_row = heads * g.length
         elif backward and g.count > 1:
@@ -174,9 +174,9 @@ def _pieces(call: _Call, groups: list[Group], plain: bool, backward: bool = Fals
             yield from ((part, b) for b in range(g.batch.start, g.batch.stop))
 
 
-def _plan(call: _Call, dense: bool, causal_only: bool) -> list[Group]:
+def _plan(call: _Call, dense: bool, causal_only: bool) -> list[BlockRun]:
     if dense:
-        return dense_plan(call.problem, causal_only and call.flash, call.group)
+        return dense_plan(call.problem, causal_only and call.flash, call.heads_per_kv)
     return plans.plan(call.problem)
 
 
@@ -187,7 +187,7 @@ def forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, b
     one call per sequence over every key with the mask as a tensor (what PyTorch's fused kernel
     runs on a dense mask; its causal path when ``causal_only``), instead of the block plan."""
     call = _Call(query, key, value, lo, hi, bias, scale, dropout, seed, softcap, alibi)
-    group = call.group
+    heads_per_kv = call.heads_per_kv
     work = numerics.work_dtype(query.dtype)
     out = torch.empty(*query.shape[:-1], value.shape[-1], dtype=work, device=query.device)
     lse = torch.empty(query.shape[:-1], dtype=work, device=query.device)
@@ -203,7 +203,7 @@ def forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, b
             part, part_lse, _ = kernels.math_forward(rows, k, v, bias_piece, scale, dropout, call.keep(g, b), softcap)
         out_view = _blocks_of(out, b, g.q0, g.rows, g.count, g.rows)
         lse_view = _blocks_of(lse, b, g.q0, g.rows, g.count, g.rows)
-        part, part_lse = _ungroup_heads(part, group), _ungroup_heads(part_lse, group)
+        part, part_lse = _unstack_query_heads(part, heads_per_kv), _unstack_query_heads(part_lse, heads_per_kv)
         seen = covered[b, g.q0:g.q1]
         if not seen.any():  # the first keys of these rows: nothing to merge with
             out_view.copy_(part)
@@ -251,16 +251,16 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
             dq, dk, dv, d_scores = kernels.math_backward(d_out, rows, k, v, o, row_lse, bias_piece, scale,
                                                          call.keep(g, b), dropout, d_lse, softcap)
             if grad_bias is not None:
-                _add_to_bias(grad_bias, b, g, _ungroup_heads(d_scores, call.group))
-        _blocks_of(grads[0], b, g.q0, g.rows, g.count, g.rows).add_(_ungroup_heads(dq, call.group))
+                _add_to_bias(grad_bias, b, g, _unstack_query_heads(d_scores, call.heads_per_kv))
+        _blocks_of(grads[0], b, g.q0, g.rows, g.count, g.rows).add_(_unstack_query_heads(dq, call.heads_per_kv))
         _add_to_keys(grads[1], b, g, dk)
         _add_to_keys(grads[2], b, g, dv)
     dq, dk, dv = (grad.to(t.dtype) for grad, t in zip(grads, (query, key, value)))
     return dq, dk, dv, None if grad_bias is None else grad_bias.to(bias.dtype)
 
 
-def _add_to_keys(target: Tensor, b: int, g: Group, grad: Tensor) -> None:
-    """Add the gradient of a group's key views ``[count, Hkv, length, D]`` to ``target[b]``;
+def _add_to_keys(target: Tensor, b: int, g: BlockRun, grad: Tensor) -> None:
+    """Add the gradient of a block run's key views ``[count, Hkv, length, D]`` to ``target[b]``;
     the views may overlap (a sliding window), so overlapping positions accumulate."""
     if g.count == 1 or g.key_step == 0:
         target[b, :, g.key_start:g.key_start + g.length] += grad.sum(0)
@@ -270,7 +270,7 @@ def _add_to_keys(target: Tensor, b: int, g: Group, grad: Tensor) -> None:
     target[b].index_add_(1, index, grad.transpose(0, 1).reshape(grad.shape[1], -1, grad.shape[-1]))
 
 
-def _add_to_bias(target: Tensor, b: int, g: Group, grad: Tensor) -> None:
+def _add_to_bias(target: Tensor, b: int, g: BlockRun, grad: Tensor) -> None:
     """Add one piece's score gradient ``[1, H, rows, length]`` (a dense mask never batches blocks)
     into the bias gradient ``[Nm, Hm, Lq, Lk]``, summing what the bias broadcast over."""
     if target.shape[1] == 1:
@@ -295,8 +295,8 @@ def dense_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: T
     ``Lq x Lk`` score matrix: for inputs holding NaN or inf (``exact``: pairwise products, a masked
     pair never multiplied), for second-order gradients (autograd through this) and for weights
     while ``torch.compile`` traces."""
-    group = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    heads_per_kv = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(heads_per_kv, dim=1), value.repeat_interleave(heads_per_kv, dim=1)
     allowed = allowed_pairs(lo, hi, key.shape[2])
     if bias is not None:
         allowed = allowed & (bias != float("-inf"))

@@ -42,9 +42,10 @@ from torch import Tensor
 from .. import _torch_private
 from . import blockwise, native, policy
 from . import dropout as _dropout
+from .interval_inputs import _SAVED, KERNELS, IntervalInputs
 from .numerics import all_finite, can_read, needs_pairwise, work_dtype
 
-__all__ = ["interval_attention", "IntervalAttention", "gradients"]
+__all__ = ["interval_attention", "IntervalAttention", "IntervalInputs", "run", "forward_op", "backward_op", "gradients"]
 
 
 def _seed_value(seed: Tensor | None) -> tuple[int, tuple[int, int, int]]:
@@ -89,115 +90,173 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
-def _native_forward(query, key, value, lo, hi, scale, dropout, seed, softcap, alibi) -> tuple[Tensor, Tensor]:
+def _native_forward(inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
     """The native kernel over each of the rows' ranges (one call each), merged."""
-    seed_value, offsets = _seed_value(seed)
-    return _merge([native.interval_forward(query, key, value, lo[:, r], hi[:, r], scale, dropout=dropout,
-                                           seed=seed_value, dropout_start=offsets, softcap=softcap,
-                                           alibi_slopes=alibi)
-                   for r in range(lo.shape[1])])
+    seed_value, offsets = _seed_value(inputs.seed)
+    return _merge([native.interval_forward(inputs.query, inputs.key, inputs.value, inputs.lo[:, r], inputs.hi[:, r],
+                                           inputs.scale, dropout=inputs.dropout, seed=seed_value,
+                                           dropout_start=offsets, softcap=inputs.softcap,
+                                           alibi_slopes=inputs.alibi_slopes)
+                   for r in range(inputs.lo.shape[1])])
 
 
-def _native_backward(grad_out, grad_lse, query, key, value, out, lse, lo, hi, scale, dropout, seed, softcap, alibi):
+def _native_backward(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Tensor,
+                     inputs: IntervalInputs) -> tuple[Tensor, Tensor, Tensor]:
     """Its gradients: each range's, from the merged output and lse (split-key), summed."""
-    seed_value, offsets = _seed_value(seed)
-    grads = [native.interval_backward(grad_out, query, key, value, out, lse, lo[:, r], hi[:, r], scale, grad_lse,
-                                      dropout=dropout, seed=seed_value, dropout_start=offsets, softcap=softcap,
-                                      alibi_slopes=alibi)
-             for r in range(lo.shape[1])]
+    seed_value, offsets = _seed_value(inputs.seed)
+    grads = [native.interval_backward(grad_out, inputs.query, inputs.key, inputs.value, out, lse, inputs.lo[:, r],
+                                      inputs.hi[:, r], inputs.scale, grad_lse, dropout=inputs.dropout,
+                                      seed=seed_value, dropout_start=offsets, softcap=inputs.softcap,
+                                      alibi_slopes=inputs.alibi_slopes)
+             for r in range(inputs.lo.shape[1])]
     return tuple(sum(parts[1:], parts[0]) for parts in zip(*grads))
 
 
+def _forward(inputs: IntervalInputs) -> tuple[Tensor, Tensor, str]:
+    """``(out, lse, kernel)``: the kernel :func:`.policy.kernel_for` picks (or the record names), run."""
+    kernel = policy.kernel_for(inputs)
+    if kernel == "flex":
+        raise ValueError("the interval op does not run FlexAttention: the tiled backend calls it directly")
+    if kernel == "native":
+        out, lse = _native_forward(inputs)
+    elif kernel == "triton":
+        out, lse = _triton().forward(inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi,
+                                     scale=inputs.scale, softcap=inputs.softcap, alibi_slopes=inputs.alibi_slopes,
+                                     dropout=inputs.dropout, seed=inputs.seed)
+        if not all_finite(out) and needs_pairwise(inputs.query, inputs.key, inputs.value, inputs.scale):
+            # a non-finite value met a product (0 x inf inside a partly masked block): redo it
+            # pairwise, so that a masked-out one stays out, as blockwise.forward does
+            out, lse = blockwise.dense_attention(inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi, None,
+                                                 inputs.scale, inputs.dropout, inputs.seed, exact=True,
+                                                 softcap=inputs.softcap, alibi=inputs.alibi_slopes)[:2]
+    else:
+        out, lse = blockwise.forward(inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi, inputs.bias,
+                                     inputs.scale, inputs.dropout, inputs.seed, softcap=inputs.softcap,
+                                     alibi=inputs.alibi_slopes, dense=kernel == "dense",
+                                     causal_only=inputs.causal_only)
+    out, lse = _with_sinks(out, lse, inputs.sinks)
+    return out, lse, kernel
+
+
+def _backward_kernels(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Tensor, kernel: str,
+                      inputs: IntervalInputs, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    if kernel == "native":
+        return (*_native_backward(grad_out, grad_lse, out, lse, inputs), None)
+    if kernel == "triton":
+        return (*_triton().backward(grad_out, grad_lse, inputs.query, inputs.key, inputs.value, out, lse, inputs.lo,
+                                    inputs.hi, scale=inputs.scale, softcap=inputs.softcap,
+                                    alibi_slopes=inputs.alibi_slopes, dropout=inputs.dropout, seed=inputs.seed),
+                None)
+    return blockwise.backward(grad_out, grad_lse, inputs.query, inputs.key, inputs.value, out, lse, inputs.lo,
+                              inputs.hi, inputs.bias, inputs.scale, inputs.dropout, inputs.seed, bias_grad,
+                              softcap=inputs.softcap, alibi=inputs.alibi_slopes, dense=kernel == "dense",
+                              causal_only=inputs.causal_only)
+
+
+def _triton():
+    """attnkit's Triton kernel, imported on first use (triton is not a dependency of the core)."""
+    from . import triton as triton_kernel
+
+    return triton_kernel
+
+
+# The op's schema lists IntervalInputs' fields in order (interval_inputs.py); the forward also returns
+# the index of the kernel it ran (KERNELS, an int64 CPU scalar) for the backward to run the same one.
 @torch.library.custom_op("attnkit::interval_attention", mutates_args=())
 def interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None,
                        alibi_slopes: Tensor | None, sinks: Tensor | None, scale: float, softcap: float | None,
-                       dropout: float, seed: Tensor | None, causal_only: bool,
-                       sparse_only: bool) -> tuple[Tensor, Tensor]:
-    kernel = policy.kernel_for(query, key, value, lo, hi, bias, dropout, causal_only, sparse_only, softcap,
-                               alibi_slopes, seed)
-    if kernel == "native":
-        out, lse = _native_forward(query, key, value, lo, hi, scale, dropout, seed, softcap, alibi_slopes)
-    else:
-        out, lse = blockwise.forward(query, key, value, lo, hi, bias, scale, dropout, seed, softcap=softcap,
-                                     alibi=alibi_slopes, dense=kernel == "dense", causal_only=causal_only)
-    return _with_sinks(out, lse, sinks)
+                       dropout: float, seed: Tensor | None, causal_only: bool, sparse_only: bool,
+                       kernel: str) -> tuple[Tensor, Tensor, Tensor]:
+    out, lse, chosen = _forward(IntervalInputs(query, key, value, lo, hi, bias, alibi_slopes, sinks, scale, softcap,
+                                               dropout, seed, causal_only, sparse_only, kernel))
+    return out, lse, torch.tensor(KERNELS.index(chosen), dtype=torch.int64)
 
 
 @interval_attention.register_fake
-def _(query, key, value, lo, hi, bias, alibi_slopes, sinks, scale, softcap, dropout, seed, causal_only, sparse_only):
+def _(query, key, value, lo, hi, bias, alibi_slopes, sinks, scale, softcap, dropout, seed, causal_only, sparse_only,
+      kernel):
     out = query.new_empty(*query.shape[:-1], value.shape[-1])
-    return out, query.new_empty(query.shape[:-1], dtype=work_dtype(query.dtype))
+    return out, query.new_empty(query.shape[:-1], dtype=work_dtype(query.dtype)), torch.empty((), dtype=torch.int64)
 
 
 @torch.library.custom_op("attnkit::interval_attention_backward", mutates_args=())
-def interval_attention_backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tensor, value: Tensor,
-                                out: Tensor, lse: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None,
-                                alibi_slopes: Tensor | None, sinks: Tensor | None, scale: float,
-                                softcap: float | None, dropout: float, seed: Tensor | None, causal_only: bool,
-                                sparse_only: bool, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def interval_attention_backward(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Tensor,
+                                ran: Tensor | None, query: Tensor, key: Tensor, value: Tensor, lo: Tensor,
+                                hi: Tensor, bias: Tensor | None, alibi_slopes: Tensor | None, sinks: Tensor | None,
+                                scale: float, softcap: float | None, dropout: float, seed: Tensor | None,
+                                causal_only: bool, sparse_only: bool, kernel: str,
+                                bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dbias, dsinks)``; ``dbias`` shaped like ``bias`` when ``bias_grad``, ``dsinks``
     like ``sinks``, else empty. ``out`` and ``lse`` are the forward's (sinks included: the keys'
-    weights are ``exp(s - lse)`` all the same). The kernel is chosen as the forward's was."""
-    kernel = policy.kernel_for(query, key, value, lo, hi, bias, dropout, causal_only, sparse_only, softcap,
-                               alibi_slopes, seed)
-    if kernel == "native":
-        dq, dk, dv = _native_backward(grad_out, grad_lse, query, key, value, out, lse, lo, hi, scale, dropout, seed,
-                                      softcap, alibi_slopes)
-        dbias = None
-    else:
-        dq, dk, dv, dbias = blockwise.backward(grad_out, grad_lse, query, key, value, out, lse, lo, hi, bias, scale,
-                                               dropout, seed, bias_grad, softcap=softcap, alibi=alibi_slopes,
-                                               dense=kernel == "dense", causal_only=causal_only)
+    weights are ``exp(s - lse)`` all the same); ``ran`` the kernel index the forward returned (None:
+    chosen again from the same data, as the forward chose)."""
+    inputs = IntervalInputs(query, key, value, lo, hi, bias, alibi_slopes, sinks, scale, softcap, dropout, seed,
+                            causal_only, sparse_only, kernel)
+    chosen = policy.kernel_for(inputs) if ran is None else KERNELS[int(ran)]
+    dq, dk, dv, dbias = _backward_kernels(grad_out, grad_lse, out, lse, chosen, inputs, bias_grad)
     dsinks = query.new_empty(0) if sinks is None else _sink_gradient(grad_out, grad_lse, out, lse, sinks)
     return dq, dk, dv, query.new_empty(0) if dbias is None else dbias, dsinks
 
 
 @interval_attention_backward.register_fake
-def _(grad_out, grad_lse, query, key, value, out, lse, lo, hi, bias, alibi_slopes, sinks, scale, softcap, dropout,
-      seed, causal_only, sparse_only, bias_grad):
+def _(grad_out, grad_lse, out, lse, ran, query, key, value, lo, hi, bias, alibi_slopes, sinks, scale, softcap,
+      dropout, seed, causal_only, sparse_only, kernel, bias_grad):
     dbias = bias.new_empty(bias.shape) if bias_grad else query.new_empty(0)
     dsinks = query.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dbias, dsinks
 
 
+def forward_op(inputs: IntervalInputs) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch.ops.attnkit.interval_attention`` on a record: ``(out, lse, kernel index)``."""
+    return torch.ops.attnkit.interval_attention(*inputs.as_tuple())
+
+
+def backward_op(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Tensor, ran: Tensor | None,
+                inputs: IntervalInputs, bias_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``torch.ops.attnkit.interval_attention_backward`` on a record."""
+    return torch.ops.attnkit.interval_attention_backward(grad_out, grad_lse, out, lse, ran, *inputs.as_tuple(),
+                                                         bias_grad)
+
+
 # -- autograd ----------------------------------------------------------------------------------------
 
-# Positions of the op's inputs that can take a gradient.
-_QUERY, _KEY, _VALUE, _BIAS, _SINKS = 0, 1, 2, 5, 7
-_INPUTS = 14
+_NAMES = IntervalInputs.names()
+_SCALARS = tuple(name for name in _NAMES if name not in _SAVED)
+_NO_GRADIENTS = IntervalInputs(*([None] * len(_NAMES)))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (query, key, value, lo, hi, bias, alibi_slopes, sinks, scale, softcap, dropout, seed, causal_only,
-     sparse_only) = inputs
-    out, lse = output
-    ctx.save_for_backward(query, key, value, lo, hi, bias, alibi_slopes, sinks, seed, out, lse)
-    ctx.scale, ctx.softcap, ctx.dropout = scale, softcap, dropout
-    ctx.causal_only, ctx.sparse_only = causal_only, sparse_only
+    record = IntervalInputs(*inputs)
+    out, lse, ran = output
+    ctx.save_for_backward(*record.tensors(), out, lse, ran)
+    ctx.scalars = {name: getattr(record, name) for name in _SCALARS}
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: the fused kernels' backward applies
 
 
-def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
-    query, key, value, lo, hi, bias, alibi, sinks, seed, out, lse = ctx.saved_tensors
-    bias_grad = bias is not None and ctx.needs_input_grad[_BIAS]
+def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None, _grad_ran: Tensor | None = None):
+    *tensors, out, lse, ran = ctx.saved_tensors
+    inputs = IntervalInputs(**dict(zip(_SAVED, tensors)), **ctx.scalars)
+    wants = dict(zip(_NAMES, ctx.needs_input_grad))
+    bias_grad = inputs.bias is not None and wants["bias"]
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     grads = None
     create_graph = torch.is_grad_enabled()  # create_graph=True: this backward must be differentiable too
-    if create_graph or (can_read(query, grad_out) and _kernel(ctx, query, key, value, lo, hi, bias, alibi, seed) != "native"
-                        and (needs_pairwise(query, key, value, ctx.scale) or not all_finite(grad_out))):
-        grads = _dense_backward(ctx, grad_out, grad_lse, query, key, value, lo, hi, bias, alibi, sinks, seed,
-                                create_graph)
+    if create_graph or (can_read(inputs.query, grad_out) and not _runs_native(ran, inputs)
+                        and (needs_pairwise(inputs.query, inputs.key, inputs.value, inputs.scale)
+                             or not all_finite(grad_out))):
+        grads = _dense_backward(wants, grad_out, grad_lse, inputs, create_graph)
     if grads is None:
-        grads = torch.ops.attnkit.interval_attention_backward(
-            grad_out, grad_lse, query, key, value, out, lse, lo, hi, bias, alibi, sinks, ctx.scale, ctx.softcap,
-            ctx.dropout, seed, ctx.causal_only, ctx.sparse_only, bias_grad)
+        grads = backward_op(grad_out, grad_lse, out, lse, ran, inputs, bias_grad)
     dq, dk, dv, dbias, dsinks = grads
-    result = [None] * _INPUTS
-    result[_QUERY], result[_KEY], result[_VALUE] = dq, dk, dv
-    result[_BIAS] = dbias if bias_grad else None
-    result[_SINKS] = dsinks if sinks is not None and ctx.needs_input_grad[_SINKS] else None
-    return tuple(result)
+    return _NO_GRADIENTS.replace(
+        query=dq, key=dk, value=dv, bias=dbias if bias_grad else None,
+        sinks=dsinks if inputs.sinks is not None and wants["sinks"] else None).as_tuple()
+
+
+def _runs_native(ran: Tensor | None, inputs: IntervalInputs) -> bool:
+    """Whether the backward runs the native kernel (which keeps masked-out pairs out itself)."""
+    return (policy.kernel_for(inputs) if ran is None else KERNELS[int(ran)]) == "native"
 
 
 @dataclass(frozen=True)
@@ -206,64 +265,51 @@ class _Saved:
 
     saved_tensors: tuple
     needs_input_grad: tuple[bool, ...]
-    scale: float
-    softcap: float | None
-    dropout: float
-    causal_only: bool
-    sparse_only: bool
+    scalars: dict
 
 
-def gradients(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
-              lse: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None, alibi_slopes: Tensor | None,
-              sinks: Tensor | None, scale: float, softcap: float | None, dropout: float, seed: Tensor | None,
-              causal_only: bool, sparse_only: bool) -> tuple[Tensor, Tensor, Tensor]:
+def gradients(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Tensor,
+              inputs: IntervalInputs) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of the op's call from its ``out`` and ``lse``, as its autograd computes them
     (the kernels' backward, or the dense recomputation where an input is not finite), for callers
     that ran the op outside autograd and kept only its output and lse (``attnkit.distributed``'s
-    Ulysses, group by group)."""
-    wants = [False] * _INPUTS
-    wants[_QUERY] = wants[_KEY] = wants[_VALUE] = True
-    ctx = _Saved((query, key, value, lo, hi, bias, alibi_slopes, sinks, seed, out, lse), tuple(wants), scale, softcap,
-                 dropout, causal_only, sparse_only)
+    Ulysses, group by group). The kernel is chosen from the same data as the forward's was."""
+    wants = tuple(name in ("query", "key", "value") for name in _NAMES)
+    ctx = _Saved((*inputs.tensors(), out, lse, None), wants, {name: getattr(inputs, name) for name in _SCALARS})
     return _backward(ctx, grad_out, grad_lse)[:3]
 
 
-def _kernel(ctx, query, key, value, lo, hi, bias, alibi, seed) -> str:
-    """The kernel the op's backward will run (the native one keeps masked-out pairs out itself)."""
-    return policy.kernel_for(query, key, value, lo, hi, bias, ctx.dropout, ctx.causal_only, ctx.sparse_only,
-                             ctx.softcap, alibi, seed)
-
-
-def _dense_backward(ctx, grad_out, grad_lse, query, key, value, lo, hi, bias, alibi, sinks, seed, create_graph):
+def _dense_backward(wants: dict[str, bool], grad_out: Tensor, grad_lse: Tensor | None, inputs: IntervalInputs,
+                    create_graph: bool):
     """The gradients by autograd through the call recomputed densely in plain ops (pairwise products
     where an input is not finite, so masked-out pairs stay out): for second-order uses
     (``create_graph``, the gradients then form a graph) and for inputs holding NaN or inf (the
     kernels' products would let a masked-out NaN in). None where there is no graph to
     differentiate (inside ``torch.func`` transforms, which differentiate on their own levels)."""
-    wants = ctx.needs_input_grad
-    candidates = [(_QUERY, query), (_KEY, key), (_VALUE, value)]
-    candidates += [(index, t) for index, t in ((_BIAS, bias), (_SINKS, sinks)) if t is not None]
+    names = ["query", "key", "value"] + [name for name in ("bias", "sinks") if getattr(inputs, name) is not None]
+    candidates = {name: getattr(inputs, name) for name in names}
     if not create_graph:
-        candidates = [(index, t.detach().requires_grad_(wants[index])) for index, t in candidates]
-    chosen = [(index, t) for index, t in candidates if wants[index] and t.requires_grad]
+        candidates = {name: t.detach().requires_grad_(wants[name]) for name, t in candidates.items()}
+    chosen = [name for name, t in candidates.items() if wants[name] and t.requires_grad]
     if not chosen:
         return None
-    inputs = dict(candidates)
-    exact = needs_pairwise(query, key, value, ctx.scale)
+    exact = needs_pairwise(inputs.query, inputs.key, inputs.value, inputs.scale)
     with torch.enable_grad():
-        out, lse, _ = blockwise.dense_attention(inputs[_QUERY], inputs[_KEY], inputs[_VALUE], lo, hi,
-                                                inputs.get(_BIAS), ctx.scale, ctx.dropout, seed, exact=exact,
-                                                softcap=ctx.softcap, alibi=alibi, sinks=inputs.get(_SINKS))
+        out, lse, _ = blockwise.dense_attention(candidates["query"], candidates["key"], candidates["value"], inputs.lo,
+                                                inputs.hi, candidates.get("bias"), inputs.scale, inputs.dropout,
+                                                inputs.seed, exact=exact, softcap=inputs.softcap,
+                                                alibi=inputs.alibi_slopes, sinks=candidates.get("sinks"))
     if not out.requires_grad:
         return None
     outputs, grads = [out], [grad_out]
     if grad_lse is not None:
         outputs.append(lse.masked_fill(torch.isneginf(lse), 0.0))  # rows with no key: a constant
         grads.append(grad_lse)
-    found = torch.autograd.grad(outputs, [t for _, t in chosen], grads, create_graph=create_graph, allow_unused=True)
-    result: dict[int, Tensor | None] = {index: g for (index, _), g in zip(chosen, found)}
-    return tuple(_zeros_if_none(result.get(index), like) for index, like in
-                 ((_QUERY, query), (_KEY, key), (_VALUE, value), (_BIAS, bias), (_SINKS, sinks)))
+    found = torch.autograd.grad(outputs, [candidates[name] for name in chosen], grads, create_graph=create_graph,
+                                allow_unused=True)
+    result: dict[str, Tensor | None] = dict(zip(chosen, found))
+    return tuple(_zeros_if_none(result.get(name), getattr(inputs, name))
+                 for name in ("query", "key", "value", "bias", "sinks"))
 
 
 def _zeros_if_none(grad: Tensor | None, like: Tensor | None) -> Tensor | None:
@@ -279,18 +325,25 @@ class IntervalAttention(torch.autograd.Function):
     """The op with the same autograd, as a ``torch.autograd.Function`` with ``setup_context``: the
     form ``torch.func`` transforms accept (``grad``, ``vmap``, ``jacrev``; ops registered with
     ``torch.library.register_autograd`` are refused by them in torch 2.13), and which
-    ``torch.compile`` traces into forward and backward graphs. The tiled backend calls this."""
+    ``torch.compile`` traces into forward and backward graphs. The tiled backend calls
+    :func:`run`, which applies it to a record."""
 
     generate_vmap_rule = True  # vmaps forward and backward, i.e. the two ops' vmap rules below
 
     @staticmethod
     def forward(query, key, value, lo, hi, bias, alibi_slopes, sinks, scale, softcap, dropout, seed, causal_only,
-                sparse_only):
+                sparse_only, kernel):  # IntervalInputs' fields (Dynamo needs them spelled out)
         return torch.ops.attnkit.interval_attention(query, key, value, lo, hi, bias, alibi_slopes, sinks, scale,
-                                                    softcap, dropout, seed, causal_only, sparse_only)
+                                                    softcap, dropout, seed, causal_only, sparse_only, kernel)
 
     setup_context = staticmethod(_setup_context)
     backward = staticmethod(_backward)
+
+
+def run(inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
+    """``(out [N, H, Lq, Dv], lse [N, H, Lq])`` of the op on ``inputs``, differentiable."""
+    out, lse, _ = IntervalAttention.apply(*inputs.as_tuple())
+    return out, lse
 
 
 # -- vmap: the vmapped dim joins the batch ------------------------------------------------------------
@@ -328,54 +381,54 @@ def _unbatched(name: str, dim: int | None) -> None:
         raise NotImplementedError(f"attnkit.attention under vmap takes one {name} for all samples")
 
 
+def _folded(inputs: IntervalInputs, dims: IntervalInputs, size: int) -> IntervalInputs:
+    """The record with the vmapped dim folded into the batch (see the helpers above)."""
+    _unbatched("dropout seed", dims.seed)
+    _unbatched("set of sinks", dims.sinks)
+    query = _fold(inputs.query, dims.query, size)
+    batch = query.shape[0] // size
+    return inputs.replace(
+        query=query, key=_fold(inputs.key, dims.key, size), value=_fold(inputs.value, dims.value, size),
+        lo=_fold_rows(inputs.lo, dims.lo, size, batch), hi=_fold_rows(inputs.hi, dims.hi, size, batch),
+        bias=None if inputs.bias is None else _fold_rows(inputs.bias, dims.bias, size, batch),
+        alibi_slopes=_fold_slopes(inputs.alibi_slopes, dims.alibi_slopes, size, batch))
+
+
 @torch.library.register_vmap("attnkit::interval_attention")
-def _(info, in_dims, query, key, value, lo, hi, bias, alibi_slopes, sinks, scale, softcap, dropout, seed,
-      causal_only, sparse_only):
+def _(info, in_dims, *args):
     size = info.batch_size
-    q_dim, k_dim, v_dim, lo_dim, hi_dim, bias_dim, alibi_dim, sinks_dim, _, _, _, seed_dim, _, _ = in_dims
-    _unbatched("dropout seed", seed_dim)
-    _unbatched("set of sinks", sinks_dim)
-    q, k, v = _fold(query, q_dim, size), _fold(key, k_dim, size), _fold(value, v_dim, size)
-    batch = q.shape[0] // size
-    lo, hi = _fold_rows(lo, lo_dim, size, batch), _fold_rows(hi, hi_dim, size, batch)
-    bias = None if bias is None else _fold_rows(bias, bias_dim, size, batch)
-    out, lse = torch.ops.attnkit.interval_attention(q, k, v, lo, hi, bias, _fold_slopes(alibi_slopes, alibi_dim, size,
-                                                    batch), sinks, scale, softcap, dropout, seed, causal_only,
-                                                    sparse_only)
-    return (out.reshape(size, batch, *out.shape[1:]), lse.reshape(size, batch, *lse.shape[1:])), (0, 0)
+    inputs = _folded(IntervalInputs(*args), IntervalInputs(*in_dims), size)
+    out, lse, ran = forward_op(inputs)
+    batch = out.shape[0] // size
+    return (out.reshape(size, batch, *out.shape[1:]), lse.reshape(size, batch, *lse.shape[1:]), ran), (0, 0, None)
 
 
 @torch.library.register_vmap("attnkit::interval_attention_backward")
-def _(info, in_dims, grad_out, grad_lse, query, key, value, out, lse, lo, hi, bias, alibi_slopes, sinks, scale,
-      softcap, dropout, seed, causal_only, sparse_only, bias_grad):
+def _(info, in_dims, grad_out, grad_lse, out, lse, ran, *args):
     size = info.batch_size
-    (go_dim, gl_dim, q_dim, k_dim, v_dim, o_dim, l_dim, lo_dim, hi_dim, bias_dim, alibi_dim, sinks_dim, _, _, _,
-     seed_dim, *_) = in_dims
-    _unbatched("dropout seed", seed_dim)
-    _unbatched("set of sinks", sinks_dim)
-    q = _fold(query, q_dim, size)
-    batch = q.shape[0] // size
-    folded_bias = None
-    if bias is not None:  # per sample when its gradient is asked: every sample's own copy
-        b = _batched(bias, bias_dim, size)
-        b = b.expand(size, batch, *b.shape[2:]) if bias_grad or bias_dim is not None or b.shape[1] > 1 else b
-        folded_bias = b.reshape(-1, *b.shape[2:])
-    dq, dk, dv, dbias, dsinks = torch.ops.attnkit.interval_attention_backward(
-        _fold(grad_out, go_dim, size), None if grad_lse is None else _fold(grad_lse, gl_dim, size), q,
-        _fold(key, k_dim, size), _fold(value, v_dim, size), _fold(out, o_dim, size), _fold(lse, l_dim, size),
-        _fold_rows(lo, lo_dim, size, batch), _fold_rows(hi, hi_dim, size, batch), folded_bias,
-        _fold_slopes(alibi_slopes, alibi_dim, size, batch), sinks, scale, softcap, dropout, seed, causal_only,
-        sparse_only, bias_grad)
+    go_dim, gl_dim, o_dim, l_dim, _ = in_dims[:5]
+    *fields, bias_grad = args
+    dims = IntervalInputs(*in_dims[5:5 + len(fields)])
+    original = IntervalInputs(*fields)
+    inputs = _folded(original, dims, size)
+    batch = inputs.query.shape[0] // size
+    if original.bias is not None:  # per sample when its gradient is asked: every sample's own copy
+        b = _batched(original.bias, dims.bias, size)
+        b = b.expand(size, batch, *b.shape[2:]) if bias_grad or dims.bias is not None or b.shape[1] > 1 else b
+        inputs = inputs.replace(bias=b.reshape(-1, *b.shape[2:]))
+    dq, dk, dv, dbias, dsinks = backward_op(
+        _fold(grad_out, go_dim, size), None if grad_lse is None else _fold(grad_lse, gl_dim, size),
+        _fold(out, o_dim, size), _fold(lse, l_dim, size), ran, inputs, bias_grad)
     unfold = [t.reshape(size, batch, *t.shape[1:]) for t in (dq, dk, dv)]
-    dims = [0, 0, 0, None, None]
+    out_dims = [0, 0, 0, None, None]
     if bias_grad:
         dbias = dbias.reshape(size, batch, *dbias.shape[1:])
-        dbias = dbias.sum(1, keepdim=True) if bias.shape[0 if bias_dim is None else 1] == 1 else dbias
-        dims[3] = 0
-    if sinks is not None:  # each sample's own: the op summed over the folded batch
+        dbias = dbias.sum(1, keepdim=True) if original.bias.shape[0 if dims.bias is None else 1] == 1 else dbias
+        out_dims[3] = 0
+    if original.sinks is not None:  # each sample's own: the op summed over the folded batch
         per_sample = [_batched(t, d, size) for t, d in ((grad_out, go_dim), (out, o_dim), (lse, l_dim))]
         d_lse = None if grad_lse is None else _batched(grad_lse, gl_dim, size)
         dsinks = torch.stack([_sink_gradient(per_sample[0][v], None if d_lse is None else d_lse[v], per_sample[1][v],
-                                             per_sample[2][v], sinks) for v in range(size)])
-        dims[4] = 0
-    return (*unfold, dbias, dsinks), tuple(dims)
+                                             per_sample[2][v], original.sinks) for v in range(size)])
+        out_dims[4] = 0
+    return (*unfold, dbias, dsinks), tuple(out_dims)

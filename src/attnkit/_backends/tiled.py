@@ -21,23 +21,29 @@ soft-capping, ALiBi or sinks, the whole score matrix at once (the same numbers t
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
+from .. import _torch_private
 from .._call import AttentionCall, bias_dtype
-from . import blockwise, interval_op, kernels, layout, numerics
-from .interval_op import IntervalAttention
+from . import blockwise, flex, interval_op, kernels, layout, numerics
+from .engines import GpuEngines
+from .interval_inputs import IntervalInputs
+from .policy import Route
 from . import tiled_plan
-from .tiled_plan import Group, Problem, block_ranges, combined, row_bounds, settings
+from .tiled_plan import BlockRun, Problem, block_ranges, combined, row_bounds, settings
 
-__all__ = ["tiled_attention", "auto_tiled_attention", "tiled_gradients", "auto_tiled_gradients", "visited_fraction",
+__all__ = ["tiled_attention", "tiled_gradients", "visited_fraction",
            "plan_of", "interval_inputs", "causal_only"]
 
 
-def interval_inputs(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-    """The call in the op's layout: ``query, key, value [N, H(kv), L, D]``, the rows' key intervals
-    ``lo, hi [S, R, Lq]`` on the inputs' device, and the dense mask as an additive bias
-    ``[Nm, Hm, Lq, Lk]`` (None without one)."""
+def interval_inputs(call: AttentionCall) -> IntervalInputs:
+    """The call as the op's record: ``query, key, value [N, H(kv), L, D]``, the rows' key intervals
+    ``lo, hi [S, R, Lq]`` on the inputs' device, the dense mask as an additive bias ``[Nm, Hm, Lq,
+    Lk]`` (None without one), the score modifiers, dropout, and the kernel the call's route names
+    (``""``: the op chooses; an explicit ``backend="tiled"`` leaves the dense kernel out)."""
     query, key, value = (layout.fold(t) for t in (call.query, call.key, call.value))
     lo, hi = (t.to(query.device) for t in row_bounds(call))
     bias = None
@@ -47,54 +53,96 @@ def interval_inputs(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor, Tensor
             allowed = bias
             bias = torch.zeros(allowed.shape, dtype=bias_dtype(query.dtype), device=query.device)
             bias = bias.masked_fill_(~allowed, float("-inf"))
-    return query, key, value, lo, hi, bias
+    route = call.route if call.route is not None else Route("tiled")
+    kernel = route.kernel or _forced_kernel()
+    return IntervalInputs(query, key, value, lo, hi, bias, call.alibi_slopes, call.sinks, call.scale, call.softcap,
+                          call.dropout, call.seed, causal_only(call), not route.dense_allowed, kernel)
 
 
-def auto_tiled_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None, Tensor]:
-    """:func:`tiled_attention` whose op may pick the fused kernel over the dense mask where that is
-    faster (what ``"auto"`` runs, :func:`attnkit._backends.policy.kernel_for`)."""
-    return tiled_attention(call, sparse_only=False)
+@_torch_private.assume_constant_result
+def _forced_kernel() -> str:
+    """``tuning(kernel=...)`` (a context variable, read once per trace under ``torch.compile``)."""
+    return settings().kernel
 
 
-def tiled_attention(call: AttentionCall, sparse_only: bool = True) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Run ``call``; returns ``(output, weights or None, lse)`` in the call's layout."""
-    query, key, value, lo, hi, bias = interval_inputs(call)
+def tiled_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Run ``call`` on the route it carries (``call.route``: the kernel, or the op's choice);
+    returns ``(output, weights or None, lse)`` in the call's layout."""
+    inputs = interval_inputs(call)
+    query, key, value, lo, hi, bias = inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi, inputs.bias
     weights = None
     if call.return_weights and (torch.compiler.is_compiling() or call.modifies_scores):
         out, weights, lse = _dense_weights(call, query, key, value, lo, hi, bias)
     elif call.return_weights:
         out, weights, lse = _with_weights(call, query, key, value, lo, hi, bias)
+    elif inputs.kernel == "flex":
+        out, lse = _flex(call, inputs)
     else:
-        out, lse = IntervalAttention.apply(query, key, value, lo, hi, bias, call.alibi_slopes, call.sinks, call.scale,
-                                           call.softcap, call.dropout, call.seed, causal_only(call), sparse_only)
+        out, lse = interval_op.run(inputs)
     lead = tuple(call.query.shape[:-2])
     if weights is not None:
         weights = layout.unfold(weights, lead)
     return layout.unfold(out, lead), weights, layout.unfold(lse, lead)
 
 
-def tiled_gradients(call: AttentionCall, out: Tensor, lse: Tensor, grad_out: Tensor, grad_lse: Tensor | None,
-                    sparse_only: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+def tiled_gradients(call: AttentionCall, out: Tensor, lse: Tensor, grad_out: Tensor,
+                    grad_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of ``call`` (shaped like its query, key and value) from the ``out [..., Lq, Dv]``
     and ``lse [..., Lq]`` that :func:`tiled_attention` returned for it and their gradients
     (``grad_lse`` None where the lse was not used): what the op's autograd runs
     (:func:`.interval_op.gradients`: ``attnkit::interval_attention_backward``, the kernel chosen
     from the same data as the forward's), so nothing is recomputed. Gradients of a dense mask's
     bias or of sinks are not returned."""
-    query, key, value, lo, hi, bias = interval_inputs(call)
-    rows = query.shape[:2]
+    inputs = interval_inputs(call)
+    if inputs.kernel == "flex":  # FlexAttention's backward needs its forward's graph: the op's kernels
+        inputs = inputs.replace(kernel="triton" if GpuEngines.find().triton and inputs.query.is_cuda else "blocks")
+    rows = inputs.query.shape[:2]
     grads = interval_op.gradients(
-        layout.fold(grad_out), None if grad_lse is None else grad_lse.reshape(*rows, -1), query, key, value,
-        layout.fold(out), lse.reshape(*rows, -1), lo, hi, bias, call.alibi_slopes, call.sinks, call.scale,
-        call.softcap, call.dropout, call.seed, causal_only(call), sparse_only)
+        layout.fold(grad_out), None if grad_lse is None else grad_lse.reshape(*rows, -1), layout.fold(out),
+        lse.reshape(*rows, -1), inputs)
     return tuple(layout.unfold(grad, tuple(like.shape[:-2]))
                  for grad, like in zip(grads, (call.query, call.key, call.value)))
 
 
-def auto_tiled_gradients(call: AttentionCall, out: Tensor, lse: Tensor, grad_out: Tensor,
-                         grad_lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`tiled_gradients` of :func:`auto_tiled_attention`'s call (its kernel choice)."""
-    return tiled_gradients(call, out, lse, grad_out, grad_lse, sparse_only=False)
+# -- FlexAttention -------------------------------------------------------------------------------------
+
+#: Block structures built for a structured mask object, per (q_len, k_len, device): a model passes
+#: one mask object to every layer, so the BlockMask is built once per forward, not once per layer.
+_BLOCK_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _flex(call: AttentionCall, inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` in the op's layout by FlexAttention (compiled on a GPU, eager elsewhere) on a
+    BlockMask built from the intervals; differentiable through FlexAttention's own autograd."""
+    if inputs.dropout > 0:
+        raise ValueError("FlexAttention has no dropout: use the Triton kernel (tuning(kernel='triton')) or 'auto'")
+    if inputs.bias is not None:
+        raise ValueError("FlexAttention takes no dense tensor mask here: pass a structured mask, or use 'auto'")
+    q_len, k_len = inputs.query.shape[2], inputs.key.shape[2]
+    block_mask = None
+    if q_len and k_len:
+        key = (q_len, k_len, inputs.query.device, call.causal)
+        cache = None
+        if call.structure is not None and not torch.compiler.is_compiling():
+            cache = _BLOCK_MASKS.setdefault(call.structure, {})
+            block_mask = cache.get(key)
+        if block_mask is None:
+            mask_mod = flex.mask_mod_for(call.structure, call.causal, q_len, k_len, inputs.lo, inputs.hi)
+            block_mask = flex.block_mask_from_bounds(inputs.lo, inputs.hi, q_len, k_len, mask_mod=mask_mod)
+            if cache is not None:
+                cache[key] = block_mask
+    out, lse = flex.flex_interval_attention(
+        inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi, scale=inputs.scale, softcap=inputs.softcap,
+        alibi_slopes=inputs.alibi_slopes, sinks=inputs.sinks, block_mask=block_mask,
+        compiled=inputs.query.device.type != "cpu")
+    if numerics.can_read(out) and not numerics.all_finite(out) and numerics.needs_pairwise(
+            inputs.query, inputs.key, inputs.value, inputs.scale):
+        # a non-finite input met a product inside a partly masked block (0 x inf): redo it pairwise,
+        # differentiably, so that a masked-out value stays out (the rule of every other path)
+        out, lse, _ = blockwise.dense_attention(inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi, None,
+                                                inputs.scale, 0.0, None, exact=True, softcap=inputs.softcap,
+                                                alibi=inputs.alibi_slopes, sinks=inputs.sinks)
+    return out, lse
 
 
 def causal_only(call: AttentionCall) -> bool:
@@ -111,7 +159,7 @@ def visited_fraction(call: AttentionCall) -> float:
     return tiled_plan.visited_fraction(Problem(lo, hi, call.q_len, call.k_len, batch, call.mask is not None))
 
 
-def plan_of(call: AttentionCall) -> list[Group]:
+def plan_of(call: AttentionCall) -> list[BlockRun]:
     """The block plan the tiled backend runs ``call`` by on PyTorch's kernels (cached)."""
     lo, hi = row_bounds(call)
     batch = layout.batch_heads(tuple(call.query.shape))[0]
@@ -126,7 +174,7 @@ def _with_weights(call: AttentionCall, query: Tensor, key: Tensor, value: Tensor
     """Output, weights ``[N, H, Lq, Lk]`` and lse: each query block over the span of its key
     ranges, in differentiable plain ops (the whole matrix at once when an input is not finite)."""
     pieces = blockwise._Call(query, key, value, lo, hi, bias, call.scale, call.dropout, call.seed)
-    group, value_dim, k_len = pieces.group, value.shape[-1], call.k_len
+    heads_per_kv, value_dim, k_len = pieces.heads_per_kv, value.shape[-1], call.k_len
     if numerics.needs_pairwise(query, key, value, call.scale):
         return _dense_weights(call, query, key, value, lo, hi, bias)
     work = numerics.work_dtype(query.dtype)
@@ -146,14 +194,14 @@ def _with_weights(call: AttentionCall, query: Tensor, key: Tensor, value: Tensor
                 lse_rows.append(torch.full((1, query.shape[1], rows), float("-inf"), dtype=work, device=query.device))
                 continue
             start, stop = ranges[0].start, max(r.stop for r in ranges)  # one span over every range: slot None
-            span = Group(slice(b, b + 1), q0, rows, 1, start, 0, stop - start, False, slot=None)
+            span = BlockRun(slice(b, b + 1), q0, rows, 1, start, 0, stop - start, False, slot=None)
             bias_piece, _ = pieces.bias(span, b)
             output, lse, weight = kernels.math_forward(
                 pieces.queries(span, b), pieces.keys(span, b, key), pieces.keys(span, b, value),
                 bias_piece, call.scale, call.dropout, pieces.keep(span, b))
-            out_rows.append(blockwise._ungroup_heads(output, group))
-            lse_rows.append(blockwise._ungroup_heads(lse, group).to(work))
-            weight = blockwise._ungroup_heads(weight, group)
+            out_rows.append(blockwise._unstack_query_heads(output, heads_per_kv))
+            lse_rows.append(blockwise._unstack_query_heads(lse, heads_per_kv).to(work))
+            weight = blockwise._unstack_query_heads(weight, heads_per_kv)
             weight_rows.append(torch.nn.functional.pad(weight, (span.key_start, k_len - span.key_start - span.length)))
         outs.append(torch.cat(out_rows, dim=2))
         weights.append(torch.cat(weight_rows, dim=2))

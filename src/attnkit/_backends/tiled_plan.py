@@ -4,7 +4,7 @@ A query row may attend one interval of keys ``[lo, hi)`` (:mod:`attnkit.masks.st
 Rows are cut into blocks; each block gets the key ranges its rows attend (full: no mask;
 partial: a small dense mask; the rest is skipped), at the finest level and, for blocks whose
 rows all start at one key, at coarser levels that take the bulk of causal-like masks. Runs of
-alike blocks become one :class:`Group`, one kernel call over strided views. Pure index
+alike blocks become one :class:`BlockRun`, one kernel call over strided views. Pure index
 arithmetic: no attention is computed here.
 """
 
@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .._call import AttentionCall
 from ..masks import StructuredMask, causal
+from .interval_inputs import KERNELS
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,10 @@ class Settings:
     #: partial output of ``rows x heads x Dv`` (32k rows x heads: 8 MiB at Dv = 64 in fp32).
     call_scores: int = 1 << 23
     call_rows: int = 1 << 15
+    #: The interval op's kernel, forced (one of ``interval_inputs.KERNELS``), where a route names none:
+    #: tests run the Triton kernel on CPU tensors through Triton's interpreter this way. ``""``: the
+    #: policy's choice.
+    kernel: str = ""
 
 
 _settings: ContextVar[Settings] = ContextVar("attnkit_tiled_settings", default=Settings())
@@ -62,7 +67,7 @@ def settings() -> Settings:
 
 
 @contextmanager
-def tuning(**overrides: int) -> Iterator[Settings]:
+def tuning(**overrides: int | str) -> Iterator[Settings]:
     """Run the tiled backend with other :class:`Settings` inside the ``with`` (tests use tiny
     blocks and no merging to exercise many blocks and partial merges cheaply, and several
     alignments). Only this thread or task sees them."""
@@ -70,6 +75,10 @@ def tuning(**overrides: int) -> Iterator[Settings]:
     for name, value in overrides.items():
         if name not in known:
             raise TypeError(f"tuning() got an unknown setting {name!r}; known: {sorted(known)}")
+        if name == "kernel":
+            if value not in ("", *KERNELS):
+                raise ValueError(f"kernel must be one of {KERNELS} or '', got {value!r}")
+            continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if value < (0 if name in ("merge_span", "levels") else 1):
@@ -158,7 +167,7 @@ def key_ranges(mask: StructuredMask, q_start: int, q_stop: int, q_len: int, k_le
 
 
 @dataclass(frozen=True)
-class Group:
+class BlockRun:
     """One kernel call: ``count`` consecutive blocks of ``rows`` queries from ``q0``, of sequences
     ``batch``; block ``i`` attends keys ``key_start + i * key_step + [0, length)``, either all of
     them (``full``) or with the mask pattern shared by the blocks."""
@@ -174,7 +183,7 @@ class Group:
     #: The blocks' rows and keys are the same positions and the mask is causal: PyTorch's kernel
     #: applies it itself (its own causal path), no mask tensor.
     causal: bool = False
-    #: Which of a row's key ranges the group covers (None: all of them, as one dense mask).
+    #: Which of a row's key ranges the run covers (None: all of them, as one dense mask).
     slot: int | None = 0
 
     @property
@@ -310,35 +319,35 @@ class PlanCache:
     def __init__(self, capacity: int = 4) -> None:
         self.capacity = capacity
         self._lock = threading.Lock()
-        self._entries: list[tuple[tuple, Tensor, Tensor, list[Group]]] = []
+        self._entries: list[tuple[tuple, Tensor, Tensor, list[BlockRun]]] = []
 
-    def plan(self, problem: Problem) -> list[Group]:
+    def plan(self, problem: Problem) -> list[BlockRun]:
         config = settings()
         key = (config, problem.q_len, problem.k_len, problem.batch, problem.has_mask)
         with self._lock:
-            for index, (other, lo, hi, groups) in enumerate(self._entries):
+            for index, (other, lo, hi, runs) in enumerate(self._entries):
                 if other == key and torch.equal(lo, problem.lo) and torch.equal(hi, problem.hi):
                     self._entries.append(self._entries.pop(index))  # most recently used last
-                    return groups
-        groups = plan(problem, config)  # outside the lock: planning is pure
+                    return runs
+        runs = plan(problem, config)  # outside the lock: planning is pure
         with self._lock:
-            self._entries.append((key, problem.lo, problem.hi, groups))
+            self._entries.append((key, problem.lo, problem.hi, runs))
             del self._entries[:-self.capacity]
-        return groups
+        return runs
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
 
 
-def dense_plan(problem: Problem, causal_only: bool, group: int) -> list[Group]:
+def dense_plan(problem: Problem, causal_only: bool, heads_per_kv: int) -> list[BlockRun]:
     """One call per sequence over all rows and keys: what PyTorch's fused kernel would run on the
     dense form of the mask (its causal path for a plain causal mask, when GQA does not stack heads
     as rows)."""
     shared = problem.lo.shape[0] == 1
     batches = [slice(0, problem.batch)] if shared else [slice(s, s + 1) for s in range(problem.batch)]
-    causal_path = causal_only and problem.q_len == problem.k_len and not problem.has_mask and group == 1
-    return [Group(batch, 0, problem.q_len, 1, 0, 0, problem.k_len, full=causal_path, causal=causal_path, slot=None)
+    causal_path = causal_only and problem.q_len == problem.k_len and not problem.has_mask and heads_per_kv == 1
+    return [BlockRun(batch, 0, problem.q_len, 1, 0, 0, problem.k_len, full=causal_path, causal=causal_path, slot=None)
             for batch in batches]
 
 
@@ -352,17 +361,17 @@ def visited_fraction(problem: Problem) -> float:
 plans = PlanCache()
 
 
-def plan(problem: Problem, config: Settings | None = None) -> list[Group]:
+def plan(problem: Problem, config: Settings | None = None) -> list[BlockRun]:
     """Every kernel call the tiled backend makes for ``problem``, in order.
 
-    At each level (:func:`level_ranges`), ranges of consecutive full-size blocks join one group
+    At each level (:func:`level_ranges`), ranges of consecutive full-size blocks join one run
     when they have the same length, fullness and mask pattern (relative to their start) and
     their starts step evenly. A dense tensor mask differs from block to block, so with one there
-    are no coarse levels and every range is its own group."""
+    are no coarse levels and every range is its own run."""
     config = config or settings()
     lo, hi = problem.lo, problem.hi
     per_sequence = lo.shape[0] > 1
-    groups: list[Group] = []
+    runs: list[BlockRun] = []
     for s in range(lo.shape[0]):
         batch = slice(s, s + 1) if per_sequence else slice(0, problem.batch)
         levels = 0 if problem.has_mask else config.levels
@@ -370,21 +379,21 @@ def plan(problem: Problem, config: Settings | None = None) -> list[Group]:
             row_lo, row_hi = lo[s, slot], hi[s, slot]
             for block, blocks in level_ranges(row_lo, row_hi, config.block_size, levels, config.merge_span):
                 blocks = _aligned(blocks, row_lo, row_hi, block, config.key_align)
-                groups.extend(replace(g, slot=slot) for g in _runs(blocks, block, row_lo, row_hi, batch, problem))
-    return [_stacked(g) for g in groups]
+                runs.extend(replace(g, slot=slot) for g in _runs(blocks, block, row_lo, row_hi, batch, problem))
+    return [_stacked(g) for g in runs]
 
 
 def _runs(blocks: list[list[KeyRange]], size: int, lo: Tensor, hi: Tensor, batch: slice,
-          problem: Problem) -> list[Group]:
-    """Group the ranges of consecutive blocks of one level into batched kernel calls."""
+          problem: Problem) -> list[BlockRun]:
+    """BlockRun the ranges of consecutive blocks of one level into batched kernel calls."""
     patterns = _patterns(lo, hi, blocks, size)
-    groups: list[Group] = []
-    open_runs: dict[tuple, Group] = {}
+    runs: list[BlockRun] = []
+    open_runs: dict[tuple, BlockRun] = {}
     for index, ranges in enumerate(blocks):
         q0 = index * size
         rows = min(size, problem.q_len - q0)
         batchable = not problem.has_mask and rows == size
-        extended: dict[tuple, Group] = {}
+        extended: dict[tuple, BlockRun] = {}
         for r in ranges:
             signature = (r.stop - r.start, r.full, patterns.get((index, r.start)))
             run = open_runs.pop(signature, None)
@@ -394,16 +403,16 @@ def _runs(blocks: list[list[KeyRange]], size: int, lo: Tensor, hi: Tensor, batch
                 extended[signature] = replace(run, count=run.count + 1, key_step=step)
                 continue
             if run is not None:
-                groups.append(run)
-            new = Group(batch, q0, rows, 1, r.start, 0, r.stop - r.start, r.full)
+                runs.append(run)
+            new = BlockRun(batch, q0, rows, 1, r.start, 0, r.stop - r.start, r.full)
             if batchable:
                 extended[signature] = new
             else:
-                groups.append(new)
-        groups.extend(open_runs.values())
+                runs.append(new)
+        runs.extend(open_runs.values())
         open_runs = extended
-    groups.extend(open_runs.values())
-    return groups
+    runs.extend(open_runs.values())
+    return runs
 
 
 def _aligned(blocks: list[list[KeyRange]], lo: Tensor, hi: Tensor, size: int,
@@ -438,7 +447,7 @@ def _aligned(blocks: list[list[KeyRange]], lo: Tensor, hi: Tensor, size: int,
     return result
 
 
-def _stacked(g: Group) -> Group:
+def _stacked(g: BlockRun) -> BlockRun:
     """Blocks that all attend the same keys (the inside of a document, the rows past a padding
     cut) run as one block of all their rows: one plain call, which the kernel runs best."""
     if g.count > 1 and g.key_step == 0:

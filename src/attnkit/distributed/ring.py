@@ -33,7 +33,9 @@ from torch import Tensor
 
 from .. import masks as _masks
 from .._backends import dropout as _dropout
+from .._backends import interval_op
 from .._backends.blockwise import _merge_into
+from .._backends.interval_inputs import IntervalInputs
 from .._backends.numerics import work_dtype
 from .._call import make_call
 from . import comm
@@ -236,9 +238,9 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, seed: Tensor | None,
             for call in calls:
                 # the tiled backend's op (what attnkit.attention(..., return_lse=True) runs), on the
                 # call's rows and the segment's keys, with its ranges; no autograd inside _Ring
-                part, part_lse = torch.ops.attnkit.interval_attention(
-                    query[:, :, call.rows], k, v, call.lo, call.hi, None, None, None, settings.scale, None,
-                    settings.dropout, _seed_at(seed, call, segment), False, True)
+                part, part_lse, _ = interval_op.forward_op(IntervalInputs(
+                    query[:, :, call.rows], k, v, call.lo, call.hi, scale=settings.scale, dropout=settings.dropout,
+                    seed=_seed_at(seed, call, segment)))
                 _merge_into(out[:, :, call.rows], lse[:, :, call.rows], part.to(work), part_lse.to(work))
                 del part, part_lse
                 comm.count(units=1)
@@ -262,12 +264,13 @@ def _backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Ten
         for g, (segment, calls, k, v) in enumerate(zip(item.segments, item.calls, keys, values)):
             for call in calls:
                 rows = call.rows
-                grads = torch.ops.attnkit.interval_attention_backward(
+                # sparse_only (the record's default), as the forward's: no dense mask for the calls' ranges
+                grads = interval_op.backward_op(
                     grad_out[:, :, rows].contiguous(),
-                    None if grad_lse is None else grad_lse[:, :, rows].contiguous(),
-                    query[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows], call.lo, call.hi,
-                    None, None, None, settings.scale, None, settings.dropout, _seed_at(seed, call, segment), False,
-                    True, False)  # sparse_only, as the forward's "tiled": no dense mask for the calls' ranges
+                    None if grad_lse is None else grad_lse[:, :, rows].contiguous(), out[:, :, rows],
+                    lse[:, :, rows], None, IntervalInputs(query[:, :, rows], k, v, call.lo, call.hi,
+                                                          scale=settings.scale, dropout=settings.dropout,
+                                                          seed=_seed_at(seed, call, segment)))
                 dq[:, :, rows] += grads[0]
                 if own:
                     dk[:, :, segment.local:segment.local + segment.length] += grads[1]

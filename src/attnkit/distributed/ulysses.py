@@ -129,7 +129,7 @@ def default_groups(batch: int, heads: int, kv_heads: int, length: int) -> int:
 def _check_backend(backend: str, call) -> None:
     """Before any message, so that a refused backend fails every rank alike: each group's backward
     runs from its output and lse, so the backend must return the lse and have that backward."""
-    chosen = _backends.choose(call) if backend == "auto" else _backends.get_backend(backend)
+    chosen = _backends.get_backend(_backends.choose(call).backend if backend == "auto" else backend)
     if not (chosen.returns_lse and chosen.gradients is not None):
         capable = [name for name in _backends.backends()[1:]
                    if _backends.get_backend(name).returns_lse and _backends.get_backend(name).gradients is not None]
