@@ -9,6 +9,11 @@ from hypothesis import settings
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# attnkit's Triton kernel runs on CPU tensors through Triton's interpreter where there is no GPU
+# (CI): the variable must be set before triton.jit decorates the kernels, i.e. before they are imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Small, deterministic property runs keep the suite well inside its time budget on 2 cores.
 settings.register_profile("ci", max_examples=120, deadline=None, derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

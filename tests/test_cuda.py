@@ -102,19 +102,21 @@ def test_gradients_match_the_float64_oracle_on_cuda(backend):
 
 @pytest.mark.parametrize("mask", [None, masks.causal(), masks.sliding_window(64), masks.document([100, 156])],
                          ids=["none", "causal", "window", "documents"])
-def test_auto_runs_pytorchs_fused_kernels_on_cuda(mask):
-    """Device first: attnkit's kernels were measured on the CPU only, so on CUDA ``auto`` runs
-    ``"torch"`` (SDPA), structured masks included; ``return_lse`` alone needs the tiled backend."""
+def test_auto_on_cuda_keeps_sdpa_for_what_it_runs_and_intervals_for_the_rest(mask):
+    """SDPA's own kernels for no mask and plain causal; structured masks on FlexAttention, dropout on
+    attnkit's Triton kernel (Flex has none); ``return_lse`` on an interval engine too."""
     q = torch.randn(1, 2, 256, 32, device=CUDA)
 
     def chosen(**options):
         settings = dict(mask=mask, causal=False, scale=None, dropout=0.0, generator=None, return_weights=False)
-        return policy.choose(make_call(q, q, q, **{**settings, **options}))
+        return str(policy.choose(make_call(q, q, q, **{**settings, **options})))
 
-    assert chosen() == "torch"
-    assert chosen(dropout=0.1) == "torch"
-    assert chosen(causal=True) == "torch"
-    assert chosen(return_lse=True) == "tiled"
+    structured = mask is not None and not mask.is_causal
+    assert chosen() == ("tiled:flex" if structured else "torch")
+    assert chosen(dropout=0.1) == "tiled:triton"  # SDPA's dropout is not attnkit's pattern; no L x L weights
+    assert chosen(causal=True) == ("tiled:flex" if structured else "torch")
+    assert chosen(return_lse=True) == "tiled:flex"
+    assert chosen(return_weights=True) == "torch"
 
 
 def test_nan_propagates_on_cuda_as_in_the_reference_backend():
@@ -303,3 +305,167 @@ def test_ring_and_ulysses_run_on_nccl(tmp_path):
                 torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
     finally:
         dist.destroy_process_group()
+
+
+# -- structured masks on the GPU engines (FlexAttention, attnkit's Triton kernel) ---------------------
+
+ENGINES = ["auto", "flex", "triton"]
+
+
+def _engine_call(engine, q, k, v, **options):
+    """``attnkit.attention`` as ``"auto"`` runs it, or on the tiled backend with one engine forced."""
+    from attnkit._backends.tiled_plan import tuning
+
+    if engine == "auto":
+        return attnkit.attention(q, k, v, **options)
+    with tuning(kernel=engine):
+        return attnkit.attention(q, k, v, backend="tiled", **options)
+
+
+def _every_mask(q_len, k_len, batch):
+    """Every kind of attnkit.masks, per-sequence ones included, at these lengths (k_len >= q_len)."""
+    ids = torch.tensor([[0] * 30 + [1] * 40 + [2] * (k_len - 70), [5] * 90 + [6] * (k_len - 90)])[:batch]
+    return {
+        "causal": masks.causal(),
+        "window": masks.sliding_window(33),
+        "window (left, right)": masks.sliding_window(20, 7),
+        "documents & causal": masks.document([50, 0, 61, k_len - 111]) & masks.causal(),
+        "documents by ids": masks.document(ids=ids),
+        "prefix-LM per sequence": masks.prefix_lm([9, 70][:batch]),
+        "padding per sequence": masks.padding([k_len, 0][:batch]),  # the second sequence: no key at all
+        "first keys | window": masks.first_keys(4) | masks.sliding_window(16),
+        "key ranges": masks.key_ranges(torch.arange(q_len) // 2, torch.arange(q_len) // 2 + 25),
+        "varlen & causal": masks.varlen([40, q_len - 40], [50, k_len - 50]) & masks.causal(),
+    }
+
+
+_MATRIX_MASKS = list(_every_mask(130, 130, 2))
+
+
+@pytest.mark.parametrize("name", _MATRIX_MASKS)
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_every_mask_on_the_gpu_engines_matches_the_float64_oracle(name, engine, dtype, kv_heads):
+    """Output, lse and gradients of every mask kind, L = 130 (not a multiple of any block size) and
+    D = 64, against float64 with FlashAttention's rule (twice the error of the same computation in
+    that dtype, on the CPU, plus a term below the dtype's resolution)."""
+    q_len = k_len = 130
+    mask = _every_mask(q_len, k_len, 2)[name]
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, q_len, 64, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, kv_heads, k_len, 64, dtype=torch.float64, generator=g) for _ in range(2))
+    grad = torch.randn(2, 4, q_len, 64, dtype=torch.float64, generator=g)
+    allowed = mask.dense(q_len, k_len, ndim=4)
+
+    def reference(dt):
+        leaves = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        out, _ = oracle_attention(*leaves, mask=allowed, dtype=dt)
+        return out, torch.autograd.grad(out, leaves, grad.to(dt))
+
+    expected, expected_grads = reference(torch.float64)
+    same, same_grads = reference(dtype)
+    ours = [t.to(CUDA, dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = _engine_call(engine, *ours, mask=mask, return_lse=True)
+    grads = torch.autograd.grad(out, ours, grad.to(CUDA, dtype))
+    assert out.dtype == dtype and not out.isnan().any()
+    for got, want, baseline in zip((out, *grads), (expected, *expected_grads), (same, *same_grads)):
+        error = (got.double().cpu() - want).abs().max().item()
+        budget = 2 * (baseline.double() - want).abs().max().item()
+        assert error <= budget + 10 * SLACK[dtype], f"{name}, {engine}: error {error:.3g} > 2 x {budget / 2:.3g}"
+    empty = ~allowed.any(-1).expand(2, 4, q_len)
+    assert torch.isneginf(lse.cpu()[empty]).all() and (out.cpu()[empty] == 0).all()
+    rounded_q, rounded_k = (t.to(dtype).double() for t in (q, k))  # the lse of the inputs it was given
+    scores = (rounded_q @ rounded_k.repeat_interleave(4 // kv_heads, dim=1).transpose(-1, -2)) / 8
+    expected_lse = scores.masked_fill(~allowed, float("-inf")).logsumexp(-1)
+    finite = ~empty
+    torch.testing.assert_close(lse.double().cpu()[finite], expected_lse[finite], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_alibi_and_sinks_on_the_gpu_engines(engine, dtype):
+    q, k, v = _inputs(150, 150, kv_heads=2, head_dim=32)
+    v = v[..., :32]
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+    sinks = torch.tensor([0.0, 1.0, -1.0, 2.0], dtype=torch.float64)
+    k_full, v_full = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    expected = _softcap_alibi_sinks_oracle(q, k_full, v_full, 2.0, slopes, sinks)
+    baseline = _softcap_alibi_sinks_oracle(*(t.to(dtype).double() for t in (q, k_full, v_full)), 2.0, slopes, sinks)
+    out = _engine_call(engine, *(t.to(CUDA, dtype) for t in (q, k, v)), mask=masks.causal(), softcap=2.0,
+                       alibi_slopes=slopes.float().to(CUDA), sinks=sinks.to(CUDA, dtype))
+    error = (out.double().cpu() - expected).abs().max().item()
+    budget = 2 * (baseline - expected).abs().max().item()
+    assert error <= 2 * budget + 10 * SLACK[dtype], (engine, error, budget)
+
+
+def test_dropout_with_a_structured_mask_on_cuda_draws_the_cpu_pattern():
+    """Dropout on CUDA runs attnkit's Triton kernel (Flex has none) with the (seed, position) pattern
+    of every other path: the same zeros as the CPU's kernels for the same generator seed."""
+    q, k, _ = (t.float() for t in _inputs(96, 96, kv_heads=2))
+    v = torch.eye(96).expand(2, 2, 96, 96)  # the outputs are the dropped-out weights
+    mask = masks.document([40, 56]) & masks.causal()
+    call = make_call(*(t.to(CUDA) for t in (q, k, v)), mask=mask, causal=False, scale=None, dropout=0.3,
+                     generator=None, return_weights=False)
+    assert str(policy.choose(call)) == "tiled:triton"
+    on_cpu = attnkit.attention(q, k, v, mask=mask, dropout=0.3, generator=torch.Generator().manual_seed(3))
+    on_cuda = attnkit.attention(*(t.to(CUDA) for t in (q, k, v)), mask=mask, dropout=0.3,
+                                generator=torch.Generator(CUDA).manual_seed(3))
+    seed_cpu = _dropout.draw_seed(torch.Generator().manual_seed(3))
+    seed_cuda = _dropout.draw_seed(torch.Generator(CUDA).manual_seed(3), CUDA)
+    if int(seed_cpu) == int(seed_cuda.cpu()):  # the generators agree: the whole pattern must too
+        assert torch.equal(on_cuda.cpu() == 0, on_cpu == 0)
+    piece_cpu = attention_piece(q, k, v, seed=seed_cpu, mask=mask, dropout=0.3)
+    piece_cuda = attention_piece(*(t.to(CUDA) for t in (q, k, v)), seed=seed_cpu.to(CUDA), mask=mask, dropout=0.3)
+    assert torch.equal(piece_cuda.cpu() == 0, piece_cpu == 0)
+    torch.testing.assert_close(piece_cuda.cpu(), piece_cpu, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_nan_and_inf_on_the_gpu_engines_propagate_as_in_the_reference_backend(engine):
+    q, k, v = (t.float().to(CUDA) for t in _inputs(64, 64, head_dim=16))
+    k[0, 1, 5, 0] = float("nan")
+    v[1, 2, 7, 3] = float("inf")  # inside a block that other rows do not attend
+    mask = masks.sliding_window(4)
+    expected = attnkit.attention(q, k, v, mask=mask, backend="reference")
+    out = _engine_call(engine, q, k, v, mask=mask)
+    assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out.isinf(), expected.isinf())
+
+
+def test_structured_masks_on_cuda_build_no_lq_by_lk_tensor():
+    """O(L) extra memory forward and backward: at L = 16384, bf16, a window call's peak stays far below
+    one L x L bool mask (256 MiB), on both engines."""
+    length = 16384
+    q, k, v = (torch.randn(1, 4, length, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    for engine in ENGINES:
+        _engine_call(engine, q, k, v, mask=masks.sliding_window(256)).sum().backward()  # compiled, warm
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        _engine_call(engine, q, k, v, mask=masks.sliding_window(256)).sum().backward()
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        assert extra < 64 * 2**20, (engine, extra / 2**20)
+
+
+def test_flex_route_does_not_recompile_when_mask_values_change():
+    """Window sizes, document boundaries and padding lengths are data: 20 varied calls of one shape
+    compile nothing after the first."""
+    from torch._dynamo.utils import counters
+
+    q = torch.randn(1, 4, 512, 64, device=CUDA, dtype=torch.bfloat16)
+    attnkit.attention(q, q, q, mask=masks.sliding_window(64))
+    attnkit.attention(q, q, q, mask=masks.document([100, 412]) & masks.causal())
+    before = counters["stats"]["unique_graphs"]
+    for i in range(10):
+        attnkit.attention(q, q, q, mask=masks.sliding_window(32 + 16 * i))
+        attnkit.attention(q, q, q, mask=masks.document([50 + 31 * i, 462 - 31 * i]) & masks.causal())
+    assert counters["stats"]["unique_graphs"] == before
+
+
+def test_a_decoding_step_stays_on_sdpa():
+    q = torch.randn(2, 4, 1, 64, device=CUDA)
+    k = torch.randn(2, 4, 300, 64, device=CUDA)
+    call = make_call(q, k, k, mask=masks.sliding_window(64), causal=False, scale=None, dropout=0.0, generator=None,
+                     return_weights=False)
+    assert str(policy.choose(call)) == "torch"
