@@ -19,6 +19,10 @@ peak memory is the process's peak resident set minus its resident set before the
     python benchmarks/transformers.py --model llama --lengths 8192       # full causal
     python benchmarks/transformers.py --model llama --generate 2048 128  # generate() with the cache
     python benchmarks/transformers.py --model llama --generate 2048 128 --implementations attnkit sdpa --interleaved 8
+    python benchmarks/transformers.py --device cuda --dtype bfloat16 --hidden 2048 --heads 16 --kv-heads 4 \
+        --intermediate 7168 --window 1024 --lengths 16384 65536 --implementations attnkit flex_attention sdpa
+    python benchmarks/transformers.py --device cuda --dtype bfloat16 --train ...         # one training step
+    python benchmarks/transformers.py --device cuda --model gemma2 ... / --model gpt-oss ...  # softcap / sinks
 
 ``--interleaved ROUNDS``: one process and one model instead, the implementations taking turns on it
 (``set_attn_implementation``, the order reversed every other round) for ROUNDS rounds, each round
@@ -27,7 +31,12 @@ turns in one process do not. Reports the median time of each and, per round, eac
 ``sdpa``; no memory figures.
 
 Model (the issue's): 4 layers, hidden 512, intermediate 1792, 8 heads, 2 kv heads, head dim 64,
-window 512 (Mistral) or full causal (Llama), fp32, batch 1, no LM head (the base model).
+window 512 (Mistral) or full causal (Llama), fp32, batch 1, no LM head (the base model). ``--model
+gemma2`` (soft-capping, alternating sliding and full layers) and ``--model gpt-oss`` (sinks,
+alternating layers, a small mixture of experts) run the same sizes. ``--device cuda``: times are
+taken after ``torch.cuda.synchronize()``, the extra peak is the CUDA allocator's peak over what the
+model and inputs hold; ``--dtype`` casts the model; ``--train`` times a forward and backward (the
+mean square of the last hidden state); ``--batch`` sets the batch (generate() too).
 """
 
 from __future__ import annotations
@@ -79,34 +88,61 @@ def _model(kind: str, implementation: str, args):
     common = dict(vocab_size=1000, hidden_size=args.hidden, intermediate_size=args.intermediate,
                   num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                   max_position_embeddings=max(args.lengths + [sum(args.generate or [0])]) + 16)
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(args.layers)]
     if kind == "mistral":
         config = transformers.MistralConfig(sliding_window=args.window, **common)
+    elif kind == "gemma2":
+        config = transformers.Gemma2Config(sliding_window=args.window, head_dim=args.hidden // args.heads,
+                                           attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                           layer_types=alternating, **common)
+    elif kind == "gpt-oss":
+        config = transformers.GptOssConfig(sliding_window=args.window, head_dim=args.hidden // args.heads,
+                                           num_local_experts=4, num_experts_per_tok=2, layer_types=alternating,
+                                           **common)
     else:
         config = transformers.LlamaConfig(**common)
     config._attn_implementation = implementation
     cls = {"mistral": (transformers.MistralModel, transformers.MistralForCausalLM),
+           "gemma2": (transformers.Gemma2Model, transformers.Gemma2ForCausalLM),
+           "gpt-oss": (transformers.GptOssModel, transformers.GptOssForCausalLM),
            "llama": (transformers.LlamaModel, transformers.LlamaForCausalLM)}[kind][1 if args.generate else 0]
-    return cls(config).eval()
+    model = cls(config).to(device=args.device, dtype=getattr(torch, args.dtype))
+    return model.train() if args.train else model.eval()
 
 
 def _runner(model, length: int, args):
     """The timed call: the model's forward over ``length`` random tokens, or ``generate()``."""
     import torch
 
-    ids = torch.randint(0, 1000, (1, length))
+    ids = torch.randint(0, 1000, (args.batch, length), device=args.device)
     if args.generate:
         prompt, new = args.generate
         # token 0 is the pad token generate() is given: a random prompt holding one (87% of 2048-token
         # prompts drawn from 0-999 do) becomes a padded sequence with holes, a dense mask every step
-        ids = torch.randint(1, 1000, (1, prompt))
+        ids = torch.randint(1, 1000, (args.batch, prompt), device=args.device)
 
         def run():
             out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-            return out[:, prompt:]
+            return _synchronized(args, out[:, prompt:])
+    elif args.train:
+        def run():
+            model.zero_grad(set_to_none=True)
+            hidden = model(input_ids=ids).last_hidden_state
+            hidden.float().square().mean().backward()
+            return _synchronized(args, hidden.detach())
     else:
         def run():
-            return model(input_ids=ids).last_hidden_state
+            return _synchronized(args, model(input_ids=ids).last_hidden_state)
     return run
+
+
+def _synchronized(args, result):
+    """``result`` once the device has finished computing it (CUDA runs asynchronously)."""
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    return result
 
 
 def _child(args) -> None:
@@ -123,16 +159,23 @@ def _child(args) -> None:
     model.set_attn_implementation(implementation)
     run = _runner(model, length, args)
     before = _rss_bytes()
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     times = []
     result = None
-    with torch.no_grad():
+    with torch.set_grad_enabled(args.train):
         for i in range(args.repeats + (1 if args.warmup else 0)):
             start = time.perf_counter()
             result = run()
             elapsed = time.perf_counter() - start
             if i >= (1 if args.warmup else 0):
                 times.append(elapsed)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if args.device == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     summary = float(result.float().abs().mean()) if result.is_floating_point() else result[0].tolist()
     print(json.dumps({"time": statistics.median(times), "times": times, "extra_peak": peak - before,
                       "summary": summary}))
@@ -148,7 +191,7 @@ def _interleaved(args) -> None:
     for length in args.lengths:
         run = _runner(model, length, args)
         times: dict[str, list[float]] = {name: [] for name in names}
-        with torch.no_grad():
+        with torch.set_grad_enabled(args.train):
             for name in names:  # one warm-up each
                 model.set_attn_implementation(name)
                 run()
@@ -215,7 +258,11 @@ def _gib(n: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("mistral", "llama"), default="mistral")
+    parser.add_argument("--model", choices=("mistral", "llama", "gemma2", "gpt-oss"), default="mistral")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--train", action="store_true", help="time a forward and backward instead of a forward")
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
     parser.add_argument("--generate", type=int, nargs=2, metavar=("PROMPT", "NEW"), default=None,
@@ -246,13 +293,14 @@ def main() -> None:
     import transformers
 
     what = (f"generate(), prompt {args.generate[0]}, {args.generate[1]} new tokens" if args.generate
-            else "forward")
+            else "forward + backward" if args.train else "forward")
     shape = (f"{args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, {args.heads} heads, "
-             f"{args.kv_heads} kv heads" + (f", window {args.window}" if args.model == "mistral" else ", full causal"))
+             f"{args.kv_heads} kv heads" + (", full causal" if args.model == "llama" else f", window {args.window}"))
     how = (f"one process, implementations taking turns, median of {args.interleaved} rounds (s)" if args.interleaved
            else f"median of {args.repeats}")
-    print(f"# {args.model}-style decoder ({shape}), {what}, fp32, batch 1 "
-          f"(torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, cpu); {how}\n")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{args.threads} threads, cpu"
+    print(f"# {args.model}-style decoder ({shape}), {what}, {args.dtype}, batch {args.batch} "
+          f"(torch {torch.__version__}, transformers {transformers.__version__}, {where}); {how}\n")
     if args.interleaved:
         print("| L | " + " | ".join(args.implementations) + " |")
         print("|---:|" + "---:|" * len(args.implementations))
@@ -276,7 +324,7 @@ def main() -> None:
             share = f"{1 - noop / r['time']:.1%}" if noop and implementation != "noop" else ""
             print(f"| {length} | {implementation} | {r['time']:.2f} | {ratio} | {share} | {_gib(r['extra_peak'])} |",
                   flush=True)
-        if noop and not args.generate:
+        if noop and not args.generate and args.device == "cpu" and not args.train:
             rate = _matmul_rate(args.threads)
             attention, rest = _attention_gflop(args.model, length, args), _model_gflop(length, args)
             floor = attention / rate
