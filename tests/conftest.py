@@ -13,6 +13,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 # (CI): the variable must be set before triton.jit decorates the kernels, i.e. before they are imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        import triton_interpreter
+    except ImportError:  # no triton: its tests skip
+        pass
+    else:
+        triton_interpreter.apply()
 
 # Small, deterministic property runs keep the suite well inside its time budget on 2 cores.
 settings.register_profile("ci", max_examples=120, deadline=None, derandomize=True, print_blob=True)

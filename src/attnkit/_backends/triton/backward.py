@@ -1,0 +1,93 @@
+"""The backward kernels, FlashAttention-2's split: dK/dV by key block, dQ by query block.
+
+Both recompute the weights from the stored lse, ``P = exp(s - lse)``, and use ``delta_i =
+rowsum(dO_i * O_i) - dlse_i`` (a preprocess kernel), so that ``dS = P * (dP - delta)`` carries the
+lse's own gradient too. The dQ kernel (:mod:`.backward_q`) walks key blocks exactly like the
+forward. The dK/dV kernel (:mod:`.backward_kv`) owns one key block of one key/value head and walks
+the query blocks of every query head of its GQA group (without repeating K/V, nothing summed
+afterwards); it skips query blocks whose rows cannot reach its keys by a per-query-block summary
+(:func:`.inputs.block_summary`) and masks only the blocks that some row attends in part. This
+module holds the preprocess and the launches.
+
+Masked pairs stay out as in the forward (``tl.where`` on ``dS``; rows, or keys, that attend
+nothing in a block load as zeros), with the same caveat: a NaN in a row or key that is attended by
+part of a block can reach the others' gradients through the products.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .backward_kv import dkdv_kernel
+from .backward_q import dq_kernel
+from .inputs import Prepared, block_summary
+
+__all__ = ["launch"]
+
+
+@triton.jit
+def _delta_kernel(Out, dOut, dLse, Delta, stride_on, stride_oh, stride_om, stride_od,
+                  stride_gn, stride_gh, stride_gm, stride_gd, heads, q_len, v_dim,
+                  BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """``delta = rowsum(dO * O) - dlse`` (float32 ``[N, H, Lq]``)."""
+    pid_nh = tl.program_id(1)
+    n = (pid_nh // heads).to(tl.int64)
+    h = (pid_nh % heads).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dv = tl.arange(0, BLOCK_DV)
+    inside = (rows[:, None] < q_len) & (dv[None, :] < v_dim)
+    o = tl.load(Out + n * stride_on + h * stride_oh + rows.to(tl.int64)[:, None] * stride_om + dv[None, :] * stride_od,
+                mask=inside, other=0.0).to(tl.float32)
+    do = tl.load(dOut + n * stride_gn + h * stride_gh + rows.to(tl.int64)[:, None] * stride_gm
+                 + dv[None, :] * stride_gd, mask=inside, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    offsets = pid_nh.to(tl.int64) * q_len + rows
+    if HAS_DLSE:
+        delta -= tl.load(dLse + offsets, mask=rows < q_len, other=0.0)
+    tl.store(Delta + offsets, delta, mask=rows < q_len)
+
+
+
+
+def launch(prep: Prepared, grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Tensor,
+           blocks: tuple[int, int, int, int], num_warps: int, num_stages: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` shaped (contiguous) and typed like query, key, value. ``blocks`` is
+    ``(BLOCK_M, BLOCK_N)`` of the dK/dV kernel then of the dQ kernel."""
+    query, key, value = prep.query, prep.key, prep.value
+    n, heads, q_len, head_dim = query.shape
+    kv_heads, k_len, v_dim = key.shape[1], key.shape[2], value.shape[3]
+    if n * heads * q_len == 0 or k_len == 0:  # nothing attended: every gradient is zero
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+    # the kernels write every element
+    dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    lse = lse.to(torch.float32).contiguous()
+    delta = torch.empty((n, heads, q_len), dtype=torch.float32, device=query.device)
+    dlse = lse if grad_lse is None else grad_lse.to(torch.float32).expand(n, heads, q_len).contiguous()
+    rows_block = max(16, 4096 // prep.block_dv)  # two [rows, Dv] fp32 tiles in registers
+    _delta_kernel[(triton.cdiv(q_len, rows_block), n * heads)](
+        out, grad_out, dlse, delta, *out.stride(), *grad_out.stride(), heads, q_len, v_dim,
+        BLOCK_M=rows_block, BLOCK_DV=prep.block_dv, HAS_DLSE=grad_lse is not None)
+
+    kv_m, kv_n, q_m, q_n = blocks
+    summary = block_summary(prep.lo, prep.hi, k_len, kv_m)
+    common = dict(BLOCK_D=prep.block_d, BLOCK_DV=prep.block_dv, RANGES=prep.ranges, SOFTCAP=prep.has_softcap,
+                  HAS_ALIBI=prep.has_alibi, DROPOUT=prep.has_dropout, IEEE=prep.ieee,
+                  num_warps=num_warps, num_stages=num_stages)
+    strides = (*query.stride(), *key.stride(), *value.stride(), *grad_out.stride())
+    dkdv_kernel[(triton.cdiv(k_len, kv_n), n * kv_heads)](
+        query, key, value, grad_out, lse, delta, dk, dv, prep.lo, prep.hi, summary, prep.slopes, prep.seed,
+        *strides, prep.stride_ls, prep.stride_lr,
+        summary.stride(0) if summary.shape[0] > 1 else 0, summary.stride(1), prep.stride_sn, prep.stride_sh,
+        kv_heads, prep.heads_per_kv, q_len, k_len, head_dim, v_dim, summary.shape[2],
+        prep.scale, prep.softcap, prep.drop_scale, BLOCK_M=kv_m, BLOCK_N=kv_n, **common)
+    dq_kernel[(triton.cdiv(q_len, q_m), n * heads)](
+        query, key, value, grad_out, lse, delta, dq, prep.lo, prep.hi, prep.slopes, prep.seed,
+        *strides, prep.stride_ls, prep.stride_lr, prep.stride_sn, prep.stride_sh,
+        heads, prep.heads_per_kv, q_len, k_len, head_dim, v_dim,
+        prep.scale, prep.softcap, prep.drop_scale, BLOCK_M=q_m, BLOCK_N=q_n, **common)
+    return dq, dk, dv

@@ -1,0 +1,122 @@
+"""The dK/dV kernel of the backward (:mod:`.backward`): one key block of one key/value head.
+
+It walks the query blocks of every query head of its GQA group (without repeating K/V and with
+nothing summed afterwards). A query block is visited only when the per-query-block summary
+(:func:`.inputs.block_summary`: the smallest lo and largest hi of its rows) reaches the key block,
+and masked only when not every row attends the whole key block (the largest lo and smallest hi).
+Rows that attend nothing in a masked block load as zeros: a NaN in a padded query cannot reach dK.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import common as c
+
+__all__ = ["dkdv_kernel"]
+
+
+@triton.jit
+def _visit_rows(dk, dv, k, v, keys, start, q_base, do_base, Lse, Delta, lo_ptr, hi_ptr, Seed, n, h,
+                stride_qm, stride_qd, stride_gm, stride_gd, q_len, k_len, head_dim, v_dim,
+                scale, softcap, slope, drop_scale,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
+                SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+    """One query block into ``dk, dv`` of the key block (tiles are keys x rows)."""
+    rows = start + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    e = tl.arange(0, BLOCK_DV)
+    lse, delta = c.row_stats(Lse, Delta, rows, q_len)
+    if MASKED:
+        lo, hi = c.load_bounds(lo_ptr, hi_ptr, rows, q_len, k_len)
+        attend = c.in_range(lo[None, :], hi[None, :], keys[:, None])
+        used = tl.max(attend.to(tl.int32), 0) > 0  # rows that attend some key here (none past q_len)
+    else:
+        used = rows < q_len
+    row_offsets = rows.to(tl.int64)[:, None]
+    q = tl.load(q_base + row_offsets * stride_qm + d[None, :] * stride_qd,
+                mask=used[:, None] & (d[None, :] < head_dim), other=0.0)
+    do = tl.load(do_base + row_offsets * stride_gm + e[None, :] * stride_gd,
+                 mask=used[:, None] & (e[None, :] < v_dim), other=0.0)
+    s, t = c.scores(c.dot(k, tl.trans(q), IEEE), rows[None, :], keys[:, None], scale, softcap, slope,
+                    k_len - q_len, SOFTCAP, HAS_ALIBI)
+    p = tl.exp2(s - lse[None, :])
+    if MASKED:
+        p = tl.where(attend, p, 0.0)
+    dp = c.dot(v, tl.trans(do), IEEE)
+    if DROPOUT:
+        drop_a, drop_c = c.row_hash(Seed, n, h, rows)
+        kept = c.keep(Seed, drop_a[None, :], drop_c[None, :], keys[:, None])
+        dv += c.dot(tl.where(kept, p * drop_scale, 0.0).to(do.dtype), do, IEEE)
+        dp = tl.where(kept, dp * drop_scale, 0.0)
+    else:
+        dv += c.dot(p.to(do.dtype), do, IEEE)
+    ds = p * (dp - delta[None, :])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    if MASKED:
+        ds = tl.where(attend, ds, 0.0)
+    dk += c.dot(ds.to(q.dtype), q, IEEE)
+    return dk, dv
+
+
+@triton.jit
+def dkdv_kernel(Q, K, V, dOut, Lse, Delta, dK, dV, Lo, Hi, Summary, Slopes, Seed,
+                stride_qn, stride_qh, stride_qm, stride_qd, stride_kn, stride_kh, stride_km, stride_kd,
+                stride_vn, stride_vh, stride_vm, stride_vd, stride_gn, stride_gh, stride_gm, stride_gd,
+                stride_ls, stride_lr, stride_us, stride_ur, stride_sn, stride_sh,
+                kv_heads, heads_per_kv, q_len, k_len, head_dim, v_dim, q_blocks,
+                scale, softcap, drop_scale,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_DV: tl.constexpr, RANGES: tl.constexpr, SOFTCAP: tl.constexpr,
+                HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+    """Grid ``(cdiv(Lk, BLOCK_N), N * Hkv)``: dK and dV of one key block, summed over the query heads sharing it."""
+    pid = tl.program_id(1)
+    n = pid // kv_heads
+    n64 = n.to(tl.int64)
+    hkv64 = (pid % kv_heads).to(tl.int64)
+    first_key = tl.program_id(0) * BLOCK_N
+    keys = first_key + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    e = tl.arange(0, BLOCK_DV)
+    key_rows = keys.to(tl.int64)[:, None]
+    k_offsets = n64 * stride_kn + hkv64 * stride_kh + key_rows * stride_km + d[None, :] * stride_kd
+    v_offsets = n64 * stride_vn + hkv64 * stride_vh + key_rows * stride_vm + e[None, :] * stride_vd
+    k_mask = (keys[:, None] < k_len) & (d[None, :] < head_dim)
+    v_mask = (keys[:, None] < k_len) & (e[None, :] < v_dim)
+    k = tl.load(K + k_offsets, mask=k_mask, other=0.0)
+    v = tl.load(V + v_offsets, mask=v_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    last_key = first_key + BLOCK_N
+    for g in range(heads_per_kv):
+        h = (pid % kv_heads) * heads_per_kv + g
+        nh = n64 * (kv_heads * heads_per_kv) + h
+        q_base = Q + n64 * stride_qn + h.to(tl.int64) * stride_qh
+        do_base = dOut + n64 * stride_gn + h.to(tl.int64) * stride_gh
+        slope = c.alibi_slope(Slopes, n, h, stride_sn, stride_sh, HAS_ALIBI)
+        for block in range(q_blocks):
+            for r in tl.static_range(RANGES):
+                lo_ptr = Lo + n * stride_ls + r * stride_lr
+                hi_ptr = Hi + n * stride_ls + r * stride_lr
+                summary = Summary + n * stride_us + r * stride_ur + block * 4
+                reach = (tl.load(summary) < last_key) & (tl.load(summary + 1) > first_key)
+                if reach:
+                    full = (tl.load(summary + 2) <= first_key) & (last_key <= tl.load(summary + 3))
+                    if full:
+                        dk, dv = _visit_rows(dk, dv, k, v, keys, block * BLOCK_M, q_base, do_base,
+                                             Lse + nh * q_len, Delta + nh * q_len, lo_ptr, hi_ptr, Seed, n, h,
+                                             stride_qm, stride_qd, stride_gm, stride_gd, q_len, k_len,
+                                             head_dim, v_dim, scale, softcap, slope, drop_scale,
+                                             BLOCK_M, BLOCK_D, BLOCK_DV, False, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+                    else:
+                        dk, dv = _visit_rows(dk, dv, k, v, keys, block * BLOCK_M, q_base, do_base,
+                                             Lse + nh * q_len, Delta + nh * q_len, lo_ptr, hi_ptr, Seed, n, h,
+                                             stride_qm, stride_qd, stride_gm, stride_gd, q_len, k_len,
+                                             head_dim, v_dim, scale, softcap, slope, drop_scale,
+                                             BLOCK_M, BLOCK_D, BLOCK_DV, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+    # dK and dV are fresh contiguous tensors [N, Hkv, Lk, D / Dv]
+    rows_out = (n64 * kv_heads + hkv64) * k_len + key_rows
+    tl.store(dK + rows_out * head_dim + d[None, :], (dk * scale).to(dK.dtype.element_ty), mask=k_mask)
+    tl.store(dV + rows_out * v_dim + e[None, :], dv.to(dV.dtype.element_ty), mask=v_mask)

@@ -1,0 +1,109 @@
+"""The dQ kernel of the backward (:mod:`.backward`): one query block of one query head.
+
+It visits key blocks exactly as the forward does (:func:`.common.key_span`: partial blocks masked,
+blocks every row attends whole unmasked, the rest never loaded) and recomputes each block's weights
+from the lse. Keys that no row of a masked block attends load as zeros, so a NaN in a padded key
+cannot reach dQ through ``dS @ K``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import common as c
+
+__all__ = ["dq_kernel"]
+
+
+@triton.jit
+def _visit_keys(dq, q, do, lse, delta, rows, start, lo, hi, drop_a, drop_c, Seed, k_base, v_base,
+                stride_km, stride_kd, stride_vm, stride_vd, q_len, k_len, head_dim, v_dim,
+                scale, softcap, slope, drop_scale,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
+                SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+    """One key block into ``dq`` of the rows (tiles are rows x keys)."""
+    keys = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    e = tl.arange(0, BLOCK_DV)
+    if MASKED:
+        attend = c.in_range(lo[:, None], hi[:, None], keys[None, :])
+        used = tl.max(attend.to(tl.int32), 0) > 0  # keys some row attends (none past k_len)
+    else:
+        used = keys < k_len
+    key_offsets = keys.to(tl.int64)[None, :]
+    kt = tl.load(k_base + key_offsets * stride_km + d[:, None] * stride_kd,
+                 mask=used[None, :] & (d[:, None] < head_dim), other=0.0)
+    vt = tl.load(v_base + key_offsets * stride_vm + e[:, None] * stride_vd,
+                 mask=used[None, :] & (e[:, None] < v_dim), other=0.0)
+    s, t = c.scores(c.dot(q, kt, IEEE), rows[:, None], keys[None, :], scale, softcap, slope,
+                    k_len - q_len, SOFTCAP, HAS_ALIBI)
+    p = tl.exp2(s - lse[:, None])
+    dp = c.dot(do, vt, IEEE)
+    if DROPOUT:
+        kept = c.keep(Seed, drop_a[:, None], drop_c[:, None], keys[None, :])
+        dp = tl.where(kept, dp * drop_scale, 0.0)
+    ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    if MASKED:
+        ds = tl.where(attend, ds, 0.0)
+    return dq + c.dot(ds.to(kt.dtype), tl.trans(kt), IEEE)
+
+
+@triton.jit
+def dq_kernel(Q, K, V, dOut, Lse, Delta, dQ, Lo, Hi, Slopes, Seed,
+              stride_qn, stride_qh, stride_qm, stride_qd, stride_kn, stride_kh, stride_km, stride_kd,
+              stride_vn, stride_vh, stride_vm, stride_vd, stride_gn, stride_gh, stride_gm, stride_gd,
+              stride_ls, stride_lr, stride_sn, stride_sh,
+              heads, heads_per_kv, q_len, k_len, head_dim, v_dim,
+              scale, softcap, drop_scale,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_DV: tl.constexpr, RANGES: tl.constexpr, SOFTCAP: tl.constexpr,
+              HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+    """Grid ``(cdiv(Lq, BLOCK_M), N * H)``: dQ of one query block of one head."""
+    pid_nh = tl.program_id(1)
+    n = pid_nh // heads
+    h = pid_nh % heads
+    n64 = n.to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = rows < q_len
+    d = tl.arange(0, BLOCK_D)
+    e = tl.arange(0, BLOCK_DV)
+    row_offsets = rows.to(tl.int64)[:, None]
+    q = tl.load(Q + n64 * stride_qn + h.to(tl.int64) * stride_qh + row_offsets * stride_qm + d[None, :] * stride_qd,
+                mask=valid[:, None] & (d[None, :] < head_dim), other=0.0)
+    do = tl.load(dOut + n64 * stride_gn + h.to(tl.int64) * stride_gh + row_offsets * stride_gm
+                 + e[None, :] * stride_gd, mask=valid[:, None] & (e[None, :] < v_dim), other=0.0)
+    lse, delta = c.row_stats(Lse + pid_nh.to(tl.int64) * q_len, Delta + pid_nh.to(tl.int64) * q_len, rows, q_len)
+    k_base = K + n64 * stride_kn + (h // heads_per_kv).to(tl.int64) * stride_kh
+    v_base = V + n64 * stride_vn + (h // heads_per_kv).to(tl.int64) * stride_vh
+    slope = c.alibi_slope(Slopes, n, h, stride_sn, stride_sh, HAS_ALIBI)
+    drop_a = rows.to(tl.uint32)
+    drop_c = drop_a
+    if DROPOUT:
+        drop_a, drop_c = c.row_hash(Seed, n, h, rows)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for r in tl.static_range(RANGES):
+        lo, hi = c.load_bounds(Lo + n * stride_ls + r * stride_lr, Hi + n * stride_ls + r * stride_lr,
+                               rows, q_len, k_len)
+        start, full_lo, full_hi, end = c.key_span(lo, hi, valid, k_len, BLOCK_N)
+        for block in range(start, full_lo, BLOCK_N):
+            dq = _visit_keys(dq, q, do, lse, delta, rows, block, lo, hi, drop_a, drop_c, Seed, k_base, v_base,
+                             stride_km, stride_kd, stride_vm, stride_vd, q_len, k_len, head_dim, v_dim,
+                             scale, softcap, slope, drop_scale,
+                             BLOCK_N, BLOCK_D, BLOCK_DV, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+        for block in range(full_lo, full_hi, BLOCK_N):
+            dq = _visit_keys(dq, q, do, lse, delta, rows, block, lo, hi, drop_a, drop_c, Seed, k_base, v_base,
+                             stride_km, stride_kd, stride_vm, stride_vd, q_len, k_len, head_dim, v_dim,
+                             scale, softcap, slope, drop_scale,
+                             BLOCK_N, BLOCK_D, BLOCK_DV, False, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+        for block in range(full_hi, end, BLOCK_N):
+            dq = _visit_keys(dq, q, do, lse, delta, rows, block, lo, hi, drop_a, drop_c, Seed, k_base, v_base,
+                             stride_km, stride_kd, stride_vm, stride_vd, q_len, k_len, head_dim, v_dim,
+                             scale, softcap, slope, drop_scale,
+                             BLOCK_N, BLOCK_D, BLOCK_DV, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+    # dQ is a fresh contiguous tensor [N, H, Lq, D]
+    tl.store(dQ + (pid_nh.to(tl.int64) * q_len + row_offsets) * head_dim + d[None, :],
+             (dq * scale).to(dQ.dtype.element_ty), mask=valid[:, None] & (d[None, :] < head_dim))

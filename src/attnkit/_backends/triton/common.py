@@ -1,0 +1,152 @@
+"""The jitted pieces every kernel of this package shares: scores, masks and the dropout hash.
+
+The forward and both backward kernels must agree to the bit on which pairs a row attends, what
+each score is and which weights dropout keeps, or the gradients would belong to another function.
+So each of those is written once, here, as element-wise functions of broadcastable tensors: the
+forward and the dQ kernel call them on ``[BLOCK_M, BLOCK_N]`` tiles (rows down), the dK/dV kernel
+on ``[BLOCK_N, BLOCK_M]`` tiles (keys down); the caller shapes ``rows`` and ``keys`` to match.
+
+Scores leave :func:`scores` in log2 units (times log2(e)) so that the softmax runs on ``exp2``, the
+cheap instruction, with the lse converted back to natural log only when stored.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["LOG2E", "LN2", "fmix32", "mix", "row_hash", "keep", "scores", "alibi_slope", "in_range",
+           "dot", "load_bounds", "key_span", "row_stats"]
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+# -- dropout: attnkit's counter-based hash (attnkit._backends.dropout), in uint32 arithmetic ---------
+
+@triton.jit
+def fmix32(x):
+    """MurmurHash3's finaliser on uint32 (products wrap modulo 2**32, shifts are logical)."""
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def mix(x, v):
+    """``fmix32(x ^ fmix32(v + 0x9E3779B9))``, both uint32."""
+    return fmix32(x ^ fmix32(v + 0x9E3779B9))
+
+
+@triton.jit
+def row_hash(seed_ptr, n, h, rows):
+    """Per-row dropout words ``(a, c)`` (uint32, shaped like ``rows``) for batch ``n``, query head
+    ``h`` and query ``rows``; ``seed_ptr`` holds int64 ``[seed, h0, i0, j0, threshold]`` (the
+    offsets place a piece of a larger call inside it)."""
+    seed = tl.load(seed_ptr)
+    head = (tl.load(seed_ptr + 1) + h).to(tl.uint32)
+    row = (tl.load(seed_ptr + 2) + rows.to(tl.int64)).to(tl.uint32)
+    batch = n.to(tl.uint32)
+    a = mix(mix(mix(seed.to(tl.uint32), batch), head), row)     # truncation keeps the low 32 bits
+    c = mix(mix(mix((seed >> 32).to(tl.uint32), batch), head), row)
+    return a, c
+
+
+@triton.jit
+def keep(seed_ptr, a, c, keys):
+    """Whether each weight is kept: ``a, c`` from :func:`row_hash` broadcast against ``keys``."""
+    key = (tl.load(seed_ptr + 3) + keys.to(tl.int64)).to(tl.uint32)
+    bits = fmix32(fmix32(key ^ a) ^ c)
+    return bits >= tl.load(seed_ptr + 4).to(tl.uint32)
+
+
+# -- scores -----------------------------------------------------------------------------------
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp of a non-positive number (no overflow; tl has no portable tanh). NaN stays NaN."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def alibi_slope(slopes_ptr, n, h, stride_sn, stride_sh, HAS_ALIBI: tl.constexpr):
+    """The ALiBi slope of head ``(n, h)`` (0.0 without ALiBi)."""
+    if HAS_ALIBI:
+        return tl.load(slopes_ptr + n * stride_sn + h * stride_sh).to(tl.float32)
+    else:
+        return 0.0
+
+
+@triton.jit
+def scores(qk, rows, keys, scale, softcap, slope, k_minus_q,
+           SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """``(s, t)``: the scores of the fp32 products ``qk`` in log2 units, and ``tanh(scale * qk /
+    softcap)`` for the soft-capping derivative (``qk`` itself without soft-capping; unused then).
+    ``rows, keys`` (int32, broadcast against ``qk``) place ALiBi: the query sits at key position
+    ``row + k_minus_q``."""
+    if SOFTCAP:
+        t = _tanh(qk * (scale / softcap))
+        s = t * softcap
+    else:
+        t = qk
+        s = qk * scale
+    if HAS_ALIBI:
+        s = s - slope * tl.abs(rows + k_minus_q - keys).to(tl.float32)
+    return s * LOG2E, t
+
+
+@triton.jit
+def row_stats(Lse, Delta, rows, q_len):
+    """The rows' lse in log2 units, with ``+inf`` for rows of no key (and past ``q_len``) so that
+    their weights come out 0 wherever they are computed, and their delta."""
+    lse = tl.load(Lse + rows, mask=rows < q_len, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    return lse, tl.load(Delta + rows, mask=rows < q_len, other=0.0)
+
+
+# -- masks ------------------------------------------------------------------------------------
+
+@triton.jit
+def load_bounds(lo_ptr, hi_ptr, rows, q_len, k_len):
+    """One range's ``lo, hi`` (int32) for ``rows``; rows past ``q_len`` read as empty."""
+    inside = rows < q_len
+    lo = tl.load(lo_ptr + rows, mask=inside, other=k_len)
+    hi = tl.load(hi_ptr + rows, mask=inside, other=0)
+    return lo, hi
+
+
+@triton.jit
+def in_range(lo, hi, keys):
+    """Whether each key lies in its row's ``[lo, hi)`` (the caller broadcasts rows against keys)."""
+    return (keys >= lo) & (keys < hi)
+
+
+@triton.jit
+def key_span(lo, hi, valid, k_len, BLOCK_N: tl.constexpr):
+    """The key blocks a block of rows visits for one range, as block-aligned bounds ``start <=
+    full_lo <= full_hi <= end``: ``[full_lo, full_hi)`` holds the blocks every ``valid`` row attends
+    whole (no mask needed), ``[start, full_lo)`` and ``[full_hi, end)`` the partly attended ones,
+    and nothing outside ``[start, end)`` is attended by any row."""
+    nonempty = lo < hi
+    first = tl.min(tl.where(nonempty, lo, k_len), 0)
+    last = tl.max(tl.where(nonempty, hi, 0), 0)
+    start = (first // BLOCK_N) * BLOCK_N
+    end = tl.cdiv(last, BLOCK_N) * BLOCK_N
+    # full blocks lie inside every row's range: after the largest lo, before the smallest hi
+    full_lo = tl.maximum(tl.cdiv(tl.max(tl.where(valid, lo, 0), 0), BLOCK_N) * BLOCK_N, start)
+    full_hi = tl.minimum((tl.min(tl.where(valid, hi, k_len), 0) // BLOCK_N) * BLOCK_N, end)
+    none = full_hi <= full_lo
+    return start, tl.where(none, end, full_lo), tl.where(none, end, full_hi), end
+
+
+@triton.jit
+def dot(a, b, IEEE: tl.constexpr):
+    """``a @ b`` accumulated in fp32; with ``IEEE`` (float32 inputs) in full fp32 rather than TF32."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)

@@ -1,0 +1,156 @@
+"""The forward kernel: FlashAttention-2's online softmax over only the key blocks a query block's
+intervals reach.
+
+One program owns ``BLOCK_M`` query rows of one ``(n, h)``. It reads the rows' ``[lo, hi)`` once per
+range and splits the keys they reach into three runs of blocks (:func:`.common.key_span`): partly
+attended blocks before and after, which pay for an element-wise mask, and the blocks every row
+attends whole, which run with no mask at all; keys outside the span are never loaded. Two ranges a
+row run one after the other, each masked to itself, so a block both reach is counted once per pair.
+
+Masked-out pairs never enter the sums: their scores become ``-inf`` through ``tl.where`` (a NaN
+score stays out), and values of keys no row of the block attends load as zeros so that ``0 * NaN``
+cannot reach the product. A key that some rows of a block attend and others do not still meets all
+of them in ``P @ V``: a NaN in its value spreads to those rows too (as in FlashAttention), which the
+caller detects from a non-finite output (:mod:`attnkit._backends.numerics`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import common as c
+from .inputs import Prepared
+
+__all__ = ["launch"]
+
+
+@triton.jit
+def _visit(acc, m_i, l_i, q, k_base, v_base, start, rows, lo, hi, drop_a, drop_c, seed_ptr,
+           stride_km, stride_kd, stride_vm, stride_vd, k_len, head_dim, v_dim,
+           scale, softcap, slope, k_minus_q,
+           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
+           SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+    """One key block into the running ``(acc, max, sum)`` of the rows (log2 units)."""
+    keys = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    key_offsets = keys.to(tl.int64)
+    kt_ptrs = k_base + d[:, None] * stride_kd + key_offsets[None, :] * stride_km
+    v_ptrs = v_base + key_offsets[:, None] * stride_vm + dv[None, :] * stride_vd
+    if MASKED:
+        attend = c.in_range(lo[:, None], hi[:, None], keys[None, :])
+        used = tl.max(attend.to(tl.int32), 0) > 0  # keys some row attends (hi <= k_len: none past it)
+        kt = tl.load(kt_ptrs, mask=(d[:, None] < head_dim) & (keys[None, :] < k_len), other=0.0)
+        v = tl.load(v_ptrs, mask=used[:, None] & (dv[None, :] < v_dim), other=0.0)
+    else:
+        kt = tl.load(kt_ptrs, mask=d[:, None] < head_dim, other=0.0)
+        v = tl.load(v_ptrs, mask=dv[None, :] < v_dim, other=0.0)
+    s, _ = c.scores(c.dot(q, kt, IEEE), rows[:, None], keys[None, :], scale, softcap, slope, k_minus_q,
+                    SOFTCAP, HAS_ALIBI)
+    if MASKED:
+        s = tl.where(attend, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row with nothing attended yet keeps max -inf: shift by 0 instead (exp2(-inf - -inf) is NaN)
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - shift)
+    p = tl.exp2(s - shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)  # the lse is before dropout
+    if DROPOUT:
+        p = tl.where(c.keep(seed_ptr, drop_a[:, None], drop_c[:, None], keys[None, :]), p, 0.0)
+    acc = acc * alpha[:, None] + c.dot(p.to(v.dtype), v, IEEE)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed,
+                    stride_qn, stride_qh, stride_qm, stride_qd,
+                    stride_kn, stride_kh, stride_km, stride_kd,
+                    stride_vn, stride_vh, stride_vm, stride_vd,
+                    stride_on, stride_oh, stride_om, stride_od,
+                    stride_ls, stride_lr, stride_sn, stride_sh,
+                    heads, heads_per_kv, q_len, k_len, head_dim, v_dim,
+                    scale, softcap, drop_scale,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, RANGES: tl.constexpr, SOFTCAP: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+    """Grid ``(cdiv(Lq, BLOCK_M), N * H)``: output and lse of one query block of one head."""
+    pid_nh = tl.program_id(1)
+    n = pid_nh // heads
+    h = pid_nh % heads
+    n64 = n.to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = rows < q_len
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q_base = Q + n64 * stride_qn + h.to(tl.int64) * stride_qh
+    q = tl.load(q_base + rows.to(tl.int64)[:, None] * stride_qm + d[None, :] * stride_qd,
+                mask=valid[:, None] & (d[None, :] < head_dim), other=0.0)
+    k_base = K + n64 * stride_kn + (h // heads_per_kv).to(tl.int64) * stride_kh
+    v_base = V + n64 * stride_vn + (h // heads_per_kv).to(tl.int64) * stride_vh
+    slope = c.alibi_slope(Slopes, n, h, stride_sn, stride_sh, HAS_ALIBI)
+    k_minus_q = k_len - q_len
+    drop_a = rows.to(tl.uint32)
+    drop_c = drop_a
+    if DROPOUT:
+        drop_a, drop_c = c.row_hash(Seed, n, h, rows)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for r in tl.static_range(RANGES):
+        lo, hi = c.load_bounds(Lo + n * stride_ls + r * stride_lr, Hi + n * stride_ls + r * stride_lr,
+                               rows, q_len, k_len)
+        start, full_lo, full_hi, end = c.key_span(lo, hi, valid, k_len, BLOCK_N)
+        for block in range(start, full_lo, BLOCK_N):
+            acc, m_i, l_i = _visit(acc, m_i, l_i, q, k_base, v_base, block, rows, lo, hi, drop_a, drop_c, Seed,
+                                   stride_km, stride_kd, stride_vm, stride_vd, k_len, head_dim, v_dim,
+                                   scale, softcap, slope, k_minus_q,
+                                   BLOCK_N, BLOCK_D, BLOCK_DV, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+        for block in range(full_lo, full_hi, BLOCK_N):
+            acc, m_i, l_i = _visit(acc, m_i, l_i, q, k_base, v_base, block, rows, lo, hi, drop_a, drop_c, Seed,
+                                   stride_km, stride_kd, stride_vm, stride_vd, k_len, head_dim, v_dim,
+                                   scale, softcap, slope, k_minus_q,
+                                   BLOCK_N, BLOCK_D, BLOCK_DV, False, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+        for block in range(full_hi, end, BLOCK_N):
+            acc, m_i, l_i = _visit(acc, m_i, l_i, q, k_base, v_base, block, rows, lo, hi, drop_a, drop_c, Seed,
+                                   stride_km, stride_kd, stride_vm, stride_vd, k_len, head_dim, v_dim,
+                                   scale, softcap, slope, k_minus_q,
+                                   BLOCK_N, BLOCK_D, BLOCK_DV, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+
+    # no key (sum 0): zeros and lse -inf; a NaN sum stays NaN
+    empty = l_i == 0.0
+    total = tl.where(empty, 1.0, l_i)
+    out = acc / total[:, None]
+    if DROPOUT:
+        out = out * drop_scale
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(total)) * c.LN2)
+    out_base = Out + n64 * stride_on + h.to(tl.int64) * stride_oh
+    tl.store(out_base + rows.to(tl.int64)[:, None] * stride_om + dv[None, :] * stride_od,
+             out.to(Out.dtype.element_ty), mask=valid[:, None] & (dv[None, :] < v_dim))
+    tl.store(Lse + pid_nh.to(tl.int64) * q_len + rows, lse, mask=valid)
+
+
+def launch(prep: Prepared, block_m: int, block_n: int, num_warps: int, num_stages: int) -> tuple[Tensor, Tensor]:
+    """Run the forward on prepared inputs: ``(out [N, H, Lq, Dv] in the input dtype, lse [N, H, Lq]
+    float32)``."""
+    query, key, value = prep.query, prep.key, prep.value
+    n, heads, q_len, head_dim = query.shape
+    k_len, v_dim = key.shape[2], value.shape[3]
+    out = torch.empty((n, heads, q_len, v_dim), dtype=query.dtype, device=query.device)
+    lse = torch.empty((n, heads, q_len), dtype=torch.float32, device=query.device)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+    grid = (triton.cdiv(q_len, block_m), n * heads)
+    _forward_kernel[grid](
+        query, key, value, out, lse, prep.lo, prep.hi, prep.slopes, prep.seed,
+        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+        prep.stride_ls, prep.stride_lr, prep.stride_sn, prep.stride_sh,
+        heads, prep.heads_per_kv, q_len, k_len, head_dim, v_dim,
+        prep.scale, prep.softcap, prep.drop_scale,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=prep.block_d, BLOCK_DV=prep.block_dv, RANGES=prep.ranges,
+        SOFTCAP=prep.has_softcap, HAS_ALIBI=prep.has_alibi, DROPOUT=prep.has_dropout, IEEE=prep.ieee,
+        num_warps=num_warps, num_stages=num_stages)
+    return out, lse

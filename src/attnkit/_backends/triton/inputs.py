@@ -1,0 +1,139 @@
+"""Checking a call and putting it into the form the kernels read, on the host side.
+
+The kernels take raw pointers, strides and a few flags; everything that has to agree between the
+forward and the backward (the int32 bounds, the seed words, the dropout threshold, the padded head
+widths) is decided once here, in :func:`prepare`, so that both halves read the same numbers. Only
+torch ops run: nothing waits on the device (the seed stays a tensor and is read by the kernels).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch import Tensor
+
+from .. import dropout as _dropout
+
+__all__ = ["Prepared", "prepare", "block_summary"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked call: inputs as given (any strides), bounds ``lo, hi`` int32 ``[S, R, Lq]``
+    clipped to ``[0, Lk]``, ``seed`` int64 ``[seed, h0, i0, j0, threshold]`` and the kernels' flags."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    lo: Tensor
+    hi: Tensor
+    stride_ls: int  # 0 when one set of bounds serves every sequence
+    stride_lr: int
+    slopes: Tensor
+    stride_sn: int
+    stride_sh: int
+    seed: Tensor
+    heads_per_kv: int
+    scale: float
+    softcap: float
+    drop_scale: float
+    block_d: int
+    block_dv: int
+    ranges: int
+    has_softcap: bool
+    has_alibi: bool
+    has_dropout: bool
+    ieee: bool
+
+
+def _width(size: int) -> int:
+    """A head width padded for ``tl.dot``: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(size))
+
+
+def _seed_words(seed: Tensor | None, dropout: float, device: torch.device) -> Tensor:
+    """``[seed, h0, i0, j0, threshold]`` (int64, on ``device``) without reading the seed on the host."""
+    threshold = torch.tensor([_dropout.threshold(dropout)], dtype=torch.int64, device=device)
+    if seed is None:
+        return torch.cat([torch.zeros(4, dtype=torch.int64, device=device), threshold])
+    seed = seed.to(device=device, dtype=torch.int64)
+    if seed.dim() == 0:
+        seed = torch.cat([seed[None], torch.zeros(3, dtype=torch.int64, device=device)])
+    elif seed.shape != (4,):
+        raise ValueError(f"seed must be an int64 scalar or [seed, h0, i0, j0], got shape {tuple(seed.shape)}")
+    return torch.cat([seed, threshold])
+
+
+def prepare(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, *, scale: float,
+            softcap: float | None, alibi_slopes: Tensor | None, dropout: float, seed: Tensor | None) -> Prepared:
+    """Check the call (shapes, dtypes, devices) and build what the kernels read."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError("query, key and value must be [N, H, L, D] (key and value [N, Hkv, Lk, D / Dv])")
+    n, heads, q_len, head_dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    if key.shape[0] != n or key.shape[3] != head_dim or value.shape[:3] != key.shape[:3]:
+        raise ValueError(f"shapes do not fit: query {tuple(query.shape)}, key {tuple(key.shape)}, "
+                         f"value {tuple(value.shape)}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
+    if query.dtype not in _DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"query, key and value must share one of {_DTYPES}, got "
+                        f"{query.dtype}, {key.dtype}, {value.dtype}")
+    if not 0.0 <= dropout <= 1.0:
+        raise ValueError(f"dropout must lie in [0, 1], got {dropout}")
+    if dropout > 0.0 and seed is None:
+        raise ValueError("dropout needs a seed (attnkit._backends.dropout.draw_seed)")
+    if softcap is not None and not softcap > 0.0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    device = query.device
+    if lo.dim() != 3 or lo.shape != hi.shape or lo.shape[0] not in (1, n) or lo.shape[1] not in (1, 2) \
+            or lo.shape[2] != q_len:
+        raise ValueError(f"lo, hi must be [S, R, Lq] with S in (1, {n}), R in (1, 2), Lq = {q_len}; "
+                         f"got {tuple(lo.shape)} and {tuple(hi.shape)}")
+    # int32 in the kernels: clipping to [0, Lk] keeps every bound in range, and empty ranges empty
+    lo32 = lo.to(device).clamp(0, k_len).to(torch.int32).contiguous()
+    hi32 = hi.to(device).clamp(0, k_len).to(torch.int32).contiguous()
+    if alibi_slopes is None:
+        slopes, stride_sn, stride_sh = torch.zeros(1, dtype=torch.float32, device=device), 0, 0
+    else:
+        slopes = alibi_slopes.to(device=device, dtype=torch.float32)
+        if slopes.shape == (heads,):
+            stride_sn, stride_sh = 0, slopes.stride(0)
+        elif slopes.shape == (n, heads):
+            stride_sn, stride_sh = slopes.stride()
+        else:
+            raise ValueError(f"alibi_slopes must be [H] or [N, H] = [{n}, {heads}], got {tuple(slopes.shape)}")
+    has_dropout = dropout > 0.0
+    return Prepared(
+        query=query, key=key, value=value, lo=lo32, hi=hi32,
+        stride_ls=lo32.stride(0) if lo32.shape[0] > 1 else 0, stride_lr=lo32.stride(1),
+        slopes=slopes, stride_sn=stride_sn, stride_sh=stride_sh,
+        seed=_seed_words(seed if has_dropout else None, dropout, device),
+        heads_per_kv=heads // kv_heads, scale=float(scale), softcap=float(softcap or 1.0),
+        # p = 1 drops everything: zeros rather than 0 * inf
+        drop_scale=1.0 / (1.0 - dropout) if dropout < 1.0 else 0.0,
+        block_d=_width(head_dim), block_dv=_width(value.shape[3]), ranges=lo32.shape[1],
+        has_softcap=softcap is not None, has_alibi=alibi_slopes is not None, has_dropout=has_dropout,
+        ieee=query.dtype == torch.float32)
+
+
+def block_summary(lo: Tensor, hi: Tensor, k_len: int, block_m: int) -> Tensor:
+    """Per block of ``block_m`` query rows and range, int32 ``[S, R, cdiv(Lq, block_m), 4]``: the
+    smallest ``lo`` and largest ``hi`` of its non-empty rows (``Lk, 0`` when all are empty: which
+    keys it may reach) and the largest ``lo`` and smallest ``hi`` of all its rows (which keys every
+    row attends). The dK/dV kernel reads it to skip query blocks without a pair in its key block."""
+    rows = lo.shape[-1]
+    pad = (0, -rows % block_m)
+    blocks = (*lo.shape[:2], math.ceil(rows / block_m), block_m)
+    nonempty = lo < hi
+    first = F.pad(torch.where(nonempty, lo, k_len), pad, value=k_len).view(blocks).amin(-1)
+    last = F.pad(torch.where(nonempty, hi, 0), pad, value=0).view(blocks).amax(-1)
+    cover_lo = F.pad(lo, pad, value=0).view(blocks).amax(-1)
+    cover_hi = F.pad(hi, pad, value=k_len).view(blocks).amin(-1)
+    return torch.stack([first, last, cover_lo, cover_hi], dim=-1).to(torch.int32).contiguous()

@@ -1,0 +1,314 @@
+"""attnkit's Triton kernel for interval masks (``attnkit._backends.triton``) against float64.
+
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, so
+shapes stay tiny and blocks small (16) so that every query and key range spans several blocks:
+partial blocks at both ends, blocks every row attends whole, skipped blocks, ragged last blocks.
+The forward is checked against ``oracle.py`` (written without attnkit); soft-capping, ALiBi,
+dropout and every gradient against :func:`reference`, the textbook formula in float64 under
+autograd. Low precision follows FlashAttention's rule: the kernel's error is at most twice that of
+the same formula computed in that dtype, plus a little slack.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # conftest sets TRITON_INTERPRET and fixes the interpreter where there is no GPU
+
+from attnkit import masks  # noqa: E402
+from attnkit._backends import dropout as attnkit_dropout  # noqa: E402
+from oracle import oracle_attention, oracle_lse  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED else "cuda"
+
+
+import attnkit._backends.triton as kernel  # noqa: E402
+
+SMALL = dict(block_m=16, block_n=16)
+SMALL_BACKWARD = (16, 16, 16, 16)
+
+
+def _inputs(n: int, heads: int, kv_heads: int, q_len: int, k_len: int, dim: int = 24, v_dim: int = 24,
+            dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """query, key, value in the [N, L, H, D] memory layout seen as [N, H, L, D] (strided views)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, q_len, heads, dim, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(n, k_len, kv_heads, dim, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(n, k_len, kv_heads, v_dim, generator=g).to(dtype).transpose(1, 2)
+    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+
+
+def _allowed(lo: torch.Tensor, hi: torch.Tensor, k_len: int) -> torch.Tensor:
+    """The dense boolean mask ``[S, 1, Lq, Lk]`` of intervals ``[S, R, Lq]``."""
+    keys = torch.arange(k_len)
+    return ((keys >= lo[..., None]) & (keys < hi[..., None])).any(1)[:, None]
+
+
+def reference(q, k, v, allowed, scale, *, softcap=None, slopes=None, keep=None, p=0.0, dtype=torch.float64):
+    """Attention by the definition in ``dtype`` (differentiable): ``(out, lse)``."""
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if slopes is not None:
+        q_len, k_len = s.shape[-2:]
+        distance = (torch.arange(q_len)[:, None] + k_len - q_len - torch.arange(k_len)).abs()
+        s = s - slopes.to(dtype).reshape(-1 if slopes.dim() == 2 else 1, s.shape[1], 1, 1) * distance.to(dtype)
+    s = s.masked_fill(~allowed, float("-inf"))
+    has_key = allowed.any(-1, keepdim=True).expand(*s.shape[:-1], 1)
+    safe = s.masked_fill(~has_key, 0.0)
+    weights = torch.softmax(safe, dim=-1).masked_fill(~has_key, 0.0)
+    lse = torch.where(has_key[..., 0], torch.logsumexp(safe.float() if dtype != torch.float64 else safe, dim=-1),
+                      float("-inf"))
+    if keep is not None:
+        weights = weights * keep / (1.0 - p)
+    return weights @ v, lse
+
+
+def _cpu(*tensors):
+    return [t.detach().cpu().double() for t in tensors]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5, what: str = "") -> None:
+    """Within ``tol`` of float64, relative to the tensor's magnitude; non-finite entries must match."""
+    actual, expected = _cpu(actual, expected)
+    bound = tol * max(1.0, expected[torch.isfinite(expected)].abs().max().item() if expected.numel() else 1.0)
+    torch.testing.assert_close(actual, expected, atol=bound, rtol=0.0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def _check_gradients(q, k, v, lo, hi, allowed, scale, *, grad_lse: bool, dtype_tol: float = 2e-5, **options):
+    """The kernel's dq, dk, dv (and forward) against float64 autograd of :func:`reference`."""
+    out, lse = kernel.forward(q, k, v, lo, hi, scale=scale, **SMALL, **options)
+    g = torch.Generator().manual_seed(7)
+    grad_out = torch.randn(out.shape, generator=g).to(DEVICE, out.dtype)
+    dlse = torch.randn(lse.shape, generator=g).to(DEVICE) if grad_lse else None
+    dq, dk, dv = kernel.backward(grad_out, dlse, q, k, v, out, lse, lo, hi, scale=scale, blocks=SMALL_BACKWARD,
+                                 **options)
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    slopes = options.get("alibi_slopes")
+    ref_options = {"softcap": options.get("softcap"), "slopes": None if slopes is None else slopes.cpu()}
+    if options.get("dropout"):
+        ref_options["keep"] = attnkit_dropout.keep_mask(options["seed"].cpu(), *out.shape[:3], k.shape[2],
+                                                        options["dropout"])
+        ref_options["p"] = options["dropout"]
+    ref_out, ref_lse = reference(*leaves, allowed, scale, **ref_options)
+    ref_lse_finite = torch.where(torch.isfinite(ref_lse), ref_lse, 0.0)
+    loss = (ref_out * grad_out.cpu().double()).sum()
+    if grad_lse:
+        loss = loss + (ref_lse_finite * dlse.cpu().double()).sum()
+    expected = torch.autograd.grad(loss, leaves)
+    _close(out, ref_out, what="out")
+    _close(lse, ref_lse, what="lse")
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
+        assert got.shape == want.shape and got.dtype == q.dtype
+        _close(got, want, dtype_tol, what=name)
+
+
+MASKS = {
+    "causal": (lambda n: masks.causal(), 40, 40),
+    "causal_short_queries": (lambda n: masks.causal(), 23, 50),
+    "causal_long_queries": (lambda n: masks.causal(), 50, 23),  # the first rows see no key
+    "window": (lambda n: masks.sliding_window(8) & masks.causal(), 45, 45),
+    "window_two_sided": (lambda n: masks.sliding_window(6, causal=False), 37, 37),
+    "sinks_and_window": (lambda n: (masks.first_keys(3) | masks.sliding_window(8)) & masks.causal(), 41, 41),
+    "documents": (lambda n: masks.document(ids=torch.tensor([[0] * 20 + [1] * 17 + [2] * 5,
+                                                             [0] * 3 + [1] * 30 + [2] * 9][:n])) & masks.causal(),
+                  42, 42),
+    "key_padding_empty_sequence": (lambda n: masks.padding([0, 5][:n]), 30, 35),
+    "varlen": (lambda n: masks.varlen([17, 33][:n], [29, 12][:n]) & masks.causal(), 33, 35),
+    "key_ranges_two_per_row": (lambda n: _random_ranges(n, 40, 36), 40, 36),
+}
+
+
+def _random_ranges(n: int, q_len: int, k_len: int) -> masks.StructuredMask:
+    """Two arbitrary ranges a row per sequence (S = N, R = 2), many of them empty (lo >= hi)."""
+    g = torch.Generator().manual_seed(1)
+    lo1, hi1, lo2, hi2 = (torch.randint(0, k_len + 1, (n, q_len), generator=g) for _ in range(4))
+    hi1[:, ::7] = lo1[:, ::7]  # rows whose first range is empty
+    lo2[:, 1::3] = k_len  # rows whose second range is empty
+    lo1[:, 5::11], hi1[:, 5::11], lo2[:, 5::11] = 9, 3, k_len  # rows with no key at all
+    return masks.key_ranges([lo1, lo2], [hi1, hi2])
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_masks_forward_and_gradients(name: str) -> None:
+    """Every mask kind, GQA 2:1, D = 24 (padded to 32), ragged lengths, strided inputs."""
+    build, q_len, k_len = MASKS[name]
+    n = 2
+    mask = build(n)
+    lo, hi = mask.row_ranges(q_len, k_len)
+    allowed = _allowed(lo, hi, k_len)
+    assert torch.equal(allowed.expand(n, 1, q_len, k_len), mask.dense(q_len, k_len).expand(n, 1, q_len, k_len))
+    q, k, v = _inputs(n, 2, 1, q_len, k_len)
+    scale = 24 ** -0.5
+    out, lse = kernel.forward(q, k, v, lo, hi, scale=scale, **SMALL)
+    expected, _ = oracle_attention(q.cpu(), k.cpu(), v.cpu(), mask=allowed, scale=scale)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    _close(out, expected, what="out")
+    _close(lse, oracle_lse(q.cpu(), k.cpu(), allowed, scale), what="lse")
+    empty = ~allowed.expand(n, 2, q_len, k_len).any(-1)
+    assert torch.all(out.cpu()[empty] == 0) and torch.all(lse.cpu()[empty] == float("-inf"))
+    _check_gradients(q, k, v, lo, hi, allowed, scale, grad_lse=True)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_gqa_and_value_width(kv_heads: int) -> None:
+    """Four query heads on one or two key/value heads, Dv != D, without grad_lse."""
+    q, k, v = _inputs(1, 4, kv_heads, 33, 21, dim=20, v_dim=12, seed=3)
+    lo, hi = (masks.sliding_window(10) & masks.causal()).row_ranges(33, 21)
+    _check_gradients(q, k, v, lo, hi, _allowed(lo, hi, 21), 0.3, grad_lse=False)
+
+
+def test_softcap_and_alibi() -> None:
+    """Soft-capping then ALiBi (slopes per head and per sequence), forward and backward."""
+    q, k, v = _inputs(2, 2, 1, 24, 30, dim=16, v_dim=16, seed=4)
+    q = q * 3  # scores large enough that the cap bends them
+    lo, hi = masks.causal().row_ranges(24, 30)
+    allowed = _allowed(lo, hi, 30)
+    _check_gradients(q, k, v, lo, hi, allowed, 0.25, grad_lse=True, softcap=2.0)
+    slopes = torch.tensor([[0.5, 0.125], [0.25, 1.0]]).to(DEVICE)
+    _check_gradients(q, k, v, lo, hi, allowed, 0.25, grad_lse=True, alibi_slopes=slopes[0])
+    _check_gradients(q, k, v, lo, hi, allowed, 0.25, grad_lse=False, alibi_slopes=slopes, softcap=3.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype: torch.dtype) -> None:
+    """At most twice the error of the formula computed in ``dtype``, plus 1e-4 (FlashAttention's rule)."""
+    mask = (masks.first_keys(2) | masks.sliding_window(12)) & masks.causal()
+    q, k, v = _inputs(1, 2, 1, 48, 48, dim=32, v_dim=32, dtype=dtype, seed=5)
+    lo, hi = mask.row_ranges(48, 48)
+    allowed = _allowed(lo, hi, 48)
+    out, lse = kernel.forward(q, k, v, lo, hi, scale=32 ** -0.5, **SMALL)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    exact, _ = oracle_attention(q.cpu(), k.cpu(), v.cpu(), mask=allowed, scale=32 ** -0.5)
+    rounded, _ = oracle_attention(q.cpu(), k.cpu(), v.cpu(), mask=allowed, scale=32 ** -0.5, dtype=dtype)
+    error = (out.cpu().double() - exact).abs().max().item()
+    assert error <= 2 * (rounded.double() - exact).abs().max().item() + 1e-4
+
+    g = torch.Generator().manual_seed(8)
+    grad_out = torch.randn(out.shape, generator=g).to(DEVICE, dtype)
+    grads = kernel.backward(grad_out, None, q, k, v, out, lse, lo, hi, scale=32 ** -0.5, blocks=SMALL_BACKWARD)
+    for work in (torch.float64, dtype):
+        leaves = [t.detach().cpu().to(work).requires_grad_() for t in (q, k, v)]
+        ref_out, _ = reference(*leaves, allowed, 32 ** -0.5, dtype=work)
+        wanted = torch.autograd.grad((ref_out * grad_out.cpu().to(work)).sum(), leaves)
+        if work == torch.float64:
+            exact_grads = wanted
+        else:
+            for got, low, want in zip(grads, wanted, exact_grads):
+                assert got.dtype == dtype
+                baseline = (low.double() - want).abs().max().item()
+                assert (got.cpu().double() - want).abs().max().item() <= 2 * baseline + 1e-4
+
+
+def test_dropout_pattern_is_attnkits() -> None:
+    """The kept weights are exactly attnkit's hash pattern, bit for bit, also with position offsets:
+    zero queries weigh every key 1 / Lk and an identity value reads the weights out one by one."""
+    n, heads, q_len, k_len = 2, 2, 20, 32
+    q = torch.zeros(n, heads, q_len, 16, device=DEVICE)
+    k = torch.randn(n, 1, k_len, 16, device=DEVICE)
+    v = torch.eye(k_len, device=DEVICE).expand(n, 1, k_len, k_len)
+    lo = torch.zeros(1, 1, q_len, dtype=torch.int64)
+    hi = torch.full_like(lo, k_len)
+    seed = torch.tensor(0x7EDCBA9876543210, dtype=torch.int64)
+    for offsets in (None, (1, 3, 5)):
+        s = seed if offsets is None else attnkit_dropout.at_positions(seed, *offsets)
+        out, _ = kernel.forward(q, k, v, lo, hi, scale=1.0, dropout=0.3, seed=s.to(DEVICE), **SMALL)
+        expected = attnkit_dropout.keep_mask(s, n, heads, q_len, k_len, 0.3)
+        assert torch.equal(out.cpu() > 0, expected)
+        assert 0.5 < expected.float().mean() < 0.9
+        torch.testing.assert_close(out.cpu()[expected], torch.full_like(out.cpu()[expected], 1 / (0.7 * k_len)))
+
+
+def test_dropout_forward_and_gradients() -> None:
+    """Dropout under a mask, GQA: output and gradients of the weights with attnkit's keep mask."""
+    q, k, v = _inputs(1, 4, 2, 30, 30, dim=16, v_dim=16, seed=6)
+    lo, hi = (masks.sliding_window(9) & masks.causal()).row_ranges(30, 30)
+    seed = torch.tensor(123456789012345, dtype=torch.int64, device=DEVICE)
+    _check_gradients(q, k, v, lo, hi, _allowed(lo, hi, 30), 0.25, grad_lse=True, dropout=0.25, seed=seed)
+
+
+def test_partial_block_is_masked() -> None:
+    """Rows that all reach a block but one of them misses its last key: the block must be masked.
+    Treating it as fully attended (from the smallest lo and the largest hi of the block's rows,
+    say) would let row 3 see key 31; rows past Lq in the last block must not spoil the full ones."""
+    q_len, k_len = 20, 32
+    lo = torch.zeros(1, 1, q_len, dtype=torch.int64)
+    hi = torch.full_like(lo, k_len)
+    hi[0, 0, 3] = 31
+    lo[0, 0, 18] = 1
+    q, k, v = _inputs(1, 1, 1, q_len, k_len, dim=16, v_dim=16, seed=9)
+    allowed = _allowed(lo, hi, k_len)
+    out, lse = kernel.forward(q, k, v, lo, hi, scale=0.5, **SMALL)
+    _close(out, oracle_attention(q.cpu(), k.cpu(), v.cpu(), mask=allowed, scale=0.5)[0], what="out")
+    _close(lse, oracle_lse(q.cpu(), k.cpu(), allowed, 0.5), what="lse")
+    _check_gradients(q, k, v, lo, hi, allowed, 0.5, grad_lse=True)
+
+
+def test_nan_in_masked_out_pairs_stays_out() -> None:
+    """NaN in padded keys, values and queries (never attended): finite results, equal to the call
+    with zeros there, and zero gradients for the padding."""
+    n, q_len, k_len = 2, 30, 40
+    mask = masks.varlen([30, 19], [37, 21]) & masks.causal()
+    lo, hi = mask.row_ranges(q_len, k_len)
+    q, k, v = _inputs(n, 2, 1, q_len, k_len, dim=16, v_dim=16, seed=10)
+    clean = [t.clone() for t in (q, k, v)]
+    for t, (sequence, start) in zip((q, k, v), ((1, 19), (1, 21), (1, 21))):
+        t[sequence, :, start:] = float("nan")
+    out, lse = kernel.forward(q, k, v, lo, hi, scale=0.25, **SMALL)
+    want_out, want_lse = kernel.forward(*clean, lo, hi, scale=0.25, **SMALL)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    grad_out = torch.ones_like(out)
+    dq, dk, dv = kernel.backward(grad_out, None, q, k, v, out, lse, lo, hi, scale=0.25, blocks=SMALL_BACKWARD)
+    want = kernel.backward(grad_out, None, *clean, want_out, want_lse, lo, hi, scale=0.25, blocks=SMALL_BACKWARD)
+    for got, expected in zip((dq, dk, dv), want):
+        assert torch.isfinite(got).all() and torch.equal(got, expected)
+    assert torch.all(dq[1, :, 19:] == 0) and torch.all(dk[1, :, 21:] == 0) and torch.all(dv[1, :, 21:] == 0)
+
+
+def test_nan_in_attended_pairs_propagates() -> None:
+    """A NaN key makes exactly the rows that attend it NaN (its block's other rows stay finite)."""
+    q_len = k_len = 40
+    q, k, v = _inputs(1, 1, 1, q_len, k_len, dim=16, v_dim=16, seed=11)
+    k[0, 0, 5, 3] = float("nan")
+    lo, hi = (masks.sliding_window(12) & masks.causal()).row_ranges(q_len, k_len)
+    out, lse = (t.cpu() for t in kernel.forward(q, k, v, lo, hi, scale=0.25, **SMALL))
+    attends = (lo[0, 0] <= 5) & (5 < hi[0, 0])
+    assert torch.isnan(out[0, 0][attends]).all() and torch.isnan(lse[0, 0][attends]).all()
+    assert torch.isfinite(out[0, 0][~attends]).all() and torch.isfinite(lse[0, 0][~attends]).all()
+
+
+def test_importing_attnkit_does_not_import_triton() -> None:
+    """Triton is optional: attnkit never imports it, and this package says what is missing."""
+    script = ("import sys, attnkit, attnkit._backends\n"
+              "assert 'triton' not in sys.modules, 'attnkit imported triton'\n"
+              "sys.modules['triton'] = None\n"
+              "try:\n    import attnkit._backends.triton\nexcept ImportError as error:\n"
+              "    assert 'pip install triton' in str(error), error\nelse:\n    raise SystemExit('no ImportError')\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_blocks(dtype: torch.dtype) -> None:
+    """The GPU's default tile sizes (larger than these sequences) give the same results."""
+    q, k, v = _inputs(1, 2, 1, 37, 45, dim=16, v_dim=16, dtype=dtype, seed=12)
+    lo, hi = (masks.sliding_window(20) & masks.causal()).row_ranges(37, 45)
+    out, lse = kernel.forward(q, k, v, lo, hi, scale=0.25)
+    small_out, small_lse = kernel.forward(q, k, v, lo, hi, scale=0.25, **SMALL)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, small_out, atol=tol, rtol=0)
+    torch.testing.assert_close(lse, small_lse, atol=1e-5, rtol=0)
+    grad_out = torch.ones_like(out)
+    grads = kernel.backward(grad_out, None, q, k, v, out, lse, lo, hi, scale=0.25)
+    small = kernel.backward(grad_out, None, q, k, v, out, lse, lo, hi, scale=0.25, blocks=SMALL_BACKWARD)
+    for got, want in zip(grads, small):
+        torch.testing.assert_close(got, want, atol=tol, rtol=0)
