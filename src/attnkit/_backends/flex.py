@@ -44,6 +44,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from ..masks import StructuredMask
 from ..masks.structured import _Causal, _Document, _Intersection, _SlidingWindow
 from .numerics import work_dtype
+from .transfer import device_scalar, to_device
 
 try:  # torch >= 2.9: auxiliary outputs by request; ``return_lse`` is deprecated there
     from torch.nn.attention.flex_attention import AuxRequest
@@ -163,7 +164,7 @@ def _document_ids(document: _Document, q_len: int, k_len: int, device: torch.dev
     and -2 (keys), which match nothing."""
     length = document.length
     starts = document.starts if document.starts.dim() == 2 else document.starts[None]
-    starts = starts.to(device=device, dtype=torch.int32)
+    starts = to_device(starts.to(torch.int32), device)
     pad = torch.full((starts.shape[0], 1), -1, dtype=torch.int32, device=device)
     positions = torch.arange(q_len, device=device) + (k_len - q_len)
     queries = torch.cat([starts, pad], 1)[:, torch.where((positions >= 0) & (positions < length), positions, length)]
@@ -199,7 +200,7 @@ def mask_mod_for(structure: StructuredMask | None, causal_too: bool, q_len: int,
             return interval_mask_mod(lo, hi)
 
     def scalar(value: int | None) -> Tensor | None:
-        return None if value is None else torch.tensor(value, dtype=torch.int32, device=device)
+        return None if value is None else device_scalar(value, torch.int32, device)
 
     return _rule_mask_mod(scalar(k_len - q_len), scalar(left), scalar(right),
                           None if document is None else _document_ids(document, q_len, k_len, device))
@@ -212,7 +213,7 @@ def _score_mod(softcap: float | None, slopes: Tensor | None, offset: Tensor) -> 
     """Soft-capping, then ALiBi ``-slope[b, h] * |i + offset - j|`` (``slopes [N, H]``), as a score_mod."""
     if softcap is None and slopes is None:
         return None
-    cap = None if softcap is None else torch.tensor(float(softcap), device=offset.device)
+    cap = None if softcap is None else device_scalar(float(softcap), torch.float32, offset.device)
 
     def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         if cap is not None:
@@ -251,7 +252,7 @@ def flex_interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tenso
     if lo.dim() != 3 or lo.shape != hi.shape or lo.shape[0] not in (1, batch) or lo.shape[-1] != q_len:
         raise ValueError(f"lo and hi must be [1 or N={batch}, R, Lq={q_len}], "
                          f"got {tuple(lo.shape)} and {tuple(hi.shape)}")
-    lo, hi = lo.to(query.device).clamp(0, k_len), hi.to(query.device).clamp(0, k_len)
+    lo, hi = to_device(lo, query.device).clamp(0, k_len), to_device(hi, query.device).clamp(0, k_len)
     work = work_dtype(query.dtype)
     if q_len == 0 or k_len == 0:  # nothing to run: FlexAttention needs a block of each
         out = query.new_zeros(batch, heads, q_len, value.shape[-1])
@@ -262,7 +263,7 @@ def flex_interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tenso
     slopes = None
     if alibi_slopes is not None:  # [N, H] so that the mod reads slopes[b, h] in either form
         slopes = alibi_slopes.to(device=query.device, dtype=work).expand(batch, heads).contiguous()
-    offset = torch.tensor(k_len - q_len, dtype=torch.int32, device=query.device)
+    offset = device_scalar(k_len - q_len, torch.int32, query.device)
     run = _compiled_flex() if compiled else flex_attention
     options = dict(score_mod=_score_mod(softcap, slopes, offset), block_mask=block_mask, scale=scale,
                    enable_gqa=key.shape[1] != heads)

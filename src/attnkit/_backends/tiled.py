@@ -30,6 +30,7 @@ from .. import _torch_private
 from .._call import AttentionCall, bias_dtype
 from . import blockwise, flex, interval_op, kernels, layout, numerics
 from .engines import GpuEngines
+from .transfer import to_device
 from .interval_inputs import IntervalInputs
 from .policy import Route
 from . import tiled_plan
@@ -45,7 +46,7 @@ def interval_inputs(call: AttentionCall) -> IntervalInputs:
     Lk]`` (None without one), the score modifiers, dropout, and the kernel the call's route names
     (``""``: the op chooses; an explicit ``backend="tiled"`` leaves the dense kernel out)."""
     query, key, value = (layout.fold(t) for t in (call.query, call.key, call.value))
-    lo, hi = (t.to(query.device) for t in row_bounds(call))
+    lo, hi = _row_bounds_on(call, query.device)
     bias = None
     if call.mask is not None:
         bias = layout.fold_mask(call.mask, tuple(call.scores_shape))
@@ -104,11 +105,30 @@ def tiled_gradients(call: AttentionCall, out: Tensor, lse: Tensor, grad_out: Ten
                  for grad, like in zip(grads, (call.query, call.key, call.value)))
 
 
-# -- FlexAttention -------------------------------------------------------------------------------------
+# -- what is built once per mask object -------------------------------------------------------------
 
-#: Block structures built for a structured mask object, per (q_len, k_len, device): a model passes
-#: one mask object to every layer, so the BlockMask is built once per forward, not once per layer.
-_BLOCK_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Per structured mask object, per (q_len, k_len, causal, device): its row bounds on that device and
+#: the BlockMask built from them. A model passes one mask object to every layer, so both are built
+#: (and the bounds copied to a GPU) once per forward, not once per layer. Masks are immutable.
+_PER_MASK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _built_for(call: AttentionCall, device: torch.device) -> dict | None:
+    """The cache entry of the call's mask on ``device`` (None: nothing to key it by, or tracing)."""
+    if call.structure is None or torch.compiler.is_compiling():
+        return None
+    return _PER_MASK.setdefault(call.structure, {}).setdefault((call.q_len, call.k_len, call.causal, device), {})
+
+
+def _row_bounds_on(call: AttentionCall, device: torch.device) -> tuple[Tensor, Tensor]:
+    """:func:`row_bounds` of the call on ``device`` (copied without stalling a GPU, cached per mask)."""
+    cache = _built_for(call, device) if device.type != "cpu" else None
+    if cache is not None and "bounds" in cache:
+        return cache["bounds"]
+    bounds = tuple(to_device(t, device) for t in row_bounds(call))
+    if cache is not None:
+        cache["bounds"] = bounds
+    return bounds
 
 
 def _flex(call: AttentionCall, inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
@@ -121,16 +141,13 @@ def _flex(call: AttentionCall, inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
     q_len, k_len = inputs.query.shape[2], inputs.key.shape[2]
     block_mask = None
     if q_len and k_len:
-        key = (q_len, k_len, inputs.query.device, call.causal)
-        cache = None
-        if call.structure is not None and not torch.compiler.is_compiling():
-            cache = _BLOCK_MASKS.setdefault(call.structure, {})
-            block_mask = cache.get(key)
+        cache = _built_for(call, inputs.query.device)
+        block_mask = None if cache is None else cache.get("block_mask")
         if block_mask is None:
             mask_mod = flex.mask_mod_for(call.structure, call.causal, q_len, k_len, inputs.lo, inputs.hi)
             block_mask = flex.block_mask_from_bounds(inputs.lo, inputs.hi, q_len, k_len, mask_mod=mask_mod)
             if cache is not None:
-                cache[key] = block_mask
+                cache["block_mask"] = block_mask
     out, lse = flex.flex_interval_attention(
         inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi, scale=inputs.scale, softcap=inputs.softcap,
         alibi_slopes=inputs.alibi_slopes, sinks=inputs.sinks, block_mask=block_mask,

@@ -17,6 +17,7 @@ import triton
 from torch import Tensor
 
 from .. import dropout as _dropout
+from ..transfer import to_device
 
 __all__ = ["Prepared", "prepare", "block_summary"]
 
@@ -59,10 +60,10 @@ def _width(size: int) -> int:
 
 def _seed_words(seed: Tensor | None, dropout: float, device: torch.device) -> Tensor:
     """``[seed, h0, i0, j0, threshold]`` (int64, on ``device``) without reading the seed on the host."""
-    threshold = torch.tensor([_dropout.threshold(dropout)], dtype=torch.int64, device=device)
+    threshold = to_device(torch.tensor([_dropout.threshold(dropout)], dtype=torch.int64), device)
     if seed is None:
         return torch.cat([torch.zeros(4, dtype=torch.int64, device=device), threshold])
-    seed = seed.to(device=device, dtype=torch.int64)
+    seed = to_device(seed.to(torch.int64), device)
     if seed.dim() == 0:
         seed = torch.cat([seed[None], torch.zeros(3, dtype=torch.int64, device=device)])
     elif seed.shape != (4,):
@@ -97,12 +98,12 @@ def prepare(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, *
         raise ValueError(f"lo, hi must be [S, R, Lq] with S in (1, {n}), R in (1, 2), Lq = {q_len}; "
                          f"got {tuple(lo.shape)} and {tuple(hi.shape)}")
     # int32 in the kernels: clipping to [0, Lk] keeps every bound in range, and empty ranges empty
-    lo32 = lo.to(device).clamp(0, k_len).to(torch.int32).contiguous()
-    hi32 = hi.to(device).clamp(0, k_len).to(torch.int32).contiguous()
+    lo32 = to_device(lo, device).clamp(0, k_len).to(torch.int32).contiguous()
+    hi32 = to_device(hi, device).clamp(0, k_len).to(torch.int32).contiguous()
     if alibi_slopes is None:
         slopes, stride_sn, stride_sh = torch.zeros(1, dtype=torch.float32, device=device), 0, 0
     else:
-        slopes = alibi_slopes.to(device=device, dtype=torch.float32)
+        slopes = to_device(alibi_slopes.to(torch.float32), device)
         if slopes.shape == (heads,):
             stride_sn, stride_sh = 0, slopes.stride(0)
         elif slopes.shape == (n, heads):
