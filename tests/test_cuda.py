@@ -469,3 +469,42 @@ def test_a_decoding_step_stays_on_sdpa():
     call = make_call(q, k, k, mask=masks.sliding_window(64), causal=False, scale=None, dropout=0.0, generator=None,
                      return_weights=False)
     assert str(policy.choose(call)) == "torch"
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss", "mistral"])
+def test_transformers_models_with_softcap_sinks_and_windows_run_the_gpu_route(name):
+    """Gemma 2 (soft-capping, alternating windows), GPT-OSS (sinks) and Mistral (windows) on CUDA
+    with ``attn_implementation="attnkit"``: the interval engines run (no SDPA call with a mask), and
+    logits and greedy tokens equal transformers' eager attention on the same device."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    pytest.importorskip("transformers")
+    import torch.nn.functional as F
+
+    from attnkit.integrations import transformers as integration
+    from test_integration_transformers import _tiny
+
+    integration.register()
+    model = _tiny(name).to(CUDA).eval()
+    ids = torch.randint(1, 100, (2, 40), device=CUDA, generator=torch.Generator(CUDA).manual_seed(0))
+    results = {}
+    for implementation in ("eager", "attnkit"):
+        model.set_attn_implementation(implementation)
+        masked_sdpa = []
+        real = F.scaled_dot_product_attention
+
+        def spy(*args, **kwargs):
+            masked_sdpa.append(kwargs.get("attn_mask") is not None)
+            return real(*args, **kwargs)
+
+        F.scaled_dot_product_attention = spy
+        try:
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits
+        finally:
+            F.scaled_dot_product_attention = real
+        if implementation == "attnkit":
+            assert not any(masked_sdpa), "a structured mask reached SDPA as a dense mask"
+        tokens = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        results[implementation] = logits, tokens
+    torch.testing.assert_close(results["attnkit"][0], results["eager"][0], atol=1e-4, rtol=0)
+    assert torch.equal(results["attnkit"][1], results["eager"][1])
