@@ -21,6 +21,7 @@ the first).
 
     python benchmarks/gpu.py                          # L = 8192, 32768, 131072; forward and training
     python benchmarks/gpu.py --lengths 32768 --no-train --repeats 5
+    python benchmarks/gpu.py --masks-only --device cpu     # the block structure's build alone, any device
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ from attnkit._backends import auto_runs, flex, tiled_plan
 from attnkit._call import make_call
 
 
-def mask_cases(length: int) -> dict[str, tuple[masks.StructuredMask, Callable, bool]]:
+def mask_cases(length: int, device: str = "cuda") -> dict[str, tuple[masks.StructuredMask, Callable, bool]]:
     """name -> (attnkit mask, Flex mask_mod factory, plain causal)."""
     cuts = torch.linspace(0, 1, 9)[1:-1] ** 1.3 * length  # 8 documents of uneven lengths
     bounds = [0, *[int(c) for c in cuts], length]
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-    ids = torch.repeat_interleave(torch.arange(8), torch.tensor(lengths)).cuda()
+    ids = torch.repeat_interleave(torch.arange(8), torch.tensor(lengths)).to(device)
     valid = 3 * length // 4
     return {  # causal first: the others' share of SDPA's causal rate needs it
         "causal": (masks.causal(), lambda: lambda b, h, q, k: q >= k, True),
@@ -135,6 +136,42 @@ def block_structure_time(mask: masks.StructuredMask, length: int, repeats: int) 
     return statistics.median(cuda_time(build) for _ in range(repeats))
 
 
+def mask_build_table(device: str, lengths: list[int], repeats: int) -> None:
+    """Building the block structure: attnkit's BlockMask from the intervals (row_ranges included)
+    against FlexAttention's create_block_mask (its mask_mod over every pair), medians of ``repeats``."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            began = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - began)
+        return statistics.median(times)
+
+    print(f"# block structure build, {device}, torch {torch.__version__}; medians of {repeats} (ms)")
+    print("| L | mask | attnkit (from intervals) | create_block_mask |")
+    print("|---:|---|---:|---:|")
+    for length in lengths:
+        for name, (mask, flex_mod, _) in mask_cases(length, device).items():
+            def ours():
+                lo, hi = (t.to(device) for t in mask.row_ranges(length, length))
+                return flex.block_mask_from_bounds(lo, hi, length, length)
+
+            theirs = "-"
+            if length * length <= 2**30:  # create_block_mask evaluates every pair
+                try:
+                    theirs = f"{1e3 * timed(lambda: create_block_mask(flex_mod(), 1, 1, length, length, device=device)):.1f}"
+                except (RuntimeError, torch.OutOfMemoryError) as error:
+                    theirs = f"fails: {str(error).splitlines()[0][:60]}"
+            print(f"| {length} | {name} | {1e3 * timed(ours):.2f} | {theirs} |", flush=True)
+
+
 def recompiles(length: int, heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Recompiles (new Dynamo graphs) over 20 calls of one shape whose masks' values change."""
     from torch._dynamo.utils import counters
@@ -159,7 +196,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-train", action="store_true")
     parser.add_argument("--masks", nargs="+", default=None, help="names to keep (substrings)")
+    parser.add_argument("--masks-only", action="store_true", help="time the block structure's build alone")
+    parser.add_argument("--device", default="cuda", help="with --masks-only: where to build")
     args = parser.parse_args()
+    if args.masks_only:
+        mask_build_table(args.device, args.lengths, args.repeats)
+        return
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu.py needs a CUDA device")
     dtype = getattr(torch, args.dtype)
