@@ -62,12 +62,9 @@ def dq_kernel(Q, K, V, dOut, Lse, Delta, dQ, Lo, Hi, Slopes, Seed,
               BLOCK_DV: tl.constexpr, RANGES: tl.constexpr, SOFTCAP: tl.constexpr,
               HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
     """Grid ``(cdiv(Lq, BLOCK_M), N * H)``: dQ of one query block of one head."""
-    pid_nh = tl.program_id(1)
-    n = pid_nh // heads
-    h = pid_nh % heads
-    n64 = n.to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = rows < q_len
+    pid_nh, n, h, n64, rows, valid, k_base, v_base, slope, drop_a, drop_c = c.query_block(
+        K, V, Slopes, Seed, stride_kn, stride_kh, stride_vn, stride_vh, stride_sn, stride_sh,
+        heads, heads_per_kv, q_len, BLOCK_M, HAS_ALIBI, DROPOUT)
     d = tl.arange(0, BLOCK_D)
     e = tl.arange(0, BLOCK_DV)
     row_offsets = rows.to(tl.int64)[:, None]
@@ -76,13 +73,6 @@ def dq_kernel(Q, K, V, dOut, Lse, Delta, dQ, Lo, Hi, Slopes, Seed,
     do = tl.load(dOut + n64 * stride_gn + h.to(tl.int64) * stride_gh + row_offsets * stride_gm
                  + e[None, :] * stride_gd, mask=valid[:, None] & (e[None, :] < v_dim), other=0.0)
     lse, delta = c.row_stats(Lse + pid_nh.to(tl.int64) * q_len, Delta + pid_nh.to(tl.int64) * q_len, rows, q_len)
-    k_base = K + n64 * stride_kn + (h // heads_per_kv).to(tl.int64) * stride_kh
-    v_base = V + n64 * stride_vn + (h // heads_per_kv).to(tl.int64) * stride_vh
-    slope = c.alibi_slope(Slopes, n, h, stride_sn, stride_sh, HAS_ALIBI)
-    drop_a = rows.to(tl.uint32)
-    drop_c = drop_a
-    if DROPOUT:
-        drop_a, drop_c = c.row_hash(Seed, n, h, rows)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for r in tl.static_range(RANGES):

@@ -73,6 +73,29 @@ def _tanh(x):
 
 
 @triton.jit
+def query_block(K, V, Slopes, Seed, stride_kn, stride_kh, stride_vn, stride_vh, stride_sn, stride_sh,
+                heads, heads_per_kv, q_len, BLOCK_M: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                DROPOUT: tl.constexpr):
+    """What a program of grid ``(cdiv(Lq, BLOCK_M), N * H)`` owns (the forward's and dQ's): its
+    ``(n, h)`` (``pid_nh = n * H + h``), query ``rows`` and which are ``valid``, its key/value head's
+    bases (GQA: head ``h // heads_per_kv``), its ALiBi slope and its rows' dropout words."""
+    pid_nh = tl.program_id(1)
+    n = pid_nh // heads
+    h = pid_nh % heads
+    n64 = n.to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = rows < q_len
+    k_base = K + n64 * stride_kn + (h // heads_per_kv).to(tl.int64) * stride_kh
+    v_base = V + n64 * stride_vn + (h // heads_per_kv).to(tl.int64) * stride_vh
+    slope = alibi_slope(Slopes, n, h, stride_sn, stride_sh, HAS_ALIBI)
+    drop_a = rows.to(tl.uint32)
+    drop_c = drop_a
+    if DROPOUT:
+        drop_a, drop_c = row_hash(Seed, n, h, rows)
+    return pid_nh, n, h, n64, rows, valid, k_base, v_base, slope, drop_a, drop_c
+
+
+@triton.jit
 def alibi_slope(slopes_ptr, n, h, stride_sn, stride_sh, HAS_ALIBI: tl.constexpr):
     """The ALiBi slope of head ``(n, h)`` (0.0 without ALiBi)."""
     if HAS_ALIBI:

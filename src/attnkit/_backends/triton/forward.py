@@ -77,25 +77,15 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed,
                     BLOCK_DV: tl.constexpr, RANGES: tl.constexpr, SOFTCAP: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
     """Grid ``(cdiv(Lq, BLOCK_M), N * H)``: output and lse of one query block of one head."""
-    pid_nh = tl.program_id(1)
-    n = pid_nh // heads
-    h = pid_nh % heads
-    n64 = n.to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = rows < q_len
+    pid_nh, n, h, n64, rows, valid, k_base, v_base, slope, drop_a, drop_c = c.query_block(
+        K, V, Slopes, Seed, stride_kn, stride_kh, stride_vn, stride_vh, stride_sn, stride_sh,
+        heads, heads_per_kv, q_len, BLOCK_M, HAS_ALIBI, DROPOUT)
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     q_base = Q + n64 * stride_qn + h.to(tl.int64) * stride_qh
     q = tl.load(q_base + rows.to(tl.int64)[:, None] * stride_qm + d[None, :] * stride_qd,
                 mask=valid[:, None] & (d[None, :] < head_dim), other=0.0)
-    k_base = K + n64 * stride_kn + (h // heads_per_kv).to(tl.int64) * stride_kh
-    v_base = V + n64 * stride_vn + (h // heads_per_kv).to(tl.int64) * stride_vh
-    slope = c.alibi_slope(Slopes, n, h, stride_sn, stride_sh, HAS_ALIBI)
     k_minus_q = k_len - q_len
-    drop_a = rows.to(tl.uint32)
-    drop_c = drop_a
-    if DROPOUT:
-        drop_a, drop_c = c.row_hash(Seed, n, h, rows)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
