@@ -131,3 +131,21 @@ def test_plain_causal_reaches_dense_backends_as_the_causal_flag():
     window = make_call(q, q, q, mask=masks.sliding_window(2), causal=True, scale=None, dropout=0.0,
                        generator=None, return_weights=False).densified()
     assert window.causal and torch.equal(window.mask, masks.sliding_window(2).dense(6))
+
+
+def test_documents_are_stored_by_their_edges_not_per_position():
+    """``document(lengths)`` holds O(number of documents): 2**34 positions cost nothing (a mask of
+    per-position labels would need 128 GiB), and the rows it gives at a short length are right."""
+    import time
+
+    began = time.perf_counter()
+    huge = masks.document([2**34, 5])
+    assert time.perf_counter() - began < 1.0
+    assert huge.edges.numel() == 3
+    lo, hi = huge.row_ranges(6, 6)
+    assert lo.tolist() == [[[0] * 6]] and hi.tolist() == [[[6] * 6]]
+    packed = masks.document(ids=torch.tensor([[4, 4, 9, 9, 9, 9], [1, 2, 2, 2, 2, 2]]))
+    assert packed.edges.tolist() == [[0, 2, 6], [0, 1, 6]]
+    lo, hi = packed.row_ranges(6, 6)
+    assert lo[:, 0].tolist() == [[0, 0, 2, 2, 2, 2], [0, 1, 1, 1, 1, 1]]
+    assert hi[:, 0].tolist() == [[2, 2, 6, 6, 6, 6], [1, 6, 6, 6, 6, 6]]

@@ -162,14 +162,15 @@ def _document_ids(document: _Document, q_len: int, k_len: int, device: torch.dev
     """Per-position document labels (the document's first position) for the queries (at their key
     positions, bottom-right) and the keys; positions outside the packed sequence get -1 (queries)
     and -2 (keys), which match nothing."""
-    length = document.length
-    starts = document.starts if document.starts.dim() == 2 else document.starts[None]
-    starts = to_device(starts.to(torch.int32), device)
-    pad = torch.full((starts.shape[0], 1), -1, dtype=torch.int32, device=device)
-    positions = torch.arange(q_len, device=device) + (k_len - q_len)
-    queries = torch.cat([starts, pad], 1)[:, torch.where((positions >= 0) & (positions < length), positions, length)]
-    keys = torch.arange(k_len, device=device)
-    keys = torch.cat([starts, pad - 1], 1)[:, torch.where(keys < length, keys, length)]
+
+    def labels(positions: Tensor, outside: int) -> Tensor:
+        starts, _ = document.bounds(positions)
+        inside = (positions >= 0) & (positions < document.length)
+        values = torch.where(inside, starts, outside).to(torch.int32)
+        return values if values.dim() == 2 else values[None]
+
+    queries = labels(torch.arange(q_len, device=device) + (k_len - q_len), -1)
+    keys = labels(torch.arange(k_len, device=device), -2)
     return _per_row(queries), _per_row(keys)
 
 

@@ -243,42 +243,60 @@ class _Padding(StructuredMask):
 
 
 class _Document(StructuredMask):
-    """Packed documents: a query attends the keys of its own document. ``starts``/``stops``
-    hold, for every position ``t < T``, the first and one-past-last position of its document."""
+    """Packed documents: a query attends the keys of its own document. ``edges [S, D + 1]`` (S = 1
+    shared, or one per sequence) hold each document's first position and, last, ``length``:
+    document ``d`` spans ``edges[s, d] <= t < edges[s, d + 1]`` (a sequence with fewer documents
+    repeats ``length``: empty documents). O(number of documents) memory, whatever ``length``."""
 
-    def __init__(self, ids: Tensor, description: str) -> None:
+    def __init__(self, edges: Tensor, length: int, batched: bool, description: str) -> None:
         self.description = description
+        self.edges = edges
+        self.length = length
+        self.batch_size = edges.shape[0] if batched else None
+
+    @classmethod
+    def from_lengths(cls, sizes: Tensor, description: str) -> _Document:
+        edges = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.to(torch.int64).cumsum(0)])
+        return cls(edges[None], int(edges[-1]), False, description)
+
+    @classmethod
+    def from_ids(cls, ids: Tensor, description: str) -> _Document:
         batched = ids.dim() == 2
         ids2 = ids if batched else ids[None]
         length = ids2.shape[1]
-        positions = torch.arange(length).expand_as(ids2)
         first = torch.ones_like(ids2, dtype=torch.bool)  # position starts a run
         first[:, 1:] = ids2[:, 1:] != ids2[:, :-1]
-        last = torch.ones_like(ids2, dtype=torch.bool)  # position ends a run
-        last[:, :-1] = first[:, 1:]
+        runs = []
         for b in range(ids2.shape[0]):
             if int(first[b].sum()) != ids2[b].unique().numel():
                 raise ValueError(
                     f"document ids must label contiguous runs (packed sequences); sequence {b} "
                     f"reuses an id after another: {ids2[b].tolist()}"
                 )
-        starts = torch.where(first, positions, 0).cummax(1).values
-        stops = torch.where(last, positions + 1, length).flip(1).cummin(1).values.flip(1)
-        self.starts = starts if batched else starts[0]
-        self.stops = stops if batched else stops[0]
-        self.length = length
-        self.batch_size = ids2.shape[0] if batched else None
+            runs.append(first[b].nonzero()[:, 0])
+        count = max((r.numel() for r in runs), default=0)
+        edges = torch.full((ids2.shape[0], count + 1), length, dtype=torch.int64)
+        for b, starts in enumerate(runs):
+            edges[b, :starts.numel()] = starts
+        return cls(edges, length, batched, description)
 
     def bounds(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         # Positions outside the packed sequence belong to no document: empty rows.
         inside = (positions >= 0) & (positions < self.length)
-        index = positions.clamp(0, max(self.length - 1, 0))
-        starts, stops = self.starts.to(positions.device), self.stops.to(positions.device)
-        if self.length == 0:
-            starts = stops = torch.zeros(*starts.shape[:-1], 1, dtype=torch.int64, device=positions.device)
-        if starts.dim() == 2 and index.dim() == 2:  # per-sequence ids and per-sequence positions
-            return (torch.where(inside, starts.gather(1, index), 0), torch.where(inside, stops.gather(1, index), 0))
-        return torch.where(inside, starts[..., index], 0), torch.where(inside, stops[..., index], 0)
+        edges = self.edges.to(positions.device)
+        rows = edges.shape[0]
+        lead = positions if positions.dim() == 2 else positions.expand(rows, positions.shape[-1])
+        if edges.shape[1] == 1:  # no document at all
+            zeros = torch.zeros_like(lead if self.batch_size is not None or positions.dim() == 2 else positions)
+            return zeros, zeros
+        if lead.shape[0] != rows:  # per-sequence positions, one shared packing
+            edges = edges.expand(lead.shape[0], -1).contiguous()
+        # the document holding t: the last edge <= t (empty documents repeat an edge and are skipped)
+        index = torch.searchsorted(edges, lead.contiguous(), right=True).clamp(1, edges.shape[1] - 1) - 1
+        starts, stops = edges.gather(1, index), edges.gather(1, index + 1)
+        if positions.dim() == 1 and self.batch_size is None:
+            starts, stops = starts[0], stops[0]
+        return torch.where(inside, starts, 0), torch.where(inside, stops, 0)
 
     def __repr__(self) -> str:
         return f"document({self.description})"
@@ -577,12 +595,11 @@ def document(lengths: Sequence[int] | Tensor | None = None, *, ids: Tensor | Non
         total = sum(sizes.tolist())  # in Python: an int64 sum could wrap around
         if total > _integers.LIMIT:
             raise ValueError(f"lengths must sum to at most 2**62 positions, got {total}")
-        labels = torch.repeat_interleave(torch.arange(sizes.numel()), sizes.cpu())
-        return _Document(labels, f"{sizes.tolist()}")
+        return _Document.from_lengths(sizes.cpu(), f"{sizes.tolist()}")
     labels = _integers.integers("ids", ids, ndims=(1, 2), minimum=None, maximum=None,
                                 expected="an integer tensor [T] or [B, T]")
-    return _Document(labels.cpu(), f"ids={labels.tolist()}" if labels.numel() <= 16
-                     else f"ids of shape {tuple(labels.shape)}")
+    return _Document.from_ids(labels.cpu(), f"ids={labels.tolist()}" if labels.numel() <= 16
+                              else f"ids of shape {tuple(labels.shape)}")
 
 
 def prefix_lm(prefix_length: int | Sequence[int] | Tensor) -> StructuredMask:
