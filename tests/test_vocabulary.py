@@ -418,3 +418,38 @@ def test_the_layers_modifiers_are_checked():
         MultiHeadAttention(8, 2, alibi_slopes=torch.ones(2, dtype=torch.long))
     with pytest.raises(TypeError, match="sinks"):
         MultiHeadAttention(8, 2, sinks=1)
+
+
+@pytest.mark.parametrize("sink", [float("inf"), float("-inf"), float("nan"), 1.5], ids=["+inf", "-inf", "nan", "1.5"])
+def test_special_sink_values_give_the_same_result_on_every_backend_and_kernel(sink):
+    """Defined once (numerics.fold_sinks, numerics.softmax_with_lse): a -inf sink is no sink; a +inf
+    or NaN sink makes every row of its head NaN, output and lse (as an attended +inf or NaN score
+    does); the other heads are untouched; a row with no key keeps zeros under a finite sink. Every
+    backend and every kernel of the tiled one (native, PyTorch's per block, the Triton kernel through
+    its interpreter, FlexAttention) gives the same NaN pattern and values."""
+    import math
+
+    from attnkit import masks
+    from attnkit._backends import engines
+    from attnkit._backends.tiled_plan import tuning
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 7, 16, generator=g) for _ in range(3))
+    sinks = torch.tensor([sink, 0.25])
+    mask = masks.causal() & masks.padding([7, 0])  # the second sequence has no key at all
+    broken = math.isnan(sink) or sink == math.inf
+    expected = attnkit.attention(q, k, v, mask=mask, sinks=sinks, backend="reference")
+    results = {"torch": attnkit.attention(q, k, v, mask=mask, sinks=sinks, backend="torch")}
+    kernels = ["native", "blocks", "flex"] + (["triton"] if engines.GpuEngines.find().triton else [])
+    for kernel in kernels:
+        if kernel == "native" and not attnkit._backends.native.available():
+            continue
+        with tuning(kernel=kernel):
+            results[kernel], lse = attnkit.attention(q, k, v, mask=mask, sinks=sinks, backend="tiled",
+                                                     return_lse=True)
+        assert torch.equal(lse[:, 0].isnan(), torch.full_like(lse[:, 0], broken, dtype=torch.bool)), kernel
+        assert not lse[:, 1].isnan().any(), kernel
+    assert torch.equal(expected[:, 0].isnan().all(-1).all(-1), torch.full((2,), broken))
+    for name, out in results.items():
+        assert torch.equal(out.isnan(), expected.isnan()), name
+        torch.testing.assert_close(out.nan_to_num(7.0), expected.nan_to_num(7.0), atol=1e-5, rtol=0, msg=name)

@@ -43,7 +43,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..masks import StructuredMask
 from ..masks.structured import _Causal, _Document, _Intersection, _SlidingWindow
-from .numerics import work_dtype
+from .numerics import fold_sinks, work_dtype
 from .transfer import device_scalar, to_device
 
 try:  # torch >= 2.9: auxiliary outputs by request; ``return_lse`` is deprecated there
@@ -258,7 +258,7 @@ def flex_interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tenso
     if q_len == 0 or k_len == 0:  # nothing to run: FlexAttention needs a block of each
         out = query.new_zeros(batch, heads, q_len, value.shape[-1])
         lse = torch.full((batch, heads, q_len), float("-inf"), dtype=work, device=query.device)
-        return out, lse if sinks is None else torch.logaddexp(lse, sinks.view(1, -1, 1).to(work))
+        return fold_sinks(out, lse, sinks)
     if block_mask is None:
         block_mask = block_mask_from_bounds(lo, hi, q_len, k_len, mask_mod=mask_mod)
     slopes = None
@@ -281,7 +281,6 @@ def flex_interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tenso
     lse = torch.where(has_key, lse.to(work), float("-inf"))
     out = torch.where(has_key[..., None], out, 0.0)
     if sinks is not None:
-        total = torch.logaddexp(lse, sinks.view(1, -1, 1).to(work))
-        out = (out.to(work) * torch.exp(lse - total)[..., None]).to(query.dtype)
-        lse = total
+        out, lse = fold_sinks(out.to(work), lse, sinks)
+        out = out.to(query.dtype)
     return out, lse

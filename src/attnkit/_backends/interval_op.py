@@ -20,7 +20,7 @@ Layers of this module:
   kernel over the dense mask where that is faster (``causal_only``: the mask is plain causal, which
   that kernel applies itself). All agree to rounding and draw the same dropout pattern, so a
   forward on one and a backward on another is still exact. Sinks are folded in around the kernels
-  (:func:`_with_sinks`): they only rescale rows;
+  (:func:`.numerics.fold_sinks`): they only rescale rows;
 - fake implementations give shapes for tracing (no data is read);
 - autograd (registered on the op, and the same functions as :class:`IntervalAttention`, the
   ``torch.func``-ready form the tiled backend calls): ``setup_context`` saves tensors through
@@ -43,7 +43,7 @@ from .. import _torch_private
 from . import blockwise, native, policy
 from . import dropout as _dropout
 from .interval_inputs import _SAVED, KERNELS, IntervalInputs
-from .numerics import all_finite, can_read, needs_pairwise, work_dtype
+from .numerics import all_finite, can_read, fold_sinks, needs_pairwise, work_dtype
 
 __all__ = ["interval_attention", "IntervalAttention", "IntervalInputs", "run", "forward_op", "backward_op", "gradients"]
 
@@ -56,17 +56,6 @@ def _seed_value(seed: Tensor | None) -> tuple[int, tuple[int, int, int]]:
         value, heads, rows, keys = (int(x) for x in seed.tolist())
         return value, (heads, rows, keys)
     return int(seed), (0, 0, 0)
-
-
-def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Fold each head's sink logit into rows computed over the keys alone: the normaliser gains
-    ``exp(sink)``, so ``lse = logaddexp(lse, sink)`` and the output shrinks by ``exp(old - new lse)``
-    (a row with no key keeps zeros, its lse becomes the sink)."""
-    if sinks is None:
-        return out, lse
-    sink = sinks.view(1, -1, 1).to(lse.dtype)
-    total = torch.logaddexp(lse, sink)
-    return out * torch.exp(lse - total)[..., None].to(out.dtype), total
 
 
 def _sink_gradient(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
@@ -134,7 +123,7 @@ def _forward(inputs: IntervalInputs) -> tuple[Tensor, Tensor, str]:
                                      inputs.scale, inputs.dropout, inputs.seed, softcap=inputs.softcap,
                                      alibi=inputs.alibi_slopes, dense=kernel == "dense",
                                      causal_only=inputs.causal_only)
-    out, lse = _with_sinks(out, lse, inputs.sinks)
+    out, lse = fold_sinks(out, lse, inputs.sinks)
     return out, lse, kernel
 
 

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .. import _torch_private
 
-__all__ = ["work_dtype", "softmax_rows", "softmax_with_lse", "soft_cap", "alibi_bias", "can_read", "all_finite", "needs_pairwise", "pairwise_fits", "pairwise_scores", "pairwise_values"]
+__all__ = ["work_dtype", "softmax_rows", "softmax_with_lse", "fold_sinks", "soft_cap", "alibi_bias", "can_read", "all_finite", "needs_pairwise", "pairwise_fits", "pairwise_scores", "pairwise_values"]
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -57,6 +57,25 @@ def softmax_with_lse(scores: Tensor, sink: Tensor | None = None) -> tuple[Tensor
     lse = torch.where(broken, nan, torch.where(has_key, torch.log(divisor) + row_max.to(work),
                                                torch.full_like(total, float("-inf"))))
     return exp / divisor, lse.squeeze(-1)
+
+
+def fold_sinks(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Each head's sink logit folded into rows computed over the keys alone (``out [N, H, Lq, Dv]``,
+    ``lse [N, H, Lq]``, ``sinks [H]``): the normaliser gains ``exp(sink)``, so ``lse`` becomes
+    ``logaddexp(lse, sink)`` and the output shrinks by ``exp(old - new lse)``. The same numbers as
+    :func:`softmax_with_lse` with the sink in the softmax, special values included: a ``-inf`` sink
+    is no sink; a ``+inf`` or NaN sink makes the head's every row NaN (output and lse), as an
+    attended ``+inf`` or NaN score does; a row with no key keeps zeros and its lse becomes the sink."""
+    if sinks is None:
+        return out, lse
+    sink = sinks.view(1, -1, 1).to(lse.dtype)
+    total = torch.logaddexp(lse, sink)
+    broken = torch.isnan(sink) | torch.isposinf(sink)
+    # exp(lse - total) is 1 where both are -inf (no key and no sink mass): the row stays zeros
+    shrink = torch.where(torch.isneginf(total), torch.ones_like(total), torch.exp(lse - total))
+    shrink = torch.where(broken, torch.full_like(shrink, float("nan")), shrink)
+    total = torch.where(broken, torch.full_like(total, float("nan")), total)
+    return out * shrink[..., None].to(out.dtype), total
 
 
 def soft_cap(scores: Tensor, cap: float | None) -> Tensor:
