@@ -68,6 +68,7 @@ constexpr float kExpQ0 = 0.9999997019767761f, kExpQ1 = 0.4999915063381195f, kExp
 inline float fmadd(float a, float b, float c) { return std::fma(a, b, c); }
 inline float fnmadd(float a, float b, float c) { return std::fma(-a, b, c); }
 inline float sub(float a, float b) { return a - b; }
+inline float mul(float a, float b) { return a * b; }
 inline __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
 inline __m256 fnmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
 inline __m256 sub(__m256 a, __m256 b) { return _mm256_sub_ps(a, b); }
@@ -115,11 +116,21 @@ inline float exp_nonpositive(float x) {
   return p * two_n;
 }
 
-// tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2 |y|) <= 1: exact at +-inf (+-1) and NaN
-// (NaN); near 0 the subtraction 1 - e costs about eps / |y| of relative accuracy (|y| = 0.01:
-// ~1e-5, within what the tests allow Gemma 2's caps of 30-50 on scores of order 1). The scalar
-// and vector forms compute the same operations, so the backward's weights match the forward's.
+// tanh(y) for |y| < kTanhSeriesBelow: its Taylor series to y^11 (the first term left out is below
+// 1e-9 of y there), because 1 - exp(-2 |y|) cancels near 0: it cost about eps / |y| of relative
+// accuracy, so a cap far above the scores (1e5: error 2e-3; 1e7: 0.17) lost the scores themselves.
+// Elsewhere tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2 |y|) <= 1 (at 0.25 the cancellation
+// costs about 1.3 bits), exact at +-inf (+-1) and NaN (NaN). The scalar and vector forms compute
+// the same operations, so the backward's weights match the forward's and both builds agree.
+constexpr float kTanhSeriesBelow = 0.25f;
+constexpr float kTanh3 = -1.0f / 3.0f, kTanh5 = 2.0f / 15.0f, kTanh7 = -17.0f / 315.0f,
+                kTanh9 = 62.0f / 2835.0f, kTanh11 = -1382.0f / 155925.0f;
+
+template <class V>
+inline V tanh_series(V y);  // below, once every lane form of mul is declared
+
 inline float tanh_via_exp(float y) {
+  if (std::fabs(y) < kTanhSeriesBelow) return tanh_series(y);
   const float e = exp_nonpositive(-2.0f * std::fabs(y));
   return std::copysign((1.0f - e) / (1.0f + e), y);
 }
@@ -132,6 +143,9 @@ inline __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
 inline __m256 div(__m256 a, __m256 b) { return _mm256_div_ps(a, b); }
 inline __m256 magnitude(__m256 y) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), y); }
 inline __m256 with_sign_of(__m256 t, __m256 y) { return _mm256_or_ps(t, _mm256_and_ps(_mm256_set1_ps(-0.0f), y)); }
+inline __m256 below(__m256 magnitude, float limit, __m256 if_below, __m256 otherwise) {
+  return _mm256_blendv_ps(otherwise, if_below, _mm256_cmp_ps(magnitude, _mm256_set1_ps(limit), _CMP_LT_OQ));
+}
 inline __m256 key_distance(__m256i rows, int64_t offset, __m256i keys) {
   return _mm256_cvtepi32_ps(
       _mm256_abs_epi32(_mm256_sub_epi32(_mm256_add_epi32(rows, _mm256_set1_epi32(static_cast<int>(offset))), keys)));
@@ -148,6 +162,9 @@ inline __m512 with_sign_of(__m512 t, __m512 y) {
   const __m512i sign = _mm512_and_si512(_mm512_set1_epi32(static_cast<int>(0x80000000u)), _mm512_castps_si512(y));
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
 }
+inline __m512 below(__m512 magnitude, float limit, __m512 if_below, __m512 otherwise) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(limit), _CMP_LT_OQ), otherwise, if_below);
+}
 inline __m512 key_distance(__m512i rows, int64_t offset, __m512i keys) {
   return _mm512_cvtepi32_ps(
       _mm512_abs_epi32(_mm512_sub_epi32(_mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(offset))), keys)));
@@ -155,10 +172,21 @@ inline __m512 key_distance(__m512i rows, int64_t offset, __m512i keys) {
 #endif
 
 template <class V>
+inline V tanh_series(V y) {
+  const V y2 = mul(y, y);
+  V p = fmadd(splat<V>(kTanh11), y2, splat<V>(kTanh9));
+  p = fmadd(p, y2, splat<V>(kTanh7));
+  p = fmadd(p, y2, splat<V>(kTanh5));
+  p = fmadd(p, y2, splat<V>(kTanh3));
+  return fmadd(mul(y, y2), p, y);  // y + y^3 p: the sign (and -0) of y kept
+}
+
+template <class V>
 inline V tanh_via_exp(V y) {
   const V one = splat<V>(1.0f);
-  const V e = exp_nonpositive(mul(splat<V>(-2.0f), magnitude(y)));
-  return with_sign_of(div(sub(one, e), add(one, e)), y);
+  const V size = magnitude(y);
+  const V e = exp_nonpositive(mul(splat<V>(-2.0f), size));
+  return below(size, kTanhSeriesBelow, tanh_series(y), with_sign_of(div(sub(one, e), add(one, e)), y));
 }
 
 // What turns a product q . k into a score: the scale, then Gemma 2's soft-capping
