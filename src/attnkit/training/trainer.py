@@ -177,13 +177,15 @@ def train(config: TrainConfig, *, resume: bool = False, until: int | None = None
     checkpoint_dir = out / "checkpoint"
     tokenizer = None
     if resume:
-        saved = checkpoint.read_state(checkpoint_dir)["train_config"]
+        # Located once, so the state, the tokenizer and the tensors all come from the same save.
+        source = checkpoint.find_checkpoint(checkpoint_dir)
+        saved = checkpoint.read_state(source, steps=config.steps)["train_config"]
         differing = sorted(key for key, value in asdict(config).items()
                            if key not in _MAY_CHANGE and saved.get(key) != value)
         if differing:
             raise ValueError(f"resume: the checkpoint in {str(checkpoint_dir)!r} was trained with other settings "
                              f"({', '.join(differing)}); only {', '.join(_MAY_CHANGE)} may change")
-        tokenizer = checkpoint.read_tokenizer(checkpoint_dir)
+        tokenizer = checkpoint.read_tokenizer(source)
     tokenizer, train_rows, val_rows = prepare_data(config, tokenizer)
     eos = tokenizer.token_to_id(corpus.END_OF_TEXT)
     model_config = config.model_config(tokenizer.get_vocab_size(), eos)
@@ -200,7 +202,8 @@ def train(config: TrainConfig, *, resume: bool = False, until: int | None = None
     result = TrainResult(model, tokenizer)
     start = 0
     if resume:
-        record = checkpoint.load_checkpoint(checkpoint_dir, model=model, optimizer=optimizer, generator=generator)
+        record = checkpoint.load_checkpoint(source, model=model, optimizer=optimizer, generator=generator,
+                                            steps=config.steps)
         start = record["step"]
         result.losses = [tuple(x) for x in record["losses"]]
         result.evals = [tuple(x) for x in record["evals"]]
