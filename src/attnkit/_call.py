@@ -69,7 +69,8 @@ class AttentionCall:
     @property
     def is_gqa(self) -> bool:
         """True when 4-D key/value carry fewer heads than the query (grouped-query attention)."""
-        return self.query.dim() == 4 and self.key.shape[1] != self.query.shape[1]
+        # bool(): under torch.jit.trace sizes are traced tensors, and SDPA's enable_gqa takes a bool only
+        return self.query.dim() == 4 and bool(self.key.shape[1] != self.query.shape[1])
 
     @property
     def group_size(self) -> int:

@@ -42,6 +42,19 @@ def _finite_float(text: str) -> float:
     return value
 
 
+#: The largest --learning-rate accepted. AdamW's step moves each weight by about the learning rate
+#: and decays it by ``1 - lr * weight_decay``: far above any useful rate (~1e-3) but far below where
+#: float32 weights overflow (~3e38), so a typo such as 1e308 is refused before training starts.
+MAX_LEARNING_RATE = 1e4
+
+
+def _learning_rate(text: str) -> float:
+    value = _finite_float(text)
+    if not 0 < value <= MAX_LEARNING_RATE:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, {MAX_LEARNING_RATE:g}], got {text!r}")
+    return value
+
+
 def _index(text: str) -> int:
     try:
         value = int(text)
@@ -63,6 +76,14 @@ def _explain(args: argparse.Namespace) -> int:
         if args.causal:
             print("(causal: each token may attend only to itself and the tokens before it)")
         steps = explain.toy_steps(causal=args.causal, scale=args.scale if args.scale is not None else 1.0)
+    elif _attnkit_gpt(args.model):
+        if args.scale is not None or args.causal:
+            raise UsageError("--scale and --causal apply to the toy model and attnkit's own encoders; "
+                             f"{args.model!r} is a causal GPT with its own scale")
+        gpt = explain.GPTDirectory(args.model)
+        text = args.text if args.text is not None else DEFAULT_TEXT
+        steps = explain.checkpoint_steps(gpt, text, layer=args.layer, head=args.head)
+        print(f"Layer {args.layer}, head {args.head} of {gpt.name} (attnkit's GPT, Llama architecture) on {text!r}")
     elif _transformers_checkpoint(args.model):
         from .integrations.checkpoints import Checkpoint
 
@@ -88,6 +109,13 @@ def _explain(args: argparse.Namespace) -> int:
     print()
     print(explain.render(steps))
     return 0
+
+
+def _attnkit_gpt(model: str) -> bool:
+    """A GPT that ``attnkit train`` wrote: explained by attnkit's own GPT, without transformers."""
+    from .models.llama_export import written_by_save_llama
+
+    return written_by_save_llama(model)
 
 
 def _transformers_checkpoint(model: str) -> bool:
@@ -195,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=_positive, help="optimizer steps (default 300)")
     train.add_argument("--batch-size", type=_positive, help="rows per step (default 16)")
     train.add_argument("--seq-len", type=_positive, help="tokens per row (default 128)")
-    train.add_argument("--learning-rate", type=_finite_float, help="peak learning rate (default 3e-3)")
+    train.add_argument("--learning-rate", type=_learning_rate,
+                       help=f"peak learning rate, in (0, {MAX_LEARNING_RATE:g}] (default 3e-3)")
     train.add_argument("--eval-interval", type=_positive, help="steps between validation losses (default 100)")
     train.add_argument("--checkpoint-interval", type=_positive, help="steps between checkpoints (default 100)")
     train.add_argument("--seed", type=_index, help="seed of everything random (default 0)")

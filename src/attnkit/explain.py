@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -132,10 +133,36 @@ def model_steps(encoder, text: str, *, layer: int = 0, head: int = 0, causal: bo
     return steps
 
 
+class GPTDirectory:
+    """A GPT that ``attnkit train`` wrote (:func:`attnkit.models.llama_export.written_by_save_llama`),
+    run by attnkit's own :class:`~attnkit.models.gpt.GPT`, for :func:`checkpoint_steps`. Not through
+    transformers: its ``AutoModel`` is the Llama body without the LM head, and loading the head's
+    weights into it printed a load report about an unexpected ``lm_head.weight``."""
+
+    def __init__(self, directory: str | Path) -> None:
+        from .models.llama_export import load_llama
+
+        self.model, self.tokenizer = load_llama(directory)
+        if self.tokenizer is None:
+            raise ValueError(f"model directory {str(directory)!r} has no tokenizer.json")
+        self.name = Path(directory).name or str(directory)
+        self.num_layers = self.model.config.num_hidden_layers
+        self.num_heads = self.model.config.num_attention_heads
+
+    def trace(self, text: str) -> tuple[trace.Trace, list[str]]:
+        """Every attention call of ``text`` (a batch of one), one per layer, and its tokens."""
+        ids = self.tokenizer.encode(text).ids
+        if not ids:
+            raise ValueError(f"text {text!r} gives no tokens")
+        with trace.record() as recorded, torch.no_grad():
+            self.model(torch.tensor([ids]))
+        return recorded, [self.tokenizer.id_to_token(i) for i in ids]
+
+
 def checkpoint_steps(checkpoint, text: str, *, layer: int = 0, head: int = 0) -> list[Step]:
     """One head of one layer of a transformers checkpoint (:class:`attnkit.integrations.checkpoints.
-    Checkpoint`) on ``text``: the steps :func:`attnkit.attention` recorded, the mask the model
-    applied drawn as its own step (a decoder's causal mask, a window)."""
+    Checkpoint`, or a :class:`GPTDirectory`) on ``text``: the steps :func:`attnkit.attention`
+    recorded, the mask the model applied drawn as its own step (a decoder's causal mask, a window)."""
     if not 0 <= layer < checkpoint.num_layers:
         raise ValueError(f"layer must be in [0, {checkpoint.num_layers - 1}] for this model, got {layer}")
     if not 0 <= head < checkpoint.num_heads:

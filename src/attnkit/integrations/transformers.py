@@ -47,7 +47,8 @@ their ``Hkv`` heads, no ``repeat_kv``), ``softcap`` (Gemma 2) -> ``softcap=``, `
 ``module.sinks`` (GPT-OSS) -> ``sinks=``, an ``alibi_slopes`` keyword -> ``alibi_slopes=``, the
 module's ``scaling`` -> ``scale=``, ``dropout`` while ``module.training`` -> ``dropout=`` (attnkit's
 own dropout pattern, drawn from the global RNG: not the one eager's ``nn.functional.dropout``
-draws). ``output_attentions=True`` returns attnkit's weights (``return_weights=True``). A keyword
+draws; ``attention_dropout=1.0`` drops every weight: zero output and zero weights, as eager).
+``output_attentions=True`` returns attnkit's weights (``return_weights=True``). A keyword
 attnkit cannot express is refused with a ``ValueError`` naming it, never ignored.
 
 **Padded query rows.** With left padding in a decoder, a padding query has no real key before
@@ -299,6 +300,8 @@ def attnkit_attention_forward(module: torch.nn.Module, query: Tensor, key: Tenso
         raise ValueError(f"attn_implementation='attnkit' cannot express {', '.join(map(repr, unknown))} "
                          f"(passed by {type(module).__name__}); use attn_implementation='eager' for this model")
     q_length, kv_length = query.shape[-2], key.shape[-2]
+    if module.training and float(dropout) == 1.0:
+        return _all_dropped(query, key, value, _weights_wanted(kwargs))
     mask: object = attention_mask.mask if isinstance(attention_mask, TransformersMask) else attention_mask
     causal = False
     if attention_mask is None:
@@ -320,6 +323,16 @@ def attnkit_attention_forward(module: torch.nn.Module, query: Tensor, key: Tenso
         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sink_logits)
     output, weights = result if want_weights else (result, None)
     return output.transpose(1, 2).contiguous(), weights
+
+
+def _all_dropped(query: Tensor, key: Tensor, value: Tensor, want_weights: bool) -> tuple[Tensor, Tensor | None]:
+    """``attention_dropout=1.0`` in training: every weight is dropped, so eager attention returns
+    zero weights and a zero output. attnkit's own dropout stops short of 1 (its kept weights are
+    scaled by ``1/(1-p)``), so the result eager computes is built here instead of refused."""
+    batch, heads, q_length = query.shape[:3]
+    output = value.new_zeros(batch, q_length, heads, value.shape[-1])
+    weights = query.new_zeros(batch, heads, q_length, key.shape[-2]) if want_weights else None
+    return output, weights
 
 
 def register(name: str = NAME) -> None:

@@ -11,10 +11,13 @@ reads the cache; bottom-right causal alignment makes the step's query the last r
 
 Sampling: ``temperature=0`` is greedy (argmax); otherwise logits / temperature, then top-k,
 then top-p (nucleus), drawn with ``torch.multinomial`` from ``generator``, never the global RNG.
+A temperature so small that logits / temperature overflows float32 (e.g. ``1e-45``) is greedy
+too: sampling tends to the argmax as the temperature goes to 0, and the division would give inf.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -34,12 +37,50 @@ def _check_sampling(temperature: float, top_k: int | None, top_p: float | None, 
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
 
 
+def _token_dtype(token: object) -> str | None:
+    """The dtype of ``token`` when it is no integer token id, else None. A float id (``1.5``) would be
+    truncated to another token and a bool is no id, so both are refused rather than converted."""
+    if isinstance(token, Tensor):
+        dtype = token.dtype
+        return None if not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool) else str(dtype)
+    dtype = getattr(token, "dtype", None)  # a NumPy scalar: np.bool_ has __index__ in older NumPy
+    if isinstance(token, bool) or (dtype is not None and getattr(dtype, "kind", "i") not in "iu"):
+        return str(dtype or type(token).__name__)
+    try:
+        operator.index(token)
+    except TypeError:
+        return type(token).__name__
+    return None
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]]) -> None:
+    for row, prompt in enumerate(prompts):
+        for token in prompt:
+            dtype = _token_dtype(token)
+            if dtype is not None:
+                raise TypeError(f"prompts must hold integer token ids, got {dtype} ({token!r}) in prompt {row}")
+
+
+def _check_pad(pad_token_id: object, vocab_size: int) -> None:
+    if isinstance(pad_token_id, Tensor) or _token_dtype(pad_token_id) is not None \
+            or not 0 <= operator.index(pad_token_id) < vocab_size:
+        raise ValueError(f"pad_token_id must be an int in [0, {vocab_size}) (the model's vocabulary), "
+                         f"got {pad_token_id!r}")
+
+
 def next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                generator: torch.Generator | None = None) -> Tensor:
-    """Pick one token per row from ``logits [B, vocab]`` -> ``[B]``."""
+    """Pick one token per row from ``logits [B, vocab]`` -> ``[B]``. A temperature so small that
+    ``logits / temperature`` overflows is greedy (the limit of sampling as the temperature goes to 0)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    greedy = logits.argmax(dim=-1)
+    scaled = logits.float() / temperature
+    overflow = (scaled.isinf() & logits.isfinite()).any(dim=-1)  # [B]; -inf logits (banned tokens) are no overflow
+    if bool(overflow.all()):
+        return greedy
+    # A row that overflows would give softmax inf - inf = NaN: it is drawn on harmless logits, then replaced.
+    logits = scaled.masked_fill(overflow[:, None], 0.0)
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -51,7 +92,8 @@ def next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | None = 
         drop = probs.cumsum(dim=-1) - probs >= top_p
         logits = logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
     probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.where(overflow, greedy, sampled)
 
 
 @torch.no_grad()
@@ -67,13 +109,18 @@ def generate(
     eos_token_id: int | None = None,
     pad_token_id: int = 0,
 ) -> list[list[int]]:
-    """Continue each prompt (a list of token ids, at least one) by up to ``max_new_tokens``.
+    """Continue each prompt (a list of integer token ids, at least one) by up to ``max_new_tokens``.
 
     Returns the new tokens of each prompt; a row stops after ``eos_token_id`` (included).
+    ``pad_token_id`` (a token of the vocabulary) fills the left padding and the rows that stopped.
+    A float or bool token id is a TypeError; a ``pad_token_id`` outside the vocabulary a ValueError.
     """
     _check_sampling(temperature, top_k, top_p, max_new_tokens)
     if isinstance(prompts, Tensor) or not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty lists of token ids")
+    _check_prompts(prompts)
+    _check_pad(pad_token_id, model.config.vocab_size)
+    pad_token_id = operator.index(pad_token_id)
     device = model.lm_head.weight.device
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     width = int(lengths.max())

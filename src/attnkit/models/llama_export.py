@@ -83,9 +83,16 @@ def gpt_config_from_hf(raw: dict, *, source: str = "config.json") -> GPTConfig:
     if raw.get("model_type") != "llama":
         raise ValueError(f"{source}: model_type is {raw.get('model_type')!r}; attnkit's GPT loads 'llama' checkpoints")
     rope = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling")
-    if rope.get("rope_type", "default") != "default" or scaling:
-        raise ValueError(f"{source}: rope scaling {rope.get('rope_type') or scaling!r} is not implemented")
+    # transformers 5 writes rope_parameters, 4 wrote rope_scaling (its type as "rope_type", earlier "type"):
+    # the error names the key that holds the scaling, not the other one's "default".
+    for key, parameters in (("rope_parameters", rope), ("rope_scaling", raw.get("rope_scaling") or {})):
+        if not isinstance(parameters, dict):
+            raise ValueError(f"{source}: {key} must be a mapping, got {parameters!r}")
+        field = "rope_type" if "rope_type" in parameters else "type"
+        kind = parameters.get(field, "default")
+        if kind != "default":
+            raise ValueError(f"{source}: {key}.{field} {kind!r} is not implemented; attnkit's GPT implements "
+                             f"the 'default' rotary embedding (no scaling)")
     for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if raw.get(key, expected) != expected:
             raise ValueError(f"{source}: {key} is {raw[key]!r}; attnkit's GPT implements {expected!r}")
@@ -100,6 +107,21 @@ def gpt_config_from_hf(raw: dict, *, source: str = "config.json") -> GPTConfig:
     if raw.get("head_dim", config.head_dim) != config.head_dim:
         raise ValueError(f"{source}: head_dim {raw['head_dim']} differs from hidden_size / num_attention_heads")
     return config
+
+
+def written_by_save_llama(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a GPT that :func:`save_llama` wrote (``attnkit train`` does): its
+    ``config.json`` is exactly the one :func:`hf_config` writes for the config it describes, and the
+    weights and tokenizer are there. A checkpoint transformers saved carries keys of its own
+    (``transformers_version``, ``dtype``, ...), so it is never mistaken for one."""
+    directory = Path(directory)
+    if not all((directory / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json")):
+        return False
+    try:
+        raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        return raw == json.loads(json.dumps(hf_config(gpt_config_from_hf(raw))))
+    except (ValueError, TypeError, AttributeError, OSError, UnicodeDecodeError):
+        return False
 
 
 def load_llama(directory: str | Path) -> tuple[GPT, object | None]:

@@ -31,6 +31,7 @@ from ..masks import document
 from ..models.generate import generate_text
 from ..models.gpt import GPT, GPTConfig, document_positions, language_model_loss
 from ..models.llama_export import save_llama
+from ..cli import MAX_LEARNING_RATE
 from . import checkpoint, corpus
 from .packing import Rows, batch_order, pack_documents
 
@@ -71,6 +72,9 @@ class TrainConfig:
         for name in ("learning_rate", "min_learning_rate", "grad_clip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("learning_rate", "min_learning_rate"):  # the CLI's bound: AdamW would overflow far above
+            if not getattr(self, name) <= MAX_LEARNING_RATE:
+                raise ValueError(f"{name} must be at most {MAX_LEARNING_RATE:g}, got {getattr(self, name)!r}")
 
     def model_config(self, vocab_size: int, eos: int) -> GPTConfig:
         return GPTConfig(vocab_size=vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
