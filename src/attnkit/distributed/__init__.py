@@ -5,6 +5,9 @@ Each rank holds a shard of one long sequence (:func:`shard`, layouts ``"contiguo
 is its shard of :func:`attnkit.attention` on the whole sequence (output, lse, gradients, dropout
 pattern). The structured mask decides the traffic: a key/value shard no local query attends is
 neither sent nor computed. :func:`sequence_parallel` routes ``attnkit.nn`` layers through them.
+Before any exchange the ranks check that they agree on the call (:mod:`.agreement`: dtype, shapes,
+mask, ``causal``, layout, scale, dropout, block sizes; one small ``all_gather``): ranks that
+disagree all raise the same ``ValueError`` instead of exchanging mismatched messages.
 One code path for every backend of ``torch.distributed`` (tested on gloo, CPU; NCCL untested).
 """
 

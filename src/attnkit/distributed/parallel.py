@@ -12,7 +12,8 @@ from torch import Tensor
 
 from ..nn import _routing
 from .layout import check_layout
-from .ring import ring_attention
+from .agreement import agree
+from .ring import _device, ring_attention
 from .ulysses import ulysses_attention
 
 __all__ = ["sequence_parallel", "attention_fn"]
@@ -26,7 +27,9 @@ def attention_fn(method: str = "ring", *, group: dist.ProcessGroup | None = None
     (``method``: ``"ring"`` or ``"ulysses"``, ``layout`` as in :func:`attnkit.distributed.shard`):
     each rank passes its shard ``[B, H, n, D]`` and gets its shard of the output. For models with a
     pluggable attention call: ``gpt.set_attention_fn(attnkit.distributed.attention_fn("ring"))``.
-    Weights, soft-capping, ALiBi and sinks are refused (ValueError); ``backend`` is used by Ulysses."""
+    Weights, soft-capping, ALiBi and sinks are refused (ValueError, on every rank: the others raise
+    naming the refusing rank); ``backend`` is used by Ulysses. The ranks must agree on the call (see
+    :func:`ring_attention`)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_layout(layout)
@@ -38,8 +41,9 @@ def attention_fn(method: str = "ring", *, group: dist.ProcessGroup | None = None
         unsupported = [name for name, given in (("return_weights", return_weights), ("softcap", softcap),
                                                 ("alibi_slopes", alibi_slopes), ("sinks", sinks))
                        if given is not None and given is not False]
-        if unsupported:
-            raise ValueError(f"sequence-parallel attention ({method}) does not take {', '.join(unsupported)}")
+        if unsupported:  # refused on every rank, not only on this one (agreement.agree)
+            agree(f"{method}_attention", ValueError(f"sequence-parallel attention ({method}) does not take "
+                                                    f"{', '.join(unsupported)}"), [], _device(query), group)
         common = dict(mask=mask, causal=causal, scale=scale, dropout=dropout, generator=generator, group=group,
                       layout=layout)
         if method == "ring":

@@ -39,6 +39,7 @@ from .._backends.interval_inputs import IntervalInputs
 from .._backends.numerics import work_dtype
 from .._call import make_call
 from . import comm
+from .agreement import agree, mask_fact
 from .layout import check_layout
 from .schedule import Piece, Schedule, make_schedule
 from .stream import Call, Item, Stream, backward_stream, default_size, forward_stream
@@ -83,25 +84,35 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks.St
             sequence's ``L`` keys, at least 128 (228 at L = 4096 over 2 ranks). Smaller saves
             memory and costs time. The same on every rank (checked).
 
+    Before any exchange the ranks check that they agree on the call (:mod:`.agreement`: one
+    ``all_gather`` of 32 int64 numbers a rank): the dtype, batch, query and key/value heads, head
+    sizes, mask (kind, parameters and the tensors it holds), ``causal``, layout, scale, dropout
+    and ``block_size``. Ranks that disagree, or a rank whose own arguments are refused, make every
+    rank raise (``ValueError``: "ring_attention: the ranks disagree on dtype: rank 0
+    torch.float32, rank 1 torch.bfloat16; ...") instead of exchanging mismatched messages.
+
     Returns:
         ``output [B, H, n, Dv]`` (and ``lse`` with ``return_lse``).
     """
-    call = make_call(query, key, value, mask=None, causal=causal, scale=scale, dropout=dropout,
-                     generator=generator, return_weights=False)
-    if query.dim() != 4:
-        raise ValueError(f"ring_attention takes [B, H, n, D] shards, got query {tuple(query.shape)}")
-    if key.shape[2] != query.shape[2]:
-        raise ValueError(f"query and key/value must be shards of one sequence (the same n): got query "
-                         f"{tuple(query.shape)}, key {tuple(key.shape)}")
-    _check_mask(mask, query)
-    check_layout(layout)
-    _check_block_size(block_size)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    lengths, sizes = zip(*_gather([query.shape[2], block_size or 0], query.device, group, world))
-    lengths = list(lengths)
-    if len(set(sizes)) > 1:  # every rank sees the same, so every rank raises
-        raise ValueError(f"block_size must be the same on every rank (it cuts the messages both ends must agree "
-                         f"on), got {[s or None for s in sizes]} on ranks 0..{world - 1}")
+    try:  # this rank's own checks; a refusal is heard by every rank (agreement.agree)
+        call = make_call(query, key, value, mask=None, causal=causal, scale=scale, dropout=dropout,
+                         generator=generator, return_weights=False)
+        if query.dim() != 4:
+            raise ValueError(f"ring_attention takes [B, H, n, D] shards, got query {tuple(query.shape)}")
+        if key.shape[2] != query.shape[2]:
+            raise ValueError(f"query and key/value must be shards of one sequence (the same n): got query "
+                             f"{tuple(query.shape)}, key {tuple(key.shape)}")
+        _check_mask(mask, query)
+        check_layout(layout)
+        _check_block_size(block_size)
+        facts = shard_facts("ring_attention", query, key, value, mask, causal, layout, call)
+        facts.append(("block_size", block_size, None))
+    except Exception as error:  # noqa: BLE001 - raised by agree on this rank, after the others heard of it
+        facts = error
+    shards = agree("ring_attention", facts, [query.shape[2]] if isinstance(facts, list) else [],
+                   _device(query), group)
+    lengths = [values[0] for values in shards]
     size = block_size or default_size(lengths)
     schedule = make_schedule(lengths, layout, rank, mask, causal, query.device)
     streams = forward_stream(schedule, size), backward_stream(schedule, size)
@@ -137,17 +148,20 @@ def _check_block_size(block_size: object) -> None:
         raise ValueError(f"block_size must be a positive number of keys (or None), got {block_size}")
 
 
-def _gather(values: list[int], device: torch.device, group, world: int) -> list[list[int]]:
-    """Every rank's ``values`` (one small all-gather)."""
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    return [t.tolist() for t in every]
+def shard_facts(function: str, query: Tensor, key: Tensor, value: Tensor, mask: object, causal: bool, layout: str,
+                call) -> list[tuple[str, object, str | None]]:
+    """What every rank of a sequence-parallel call must share (:func:`agreement.agree`), in the order
+    the first difference is reported: the shards' dtype and shapes beyond the sequence, the mask,
+    ``causal``, the layout, the scale and the dropout probability (``call``: the checked call)."""
+    return [("method", function, None), ("dtype", query.dtype, None), ("batch size", query.shape[0], None),
+            ("query heads", query.shape[1], None), ("key/value heads", key.shape[1], None),
+            ("query/key head size", query.shape[3], None), ("value head size", value.shape[3], None),
+            mask_fact(mask), ("causal", causal, None), ("layout", repr(layout), None), ("scale", call.scale, None),
+            ("dropout", call.dropout, None)]
 
 
-def _lengths(n: int, device: torch.device, group, world: int) -> list[int]:
-    """Every rank's shard length."""
-    return [values[0] for values in _gather([n], device, group, world)]
+def _device(query: object) -> torch.device:
+    return query.device if isinstance(query, Tensor) else torch.device("cpu")
 
 
 def shared_seed(generator: torch.Generator | None, device: torch.device, group) -> Tensor:

@@ -37,7 +37,8 @@ from .._call import make_call
 from ..core import attention_piece, piece_gradients
 from . import comm
 from .layout import check_layout, chunks
-from .ring import _check_mask, _gather, _ShardFunction, shared_seed
+from .agreement import agree
+from .ring import _check_mask, _device, _ShardFunction, shard_facts, shared_seed
 
 __all__ = ["ulysses_attention"]
 
@@ -81,33 +82,39 @@ def ulysses_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks
     output once (and the lse with ``return_lse``); the backward q, k, v, output and dO to head
     layout and dq, dk, dv back (with ``return_lse``, the lse's gradient too).
 
+    The ranks must agree on the call as in :func:`ring_attention` (checked before any exchange),
+    with ``head_groups`` and ``return_lse`` (it adds an exchange) instead of ``block_size``.
+
     Returns:
         ``output [B, H, n, Dv]`` (and ``lse [B, H, n]`` with ``return_lse``, differentiable).
     """
-    call = make_call(query, key, value, mask=None, causal=causal, scale=scale, dropout=dropout,
-                     generator=generator, return_weights=False, return_lse=True)
-    if query.dim() != 4 or key.shape[2] != query.shape[2]:
-        raise ValueError(f"ulysses_attention takes [B, H, n, D] shards of one sequence (the same n), got query "
-                         f"{tuple(query.shape)}, key {tuple(key.shape)}")
-    _check_mask(mask, query)
-    check_layout(layout)
-    _check_head_groups(head_groups)
-    _check_backend(backend, call)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    heads, kv_heads = query.shape[1], key.shape[1]
-    if heads % world or kv_heads % world:
-        raise ValueError(f"ulysses_attention splits heads over the {world} ranks: query heads ({heads}) and "
-                         f"key/value heads ({kv_heads}) must divide by {world}; got query {tuple(query.shape)}, "
-                         f"key {tuple(key.shape)}")
-    lengths, asked = zip(*_gather([query.shape[2], head_groups or 0], query.device, group, world))
-    lengths = list(lengths)
-    if len(set(asked)) > 1:  # every rank sees the same, so every rank raises
-        raise ValueError(f"head_groups must be the same on every rank (the exchanges of each group must match), "
-                         f"got {[g or None for g in asked]} on ranks 0..{world - 1}")
-    units = kv_heads // world
-    if head_groups is not None and head_groups > units:
-        raise ValueError(f"head_groups must be at most the key/value heads per rank, {kv_heads} // {world} = {units} "
-                         f"(a group holds whole key/value heads), got {head_groups}")
+    try:  # this rank's own checks; a refusal is heard by every rank (agreement.agree)
+        call = make_call(query, key, value, mask=None, causal=causal, scale=scale, dropout=dropout,
+                         generator=generator, return_weights=False, return_lse=True)
+        if query.dim() != 4 or key.shape[2] != query.shape[2]:
+            raise ValueError(f"ulysses_attention takes [B, H, n, D] shards of one sequence (the same n), got "
+                             f"query {tuple(query.shape)}, key {tuple(key.shape)}")
+        _check_mask(mask, query)
+        check_layout(layout)
+        _check_head_groups(head_groups)
+        _check_backend(backend, call)
+        heads, kv_heads = query.shape[1], key.shape[1]
+        if heads % world or kv_heads % world:
+            raise ValueError(f"ulysses_attention splits heads over the {world} ranks: query heads ({heads}) and "
+                             f"key/value heads ({kv_heads}) must divide by {world}; got query "
+                             f"{tuple(query.shape)}, key {tuple(key.shape)}")
+        units = kv_heads // world
+        if head_groups is not None and head_groups > units:
+            raise ValueError(f"head_groups must be at most the key/value heads per rank, {kv_heads} // {world} = "
+                             f"{units} (a group holds whole key/value heads), got {head_groups}")
+        facts = shard_facts("ulysses_attention", query, key, value, mask, causal, layout, call)
+        facts += [("head_groups", head_groups, None), ("return_lse", bool(return_lse), None)]
+    except Exception as error:  # noqa: BLE001 - raised by agree on this rank, after the others heard of it
+        facts = error
+    shards = agree("ulysses_attention", facts, [query.shape[2]] if isinstance(facts, list) else [],
+                   _device(query), group)
+    lengths = [values[0] for values in shards]
     count = head_groups or default_groups(query.shape[0], heads // world, units, sum(lengths))
     exchange = _Exchange(group, world, rank, chunks(lengths, layout), lengths)
     seed = shared_seed(generator, query.device, group) if call.dropout > 0 else None
