@@ -17,7 +17,7 @@ from attnkit.models.llama_export import load_llama, save_llama
 # tiny problems: one thread (conftest.one_thread)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TINY = dict(vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+TINY = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=96, max_position_embeddings=64, rope_theta=500.0)
 
 
@@ -36,7 +36,7 @@ def tiny_tokenizer():
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=101, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
                                              show_progress=False)
     tokenizer.train_from_iterator(["the cat sat on the mat", "the dog sat on the log"] * 4, trainer)
     return tokenizer

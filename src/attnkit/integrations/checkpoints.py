@@ -29,9 +29,19 @@ def model_type(name_or_path: str | Path) -> str | None:
     if not config.is_file():
         return None
     try:
-        return json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except (ValueError, OSError):
+        kind = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (ValueError, OSError, AttributeError, RecursionError):  # not a JSON object, nested too deep
         return None
+    return kind if isinstance(kind, str) else None
+
+
+def _architectures(directory: Path) -> list[str]:
+    """The ``architectures`` listed in ``config.json`` (strings only; none when unreadable)."""
+    try:
+        found = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("architectures")
+    except (ValueError, OSError, AttributeError, RecursionError):
+        return []
+    return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
 
 
 def wants_transformers(name_or_path: str | Path) -> bool:
@@ -53,7 +63,7 @@ class Checkpoint:
 
     def __init__(self, path: str | Path) -> None:
         require("transformers", f"model directory {str(path)!r} ({model_type(path)})", extra="transformers")
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
         from . import transformers as _registered  # noqa: F401  registers "attnkit"
 
@@ -68,8 +78,7 @@ class Checkpoint:
         bar = logging.is_progress_bar_enabled()
         logging.disable_progress_bar()  # no "Loading weights" bar in the command's output
         try:
-            self.model = AutoModel.from_pretrained(self.path, attn_implementation="attnkit",
-                                                   local_files_only=True).eval()
+            self.model = self._base_model(AutoModel, AutoModelForCausalLM)
         finally:
             if bar:
                 logging.enable_progress_bar()
@@ -78,6 +87,16 @@ class Checkpoint:
         self.has_sinks = any(isinstance(getattr(m, "sinks", None), Tensor) for m in self.model.modules())
         self.num_layers = getattr(config, "num_layers", None) or config.num_hidden_layers
         self.num_heads = getattr(config, "num_heads", None) or config.num_attention_heads
+
+    def _base_model(self, auto_model, auto_causal_lm):
+        """The checkpoint's base model (attention weights are all that is shown). A ``*ForCausalLM``
+        checkpoint is loaded whole and its base model taken: loading the base model alone would
+        leave ``lm_head.weight`` (stored when the embeddings are untied) unused, and transformers
+        prints a load report about it into the command's output."""
+        architectures = _architectures(self.path)
+        loader = auto_causal_lm if any(a.endswith("ForCausalLM") for a in architectures) else auto_model
+        model = loader.from_pretrained(self.path, attn_implementation="attnkit", local_files_only=True)
+        return (model.base_model if loader is auto_causal_lm else model).eval()
 
     def _forward(self, input_ids: Tensor):
         network = self.model.get_encoder() if self.is_encoder_decoder else self.model

@@ -9,7 +9,6 @@ layout of BERT and MiniLM. Every attention call goes through
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn import MultiHeadAttention, _checks
+from .checkpoint import read_json
 
 # Hugging Face's names for the activations we support: "gelu" is the exact (erf) GELU.
 _ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -67,12 +67,11 @@ class BertConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "BertConfig":
-        try:
-            raw = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ValueError(f"{path}: not valid JSON ({error})") from None
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_json(Path(path)), source=str(path))
 
+
+#: The largest size (or token id) config.json may give: far above any real model's.
+MAX_SIZE = 2**31 - 1
 
 # What each key of config.json must be: ("int", minimum), ("probability", None), ("positive", None)
 # (a finite float > 0) or ("activation", None).
@@ -97,9 +96,11 @@ def _checked(source: str, key: str, value: object) -> object:
     kind, minimum = _RULES[key]
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind == "int":
-        if isinstance(value, int) and not isinstance(value, bool) and value >= minimum:  # type: ignore[operator]
+        # bounded above too: torch cannot even describe a tensor with a dimension of 2**63
+        if isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= MAX_SIZE:  # type: ignore[operator]
             return value
-        expected = f"an integer >= {minimum}"
+        too_large = isinstance(value, int) and not isinstance(value, bool) and value > MAX_SIZE
+        expected = f"an integer <= {MAX_SIZE}" if too_large else f"an integer >= {minimum}"
     elif kind == "positive":
         if number and math.isfinite(value) and value > 0:  # type: ignore[arg-type, operator]
             return float(value)  # type: ignore[arg-type]

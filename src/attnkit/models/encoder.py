@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .bert import BertConfig, BertEncoder
-from .checkpoint import BUILTIN_MODELS, check_vocabulary, model_directory, read_tokenizer, read_weights
+from .checkpoint import (BUILTIN_MODELS, check_layer_count, check_vocabulary, check_weights, model_directory, read_bert_weights,
+                         read_tokenizer)
 
 
 @dataclass
@@ -137,18 +138,13 @@ def load(
     limit = config.max_position_embeddings
     if max_length is not None and not 1 <= max_length <= limit:
         raise ValueError(f"max_length must be in [1, {limit}] for this model, got {max_length}")
+    weights, stored_names = read_bert_weights(directory)
+    check_layer_count(directory / "model.safetensors", weights, directory / "config.json", config.num_hidden_layers)
+    with torch.device("meta"):  # shapes only: a damaged size in config.json must not allocate it
+        expected = BertEncoder(config, backend=backend).state_dict()
+    check_weights(directory / "model.safetensors", weights, expected, names=stored_names,
+                  config_path=directory / "config.json")
     model = BertEncoder(config, backend=backend)
-    weights = read_weights(directory)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{directory / 'model.safetensors'} does not fit {config}: "
-                         f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}")
-    for name, tensor in sorted(weights.items()):
-        if tensor.shape != expected[name].shape:
-            raise ValueError(f"{directory / 'model.safetensors'}: {name} has shape {tuple(tensor.shape)}, "
-                             f"the config implies {tuple(expected[name].shape)}")
     model.load_state_dict(weights)
     model.eval()
     if device is not None:

@@ -5,16 +5,28 @@
 ``transformers.LlamaForCausalLM.from_pretrained(directory)`` runs with the same logits (tested);
 ``load_llama(directory)`` reads such a directory back into a GPT. Needs ``safetensors`` (and
 ``tokenizers`` for the tokenizer), never ``transformers``.
+
+The directory is untrusted input: :func:`gpt_config_from_hf` checks every key it reads (type and
+range, the head counts against the hidden size, the rotary settings), and :func:`load_llama`
+checks every tensor against the config (present, no extra, shape, floating dtype, finite) and
+the tokenizer's ids against ``vocab_size`` before a model is built; each failure is a
+``ValueError`` naming the file and the key or tensor. ``save_llama`` stores a SHA-256 of the
+tensors in the safetensors metadata, so damage to the weights' bytes of a directory it wrote
+is refused too (see :mod:`attnkit.models.checkpoint`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 
 from .._optional import require
+from .checkpoint import CHECKSUM_KEY, check_layer_count, check_vocabulary, check_weights, read_json, \
+    read_safetensors, read_tokenizer_file, tensor_checksum, verify_checksum
+from .bert import MAX_SIZE
 from .gpt import GPT, GPTConfig
 
 # Keys of config.json that map one to one onto GPTConfig.
@@ -65,7 +77,8 @@ def save_llama(model: GPT, directory: str | Path, tokenizer=None) -> Path:
                for name, tensor in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         weights.pop("lm_head.weight")  # one tensor stored once, as transformers does
-    safetensors_torch.save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    safetensors_torch.save_file(weights, str(directory / "model.safetensors"),
+                                metadata={"format": "pt", CHECKSUM_KEY: tensor_checksum(weights)})
     if tokenizer is not None:
         tokenizer.save(str(directory / "tokenizer.json"))
         special = {}
@@ -78,14 +91,32 @@ def save_llama(model: GPT, directory: str | Path, tokenizer=None) -> Path:
     return directory
 
 
+# The integer sizes of config.json, all required: the smallest value each may take.
+_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "intermediate_size", "max_position_embeddings")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def gpt_config_from_hf(raw: dict, *, source: str = "config.json") -> GPTConfig:
-    """Check a Llama ``config.json`` for what :class:`GPT` implements and convert it."""
+    """Check a Llama ``config.json`` for what :class:`GPT` implements and convert it. Every key read
+    is checked for type and range; an error names ``source`` and the key."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: expected a JSON object of settings, got {type(raw).__name__}")
     if raw.get("model_type") != "llama":
         raise ValueError(f"{source}: model_type is {raw.get('model_type')!r}; attnkit's GPT loads 'llama' checkpoints")
-    rope = raw.get("rope_parameters") or {}
     # transformers 5 writes rope_parameters, 4 wrote rope_scaling (its type as "rope_type", earlier "type"):
     # the error names the key that holds the scaling, not the other one's "default".
-    for key, parameters in (("rope_parameters", rope), ("rope_scaling", raw.get("rope_scaling") or {})):
+    for key in ("rope_parameters", "rope_scaling"):
+        parameters = raw.get(key)
+        if parameters is None:
+            continue
         if not isinstance(parameters, dict):
             raise ValueError(f"{source}: {key} must be a mapping, got {parameters!r}")
         field = "rope_type" if "rope_type" in parameters else "type"
@@ -94,19 +125,69 @@ def gpt_config_from_hf(raw: dict, *, source: str = "config.json") -> GPTConfig:
             raise ValueError(f"{source}: {key}.{field} {kind!r} is not implemented; attnkit's GPT implements "
                              f"the 'default' rotary embedding (no scaling)")
     for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if raw.get(key, expected) != expected:
+        if key in raw and (raw[key] != expected or type(raw[key]) is not type(expected)):
             raise ValueError(f"{source}: {key} is {raw[key]!r}; attnkit's GPT implements {expected!r}")
-    missing = [key for key in _SHARED_KEYS[:7] if key not in raw]
+    missing = [key for key in (*_SIZES, "rms_norm_eps") if key not in raw]
     if missing:
+        # rms_norm_eps is required: its default differs between attnkit (1e-5) and transformers (1e-6)
         raise ValueError(f"{source}: missing required key(s) {missing}")
-    values = {key: raw[key] for key in _SHARED_KEYS if key in raw}
-    if isinstance(values.get("eos_token_id"), list):
-        values["eos_token_id"] = values["eos_token_id"][0]
-    theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-    config = GPTConfig(**values, rope_theta=float(theta))
-    if raw.get("head_dim", config.head_dim) != config.head_dim:
-        raise ValueError(f"{source}: head_dim {raw['head_dim']} differs from hidden_size / num_attention_heads")
-    return config
+    for key in _SIZES:
+        # bounded above too: torch cannot even describe a tensor with a dimension of 2**63
+        if not _is_int(raw[key]) or not 1 <= raw[key] <= MAX_SIZE:
+            raise ValueError(f"{source}: {key} must be an integer in [1, {MAX_SIZE}], got {raw[key]!r}")
+    values: dict = {key: raw[key] for key in _SIZES}
+    if not _is_number(raw["rms_norm_eps"]) or raw["rms_norm_eps"] <= 0:
+        raise ValueError(f"{source}: rms_norm_eps must be a finite number > 0, got {raw['rms_norm_eps']!r}")
+    values["rms_norm_eps"] = float(raw["rms_norm_eps"])
+    tie = raw.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise ValueError(f"{source}: tie_word_embeddings must be true or false, got {tie!r}")
+    values["tie_word_embeddings"] = tie
+    dropout = raw.get("attention_dropout", 0.0)
+    if not _is_number(dropout) or not 0 <= dropout < 1:
+        raise ValueError(f"{source}: attention_dropout must be a probability in [0, 1), got {dropout!r}")
+    values["attention_dropout"] = float(dropout)
+    for key in ("bos_token_id", "eos_token_id"):
+        value = raw.get(key)
+        ids = value if isinstance(value, list) and key == "eos_token_id" else [value]
+        for token_id in ids:
+            if token_id is not None and (not _is_int(token_id) or not 0 <= token_id < raw["vocab_size"]):
+                raise ValueError(f"{source}: {key} must be a token id in [0, {raw['vocab_size']}) or null, "
+                                 f"got {value!r}")
+        values[key] = ids[0] if ids else None
+    values["rope_theta"] = _rope_theta(raw, source)
+    for a, b in (("hidden_size", "num_attention_heads"), ("num_attention_heads", "num_key_value_heads")):
+        if raw[a] % raw[b]:
+            raise ValueError(f"{source}: {a} {raw[a]} is not divisible by {b} {raw[b]}")
+    head_dim = raw["hidden_size"] // raw["num_attention_heads"]
+    if raw.get("head_dim") is not None and (not _is_int(raw["head_dim"]) or raw["head_dim"] != head_dim):
+        raise ValueError(f"{source}: head_dim {raw['head_dim']!r} differs from hidden_size / num_attention_heads "
+                         f"({head_dim}); attnkit's GPT implements only that")
+    if head_dim % 2:
+        raise ValueError(f"{source}: hidden_size / num_attention_heads is {head_dim}; rotary embeddings need "
+                         f"an even head size")
+    try:
+        return GPTConfig(**values)
+    except ValueError as error:  # a rule of GPTConfig's own that the checks above missed
+        raise ValueError(f"{source}: {error}") from error
+
+
+def _rope_theta(raw: dict, source: str) -> float:
+    """The rotary base from ``rope_parameters.rope_theta`` or ``rope_theta`` (10000 when neither is
+    given); both given and different is refused, as transformers 4 and 5 would then disagree."""
+    found = {}
+    parameters = raw.get("rope_parameters")
+    if isinstance(parameters, dict) and "rope_theta" in parameters:
+        found["rope_parameters.rope_theta"] = parameters["rope_theta"]
+    if "rope_theta" in raw:
+        found["rope_theta"] = raw["rope_theta"]
+    for key, value in found.items():
+        if not _is_number(value) or value <= 0:
+            raise ValueError(f"{source}: {key} must be a finite number > 0, got {value!r}")
+    if len({float(v) for v in found.values()}) > 1:
+        raise ValueError(f"{source}: rope_parameters.rope_theta {found['rope_parameters.rope_theta']!r} and "
+                         f"rope_theta {found['rope_theta']!r} disagree")
+    return float(next(iter(found.values()), 10000.0))
 
 
 def written_by_save_llama(directory: str | Path) -> bool:
@@ -120,36 +201,45 @@ def written_by_save_llama(directory: str | Path) -> bool:
     try:
         raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
         return raw == json.loads(json.dumps(hf_config(gpt_config_from_hf(raw))))
-    except (ValueError, TypeError, AttributeError, OSError, UnicodeDecodeError):
+    except (ValueError, TypeError, AttributeError, OSError, UnicodeDecodeError, RecursionError):
         return False
 
 
 def load_llama(directory: str | Path) -> tuple[GPT, object | None]:
-    """Read a Llama directory into ``(GPT in eval mode, tokenizers.Tokenizer or None)``."""
+    """Read a Llama directory into ``(GPT in eval mode, tokenizers.Tokenizer or None)``. Every file is
+    checked first (see the module docstring); a damaged one is a ValueError naming it."""
     directory = Path(directory)
     if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
         problem = "does not exist" if not directory.exists() else "has no config.json and model.safetensors"
         raise FileNotFoundError(f"model directory {str(directory)!r} {problem}")
-    safetensors_torch = require("safetensors.torch", "loading model.safetensors", extra="models")
-    try:
-        raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{directory / 'config.json'}: not valid JSON ({error})") from None
-    config = gpt_config_from_hf(raw, source=str(directory / "config.json"))
+    config_path, weights_path = directory / "config.json", directory / "model.safetensors"
+    config = gpt_config_from_hf(read_json(config_path), source=str(config_path))
+    weights = {}
+    stored, metadata = read_safetensors(weights_path)
+    for name, tensor in stored.items():
+        try:
+            weights[attnkit_name(name)] = tensor
+        except ValueError as error:
+            raise ValueError(f"{weights_path}: {error}") from error
+    if config.tie_word_embeddings and "lm_head.weight" in weights:
+        # tied: one matrix; a second, different one would silently replace the embeddings on load
+        embeddings = weights.get("embed_tokens.weight")
+        if embeddings is None or not torch.equal(weights["lm_head.weight"], embeddings):
+            raise ValueError(f"{weights_path}: unexpected lm_head.weight: {config_path} has tie_word_embeddings "
+                             f"true, so the output layer is embed_tokens.weight")
+    if config.tie_word_embeddings and "embed_tokens.weight" in weights:
+        weights["lm_head.weight"] = weights["embed_tokens.weight"]
+    check_layer_count(weights_path, weights, config_path, config.num_hidden_layers)
+    with torch.device("meta"):  # shapes only: a damaged size in config.json must not allocate it
+        expected = GPT(config).state_dict()
+    check_weights(weights_path, weights, expected, names={name: hf_name(name) for name in {*weights, *expected}},
+                  config_path=config_path)
+    verify_checksum(weights_path, stored, metadata)
     model = GPT(config)
-    weights = {attnkit_name(name): tensor for name, tensor in
-               safetensors_torch.load_file(str(directory / "model.safetensors")).items()}
-    if config.tie_word_embeddings:
-        weights.setdefault("lm_head.weight", weights.get("embed_tokens.weight"))
-    expected = set(model.state_dict())
-    if set(weights) != expected:
-        missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
-        raise ValueError(f"{directory / 'model.safetensors'}: missing {missing[:5]}, unexpected {extra[:5]}")
     with torch.no_grad():
         model.load_state_dict({k: v.float() for k, v in weights.items()})
     tokenizer = None
-    if (directory / "tokenizer.json").is_file():
-        tokenizers = require("tokenizers", "reading tokenizer.json", extra="models")
-        tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    if (directory / "tokenizer.json").exists():
+        tokenizer = read_tokenizer_file(directory / "tokenizer.json")
+        check_vocabulary(tokenizer, config, directory)
     return model.eval(), tokenizer
-
