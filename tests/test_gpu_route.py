@@ -129,8 +129,14 @@ def test_flex_route_refuses_what_flex_cannot_do():
         attnkit.attention(q, k, v, mask=masks.sliding_window(4), backend="tiled", dropout=0.1)
 
 
+# test_triton_kernel.py holds the kernel itself to float64 on every mask kind; through attnkit.attention
+# the masks that exercise the route's own parts (bottom-right alignment, two ranges, per-sequence rows,
+# empty rows) are enough, and the interpreter is slow.
+THROUGH_ATTENTION = ["causal, fewer queries", "per-sequence padding, empty rows", "first keys | window", "prefix-LM"]
+
+
 @pytest.mark.skipif(triton_missing, reason="triton is not installed")
-@pytest.mark.parametrize("name", list(MASKS))
+@pytest.mark.parametrize("name", THROUGH_ATTENTION)
 def test_triton_route_matches_the_oracle_forward_and_backward(name, monkeypatch):
     """The kernel the forward ran is the one the backward runs (chosen once, saved)."""
     mask, q_len, k_len = MASKS[name]
