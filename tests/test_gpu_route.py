@@ -197,3 +197,22 @@ def test_the_op_refuses_to_run_flex_itself():
     with pytest.raises(ValueError, match="does not run FlexAttention"):
         interval_op.forward_op(interval_op.IntervalInputs(q, k, v, lo, hi, scale=1 / math.sqrt(16), kernel="flex"))
     assert tiled.interval_inputs  # the tiled backend is the one that calls it
+
+
+@pytest.mark.parametrize("kernel", ["flex", "triton"])
+def test_a_non_finite_value_in_a_partly_masked_block_stays_out_of_the_rows_that_mask_it(kernel):
+    """Block kernels multiply whole blocks: 0 x inf would put a masked-out inf value into its block's
+    other rows. Both engines redo such a call pairwise (blockwise.pairwise_if_not_finite): NaN and inf
+    land exactly where the reference backend puts them."""
+    if kernel == "triton" and triton_missing:
+        pytest.skip("triton is not installed")
+    q, k, v = _inputs(40, 40)
+    k[0, 1, 5, 0] = float("nan")
+    v[1, 0, 7, 3] = float("inf")
+    mask = masks.sliding_window(4)
+    expected = attnkit.attention(q, k, v, mask=mask, backend="reference")
+    with tuning(kernel=kernel):
+        out = attnkit.attention(q, k, v, mask=mask, backend="tiled")
+    assert expected.isnan().any() and expected.isinf().any()
+    assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out.isinf(), expected.isinf())
+    torch.testing.assert_close(out.nan_to_num(0.0, 9.0, -9.0), expected.nan_to_num(0.0, 9.0, -9.0), atol=1e-5, rtol=0)

@@ -36,7 +36,7 @@ from . import dropout as _dropout
 from . import kernels, numerics
 from .tiled_plan import BlockRun, Problem, dense_plan, plans, settings
 
-__all__ = ["forward", "backward", "dense_attention", "allowed_pairs"]
+__all__ = ["forward", "backward", "dense_attention", "pairwise_if_not_finite", "allowed_pairs"]
 
 
 def _stack_query_heads(t: Tensor, heads_per_kv: int) -> Tensor:
@@ -218,12 +218,9 @@ def forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, b
     if not covered.all():  # rows with no key at all: zeros, lse -inf
         out.masked_fill_(~covered[:, None, :, None].to(out.device), 0.0)
         lse.masked_fill_(~covered[:, None, :].to(lse.device), float("-inf"))
-    if not numerics.all_finite(out) and numerics.needs_pairwise(query, key, value, scale):
-        # a non-finite value met a product: redo it pairwise, so that a masked-out one stays out
-        with torch.no_grad():
-            return dense_attention(query, key, value, lo, hi, bias, scale, dropout, seed, exact=True, softcap=softcap,
-                                   alibi=alibi)[:2]
-    return out.to(query.dtype), lse
+    with torch.no_grad():
+        return pairwise_if_not_finite(out.to(query.dtype), lse, query, key, value, lo, hi, bias, scale, dropout, seed,
+                                      softcap=softcap, alibi=alibi)
 
 
 def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
@@ -286,6 +283,23 @@ def allowed_pairs(lo: Tensor, hi: Tensor, k_len: int) -> Tensor:
     """The boolean mask ``[S, 1, Lq, Lk]`` of the rows' key ranges ``[S, R, Lq]`` (True = may attend)."""
     keys = torch.arange(k_len, device=lo.device)
     return ((keys >= lo[..., None]) & (keys < hi[..., None])).any(1)[:, None]
+
+
+def pairwise_if_not_finite(out: Tensor, lse: Tensor, query: Tensor, key: Tensor, value: Tensor, lo: Tensor,
+                           hi: Tensor, bias: Tensor | None, scale: float, dropout: float, seed: Tensor | None, *,
+                           softcap: float | None = None, alibi: Tensor | None = None,
+                           sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of a kernel that multiplies whole blocks, or the call redone by
+    :func:`dense_attention`'s pairwise products where ``out`` came out non-finite and an input could
+    have put NaN or inf into a masked-out pair (a ``0 x inf`` inside a partly masked block lets a
+    masked-out value into its row). The one rule of every block kernel (PyTorch's per block, Triton,
+    FlexAttention); differentiable where the caller's autograd is on. Reads values: not while
+    tracing (:func:`numerics.can_read`)."""
+    if (not numerics.can_read(out) or numerics.all_finite(out)
+            or not numerics.needs_pairwise(query, key, value, scale)):
+        return out, lse
+    return dense_attention(query, key, value, lo, hi, bias, scale, dropout, seed, exact=True, softcap=softcap,
+                           alibi=alibi, sinks=sinks)[:2]
 
 
 def dense_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None,

@@ -112,12 +112,9 @@ def _forward(inputs: IntervalInputs) -> tuple[Tensor, Tensor, str]:
         out, lse = _triton().forward(inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi,
                                      scale=inputs.scale, softcap=inputs.softcap, alibi_slopes=inputs.alibi_slopes,
                                      dropout=inputs.dropout, seed=inputs.seed)
-        if not all_finite(out) and needs_pairwise(inputs.query, inputs.key, inputs.value, inputs.scale):
-            # a non-finite value met a product (0 x inf inside a partly masked block): redo it
-            # pairwise, so that a masked-out one stays out, as blockwise.forward does
-            out, lse = blockwise.dense_attention(inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi, None,
-                                                 inputs.scale, inputs.dropout, inputs.seed, exact=True,
-                                                 softcap=inputs.softcap, alibi=inputs.alibi_slopes)[:2]
+        out, lse = blockwise.pairwise_if_not_finite(out, lse, inputs.query, inputs.key, inputs.value, inputs.lo,
+                                                    inputs.hi, None, inputs.scale, inputs.dropout, inputs.seed,
+                                                    softcap=inputs.softcap, alibi=inputs.alibi_slopes)
     else:
         out, lse = blockwise.forward(inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi, inputs.bias,
                                      inputs.scale, inputs.dropout, inputs.seed, softcap=inputs.softcap,

@@ -2,15 +2,16 @@
 
 Two halves, both returning names from one vocabulary: a **backend** (``"torch"``, ``"tiled"``, ...,
 the registry of :mod:`attnkit._backends`) and, for the tiled backend, the **kernel** its op runs
-(:data:`.interval_inputs.KERNELS`: ``"native"``, ``"blocks"``, ``"dense"``, ``"triton"``).
+(:data:`.interval_inputs.KERNELS`: ``"native"``, ``"blocks"``, ``"dense"``, ``"triton"``, ``"flex"``).
 
 :func:`choose` returns a :class:`Route` from what is known before any data is read (it is traced by
 ``torch.compile``), in order:
 
+0. **CUDA** has its own rule (:func:`_cuda_route`): SDPA where it applies as it is, the interval
+   engines (FlexAttention, attnkit's Triton kernel) for everything it has no kernel for.
 1. ``return_lse``: the tiled backend (it returns it).
-2. **Device first**: on a device type where attnkit's own kernels were not measured (anything but
-   the CPU today), PyTorch's fused kernels (``"torch"``): attnkit never routes a call to code whose
-   speed nobody measured there.
+2. **Device first**: on any other device type where attnkit's own kernels were not measured,
+   PyTorch's fused kernels (``"torch"``).
 3. ``return_weights``: ``"torch"``'s materialised path of fused ops (weights are ``Lq x Lk`` anyway).
 4. Plain causal (``causal=True`` or ``masks.causal()``, nothing else; over one query row the call
    holds neither): square, the tiled backend on attnkit's native kernel from 128 x 128 (with its
@@ -40,7 +41,6 @@ import torch
 
 from .. import _torch_private
 from .._call import AttentionCall
-from . import dropout as _dropout
 from . import native
 from .engines import GpuEngines, flex_supports, triton_supports
 from .interval_inputs import IntervalInputs
@@ -90,8 +90,7 @@ def choose(call: AttentionCall) -> Route:
         return _TILED
     if call.query.device.type not in MEASURED_DEVICES or call.return_weights:
         return _TORCH
-    plain_causal = call.mask is None and (call.structure.is_causal if call.structure is not None else call.causal)
-    if plain_causal and not call.modifies_scores and call.dropout == 0:
+    if _plain_causal(call) and not call.modifies_scores and call.dropout == 0:
         # masks.causal() and causal=True are one rule (over one query row, a decoding step, the call
         # holds neither: make_call drops them, and SDPA runs with no mask). Square: the native kernel
         # where it beat SDPA's causal path, else that path, GQA included, never the op's dense
@@ -116,6 +115,11 @@ def choose(call: AttentionCall) -> Route:
     return _TORCH
 
 
+def _plain_causal(call: AttentionCall) -> bool:
+    """``causal=True`` or ``masks.causal()`` and no other mask (one rule, however it was given)."""
+    return call.mask is None and (call.structure.is_causal if call.structure is not None else call.causal)
+
+
 def _cuda_route(call: AttentionCall) -> Route:
     """On CUDA: SDPA's kernels wherever they apply as they are (no mask, plain causal, a decoding
     step, a dense tensor mask, weights asked for); every structured mask, soft-capping, ALiBi, sinks
@@ -123,8 +127,7 @@ def _cuda_route(call: AttentionCall) -> Route:
     with a block mask built from the intervals, or attnkit's Triton kernel where Flex cannot run the
     call (dropout: Flex has none; head sizes Flex does not compile). Neither was timed on a GPU by
     the session that wrote this rule: docs/performance.md says what was measured where."""
-    plain_causal = call.mask is None and (call.structure.is_causal if call.structure is not None else call.causal)
-    interval_only = call.return_lse or call.modifies_scores or (call.structure is not None and not plain_causal)
+    interval_only = call.return_lse or call.modifies_scores or (call.structure is not None and not _plain_causal(call))
     if call.return_weights or call.mask is not None:
         return _TILED if call.return_lse else _TORCH  # weights are Lq x Lk; a dense mask already is
     if call.q_len == 1 and not call.return_lse and not call.modifies_scores and call.dropout == 0:

@@ -152,14 +152,9 @@ def _flex(call: AttentionCall, inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
         inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi, scale=inputs.scale, softcap=inputs.softcap,
         alibi_slopes=inputs.alibi_slopes, sinks=inputs.sinks, block_mask=block_mask,
         compiled=inputs.query.device.type != "cpu")
-    if numerics.can_read(out) and not numerics.all_finite(out) and numerics.needs_pairwise(
-            inputs.query, inputs.key, inputs.value, inputs.scale):
-        # a non-finite input met a product inside a partly masked block (0 x inf): redo it pairwise,
-        # differentiably, so that a masked-out value stays out (the rule of every other path)
-        out, lse, _ = blockwise.dense_attention(inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi, None,
-                                                inputs.scale, 0.0, None, exact=True, softcap=inputs.softcap,
-                                                alibi=inputs.alibi_slopes, sinks=inputs.sinks)
-    return out, lse
+    return blockwise.pairwise_if_not_finite(out, lse, inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi,
+                                            None, inputs.scale, 0.0, None, softcap=inputs.softcap,
+                                            alibi=inputs.alibi_slopes, sinks=inputs.sinks)
 
 
 def causal_only(call: AttentionCall) -> bool:
