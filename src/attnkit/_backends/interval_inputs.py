@@ -1,6 +1,6 @@
 """The interval op's inputs as one frozen record, flattened only at the op boundary.
 
-``torch.library`` custom ops take positional tensors and scalars; a record keeps the fourteen of
+``torch.library`` custom ops take positional tensors and scalars; a record keeps the fifteen of
 ``attnkit::interval_attention`` together everywhere else (the tiled backend, the op's autograd and
 vmap rules, the ring), the way FlexAttention's ``BlockMask.as_tuple()`` carries its own tensors
 through its operator. A field added here is added to the op's schema in one place: its
@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["IntervalInputs", "KERNELS"]
+__all__ = ["IntervalInputs", "KERNELS", "TENSOR_FIELDS"]
 
 #: The interval op's kernels, by name. Their index is what the forward op returns and its backward
 #: reads, so a call's backward runs the kernel its forward ran (:mod:`.interval_op`).
@@ -71,8 +71,9 @@ class IntervalInputs:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     def tensors(self) -> tuple[Tensor | None, ...]:
-        """The fields saved for the backward, in :meth:`names` order restricted to tensors."""
-        return tuple(getattr(self, name) for name in _SAVED)
+        """The :data:`TENSOR_FIELDS`, in that order."""
+        return tuple(getattr(self, name) for name in TENSOR_FIELDS)
 
 
-_SAVED = ("query", "key", "value", "lo", "hi", "bias", "alibi_slopes", "sinks", "seed")
+#: The fields that hold tensors (or None): what the op's autograd saves through save_for_backward.
+TENSOR_FIELDS = ("query", "key", "value", "lo", "hi", "bias", "alibi_slopes", "sinks", "seed")

@@ -42,7 +42,7 @@ from torch import Tensor
 from .. import _torch_private
 from . import blockwise, native, policy
 from . import dropout as _dropout
-from .interval_inputs import _SAVED, KERNELS, IntervalInputs
+from .interval_inputs import KERNELS, TENSOR_FIELDS, IntervalInputs
 from .numerics import all_finite, can_read, fold_sinks, needs_pairwise, work_dtype
 
 __all__ = ["interval_attention", "IntervalAttention", "IntervalInputs", "run", "forward_op", "backward_op", "gradients"]
@@ -207,7 +207,7 @@ def backward_op(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Ten
 # -- autograd ----------------------------------------------------------------------------------------
 
 _NAMES = IntervalInputs.names()
-_SCALARS = tuple(name for name in _NAMES if name not in _SAVED)
+_SCALARS = tuple(name for name in _NAMES if name not in TENSOR_FIELDS)
 _NO_GRADIENTS = IntervalInputs(*([None] * len(_NAMES)))
 
 
@@ -221,7 +221,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None, _grad_ran: Tensor | None = None):
     *tensors, out, lse, ran = ctx.saved_tensors
-    inputs = IntervalInputs(**dict(zip(_SAVED, tensors)), **ctx.scalars)
+    inputs = IntervalInputs(**dict(zip(TENSOR_FIELDS, tensors)), **ctx.scalars)
     wants = dict(zip(_NAMES, ctx.needs_input_grad))
     bias_grad = inputs.bias is not None and wants["bias"]
     if grad_out is None:
