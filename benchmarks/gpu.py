@@ -205,6 +205,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu.py needs a CUDA device")
     dtype = getattr(torch, args.dtype)
+    # Flex's contender compiles flex_attention itself, once per mask and mode: past dynamo's default
+    # of 8 versions it would run unfused (an L x L score matrix) and fail for memory
+    torch._dynamo.config.recompile_limit = 64
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, B=1, H={args.heads} "
           f"(kv {args.kv_heads}), D={args.head_dim}; medians of {args.repeats} interleaved rounds")
     print(f"# recompiles over 20 calls with varied windows / documents (L = 4096): "

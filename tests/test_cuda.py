@@ -382,6 +382,32 @@ def test_every_mask_on_the_gpu_engines_matches_the_float64_oracle(name, engine, 
     torch.testing.assert_close(lse.double().cpu()[finite], expected_lse[finite], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("engine", ["flex", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_head_dim_128_on_the_gpu_engines_matches_the_float64_oracle(engine, dtype):
+    """D = 128 in half precision: the tile sizes measured fastest on an H100 (benchmarks/triton_blocks.py),
+    output and gradients against float64 with the 2x rule, lengths no multiple of a block."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v, grad = (torch.randn(1, 4, 300, 128, dtype=torch.float64, generator=g) for _ in range(4))
+    k, v = k[:, :2], v[:, :2]
+    mask = masks.document([90, 210]) & masks.sliding_window(70)
+    allowed = mask.dense(300, 300, ndim=4)
+
+    def reference(dt):
+        leaves = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        out, _ = oracle_attention(*leaves, mask=allowed, dtype=dt)
+        return (out, *torch.autograd.grad(out, leaves, grad.to(dt)))
+
+    expected, same = reference(torch.float64), reference(dtype)
+    ours = [t.to(CUDA, dtype).requires_grad_() for t in (q, k, v)]
+    out = _engine_call(engine, *ours, mask=mask)
+    got = (out, *torch.autograd.grad(out, ours, grad.to(CUDA, dtype)))
+    for name, mine, want, baseline in zip(("out", "dq", "dk", "dv"), got, expected, same):
+        error = (mine.double().cpu() - want).abs().max().item()
+        budget = 2 * (baseline.double() - want).abs().max().item()
+        assert error <= budget + 10 * SLACK[dtype], f"{engine} {name}: error {error:.3g} > 2 x {budget / 2:.3g}"
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softcap_alibi_and_sinks_on_the_gpu_engines(engine, dtype):

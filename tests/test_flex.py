@@ -10,6 +10,7 @@ the GPU (``test_cuda_compiled``, skipped without one).
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -19,6 +20,7 @@ from torch import Tensor
 from torch.nn.attention import flex_attention as flex_api
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
+import attnkit
 from attnkit import masks
 from attnkit._backends import flex
 from attnkit._backends.tiled_plan import intervals
@@ -397,8 +399,8 @@ def test_compiled_calls_of_one_shape_compile_once(monkeypatch):
         return gm.forward
 
     torch._dynamo.reset()
-    compiled = torch.compile(flex_api.flex_attention, backend=counting_backend)
-    monkeypatch.setattr(flex, "_compiled_flex", lambda: compiled)
+    compiled = torch.compile(flex._flex_call, backend=counting_backend, fullgraph=True)
+    monkeypatch.setattr(flex, "_compiled_flex", lambda backend: compiled)
     q_len = k_len = 64
     q, k, v = _inputs(1, 4, 2, q_len, k_len)
     g = torch.Generator().manual_seed(5)
@@ -426,6 +428,46 @@ def test_compiled_calls_of_one_shape_compile_once(monkeypatch):
     flex.flex_interval_attention(q[:, :, :32], k, v, lo, hi, scale=0.25, compiled=True)
     assert len(graphs) == len(series) + 1
     torch._dynamo.reset()
+
+
+def test_an_exhausted_compile_cache_raises_instead_of_running_flex_unfused(monkeypatch):
+    """Past dynamo's limit on compiled versions, a compiled flex_attention silently runs unfused (an
+    Lq x Lk score matrix: 64 GiB at L = 32768, H = 16, measured on an H100 once a program had
+    compiled 8 versions of ``torch.compile(flex_attention)``). attnkit compiles a function of its
+    own with ``fullgraph=True``: the ninth version raises FlexUnavailable (here with the limit at
+    1: the second mask rule), and the engine's callers run the interval kernels instead."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(flex, "RECOMPILE_LIMIT", 1)
+    q, k, v = _inputs(1, 2, 2, 32, 32)
+    rules = (masks.sliding_window(5), masks.document([10, 22]) & masks.causal())
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for index, structure in enumerate(rules):
+            lo, hi = intervals(structure, False, 32, 32)
+            mask_mod = flex.mask_mod_for(structure, False, 32, 32, lo, hi)
+            run = functools.partial(flex.flex_interval_attention, q, k, v, lo, hi, scale=0.25, mask_mod=mask_mod,
+                                    compiled=True, backend="eager")
+            if index == 0:
+                torch.testing.assert_close(run()[0].double(), _reference(q, k, v, _dense(structure, False, 32, 32),
+                                                                         0.25, None, None)[0], atol=2e-5, rtol=0)
+            else:
+                with pytest.raises(flex.FlexUnavailable, match="RECOMPILE_LIMIT"):
+                    run()
+    torch._dynamo.reset()
+
+
+def test_the_tiled_backend_runs_the_interval_kernels_where_flex_is_unavailable(monkeypatch):
+    from attnkit._backends.tiled_plan import tuning
+
+    def unavailable(*args, **kwargs):
+        raise flex.FlexUnavailable("no more versions")
+
+    q, k, v = _inputs(1, 4, 2, 40, 40)
+    mask = masks.sliding_window(7)
+    expected = attnkit.attention(q, k, v, mask=mask, backend="reference")
+    monkeypatch.setattr(flex, "flex_interval_attention", unavailable)
+    with tuning(kernel="flex"), pytest.warns(RuntimeWarning, match="interval kernels instead"):
+        out = attnkit.attention(q, k, v, mask=mask, backend="tiled")
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: FlexAttention's compiled kernels")

@@ -11,6 +11,10 @@ the test suite runs on.
 - ``CustomOpDef._backend_fns`` and ``_disable_dynamo``'s ``__dynamo_disable`` cache: a custom op's
   implementation is wrapped so that its first call imports ``torch._dynamo`` (1.4-3 s) even in
   programs that never compile; :func:`eager_first_call` defers that until Dynamo is loaded.
+- ``torch._dynamo.config.recompile_limit`` (``cache_size_limit`` before 2.6) and
+  ``torch._dynamo.exc.FailOnRecompileLimitHit``: the compiled FlexAttention engine keeps more
+  versions than dynamo's default 8 and, past that, fails loudly instead of running FlexAttention
+  unfused (an ``Lq x Lk`` score matrix) (:func:`recompile_limit`, :func:`recompile_limit_hit`).
 - ``nn.MultiheadAttention._qkv_same_embed_dim``: whether a module packs its in-projections
   (``in_proj_weight``) or keeps three (``attnkit.nn.interop``).
 - ``torch._C._functorch.is_functorch_wrapped_tensor``, ``torch._subclasses``' fake and functional
@@ -78,6 +82,23 @@ def without_values(tensor: torch.Tensor) -> bool:
 def schema_of(op) -> str:
     """The registered schema of an op overload, e.g. ``torch.ops.attnkit_native.interval_forward.default``."""
     return str(op._schema)
+
+
+def recompile_limit(limit: int):
+    """A context in which dynamo keeps up to ``limit`` compiled versions of a function (more if the
+    process already allows more)."""
+    import torch._dynamo.config as config
+
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{name: max(limit, getattr(config, name))})
+
+
+def recompile_limit_hit() -> tuple[type[BaseException], ...]:
+    """What a ``fullgraph=True`` compiled function raises when it has used up its versions."""
+    import torch._dynamo.exc as exc
+
+    return tuple(getattr(exc, name) for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+                 if hasattr(exc, name))
 
 
 def assume_constant_result(fn):

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from .. import _torch_private
 from ..masks import StructuredMask
 from ..masks.structured import _Causal, _Document, _Intersection, _SlidingWindow
 from .numerics import fold_sinks, work_dtype
@@ -51,7 +52,7 @@ try:  # torch >= 2.9: auxiliary outputs by request; ``return_lse`` is deprecated
 except ImportError:  # pragma: no cover - older torch
     AuxRequest = None
 
-__all__ = ["block_mask_from_bounds", "interval_mask_mod", "mask_mod_for", "flex_interval_attention"]
+__all__ = ["block_mask_from_bounds", "interval_mask_mod", "mask_mod_for", "flex_interval_attention", "FlexUnavailable"]
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -226,18 +227,45 @@ def _score_mod(softcap: float | None, slopes: Tensor | None, offset: Tensor) -> 
     return score_mod
 
 
+#: Compiled versions of the engine kept per process (dynamo's default is 8 per function): one per
+#: mask rule x score modifier x dtype x GQA x training that a program uses.
+RECOMPILE_LIMIT = 64
+
+
+class FlexUnavailable(RuntimeError):
+    """The compiled engine cannot run this call without falling back to FlexAttention's unfused
+    implementation (an ``Lq x Lk`` score matrix): it has used up :data:`RECOMPILE_LIMIT` versions."""
+
+
+def _flex_call(query: Tensor, key: Tensor, value: Tensor, options: dict) -> tuple[Tensor, object]:
+    """What is compiled: a function of attnkit's own, so its compiled versions (and dynamo's limit on
+    them) are not shared with a program's own ``torch.compile(flex_attention)``."""
+    return flex_attention(query, key, value, **options)
+
+
 @functools.cache
-def _compiled_flex() -> Callable[..., object]:
-    """``torch.compile(flex_attention)``, made on first use and shared: each compiled kernel is
-    cached by the shapes (and the mods' code), so every call of one shape class reuses it."""
-    return torch.compile(flex_attention)
+def _compiled_flex(backend: str = "inductor") -> Callable[..., object]:
+    """:func:`_flex_call` compiled, made on first use and shared: each version is cached by the
+    shapes (and the mods' code), so every call of one shape class reuses it. ``fullgraph``: a
+    graph break or an exhausted cache raises rather than run FlexAttention unfused."""
+    return torch.compile(_flex_call, backend=backend, fullgraph=True)
+
+
+def _run_compiled(query: Tensor, key: Tensor, value: Tensor, options: dict, backend: str) -> tuple[Tensor, object]:
+    compiled = _compiled_flex(backend)
+    with _torch_private.recompile_limit(RECOMPILE_LIMIT):
+        try:
+            return compiled(query, key, value, options)
+        except _torch_private.recompile_limit_hit() as error:
+            raise FlexUnavailable(f"attnkit's compiled FlexAttention holds {RECOMPILE_LIMIT} versions "
+                                  f"(attnkit._backends.flex.RECOMPILE_LIMIT) and this call needs another") from error
 
 
 def flex_interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, *,
                             scale: float, softcap: float | None = None, alibi_slopes: Tensor | None = None,
                             sinks: Tensor | None = None, mask_mod: MaskMod | None = None,
-                            block_mask: BlockMask | None = None,
-                            compiled: bool = False) -> tuple[Tensor, Tensor]:
+                            block_mask: BlockMask | None = None, compiled: bool = False,
+                            backend: str = "inductor") -> tuple[Tensor, Tensor]:
     """Attention of ``query [N, H, Lq, D]`` over ``key [N, Hkv, Lk, D]``, ``value [N, Hkv, Lk, Dv]``
     (``H % Hkv == 0``) where row ``i`` of sequence ``n`` attends keys ``lo[s, r, i] <= j <
     hi[s, r, i]`` (``[S, R, Lq]``, ``s = n`` or 0 when S = 1). Scores ``scale * q.k``, soft-capped,
@@ -245,9 +273,10 @@ def flex_interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tenso
     every row's normaliser. Returns ``(out [N, H, Lq, Dv]`` in the input dtype, ``lse [N, H, Lq])``
     (natural log, float32 for half precision); a row with no key gives zeros and lse ``-inf`` (the
     sink, with sinks). ``block_mask``: a prebuilt :func:`block_mask_from_bounds` (else built here,
-    with ``mask_mod``, default :func:`interval_mask_mod`); ``compiled``: run the shared
-    ``torch.compile(flex_attention)`` instead of the eager one. Differentiable through
-    FlexAttention's autograd (q, k, v, sinks), where PyTorch runs its backward (not on the CPU)."""
+    with ``mask_mod``, default :func:`interval_mask_mod`); ``compiled``: run it compiled (with
+    ``backend``; while ``torch.compile`` traces, the caller's compile does it) instead of the eager
+    one. Differentiable through FlexAttention's autograd (q, k, v, sinks), where PyTorch runs its
+    backward (not on the CPU). Raises :class:`FlexUnavailable` where compiled Flex would run unfused."""
     batch, heads, q_len, _ = query.shape
     k_len = key.shape[-2]
     if lo.dim() != 3 or lo.shape != hi.shape or lo.shape[0] not in (1, batch) or lo.shape[-1] != q_len:
@@ -265,16 +294,19 @@ def flex_interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tenso
     if alibi_slopes is not None:  # [N, H] so that the mod reads slopes[b, h] in either form
         slopes = alibi_slopes.to(device=query.device, dtype=work).expand(batch, heads).contiguous()
     offset = device_scalar(k_len - q_len, torch.int32, query.device)
-    run = _compiled_flex() if compiled else flex_attention
     options = dict(score_mod=_score_mod(softcap, slopes, offset), block_mask=block_mask, scale=scale,
                    enable_gqa=key.shape[1] != heads)
     # The lse comes back in natural log: the kernels keep log2 statistics and flex_attention
     # converts them itself (checked against the reference by the tests, eager and on CUDA).
     if AuxRequest is not None:
-        out, aux = run(query, key, value, **options, return_aux=AuxRequest(lse=True))
-        lse = aux.lse
+        options["return_aux"] = AuxRequest(lse=True)
     else:  # pragma: no cover - torch < 2.9
-        out, lse = run(query, key, value, **options, return_lse=True)
+        options["return_lse"] = True
+    if compiled and not torch.compiler.is_compiling():
+        out, aux = _run_compiled(query, key, value, options, backend)
+    else:
+        out, aux = flex_attention(query, key, value, **options)
+    lse = aux.lse if AuxRequest is not None else aux
     # FlexAttention gives rows with no key zeros and lse -inf (2.13, eager; its kernels intend the
     # same): enforced here whatever a backend gives, which also stops any gradient into them.
     has_key = (lo < hi).any(1)[:, None]  # [S, 1, Lq]

@@ -21,6 +21,8 @@ soft-capping, ALiBi or sinks, the whole score matrix at once (the same numbers t
 
 from __future__ import annotations
 
+import functools
+import warnings
 import weakref
 
 import torch
@@ -148,13 +150,24 @@ def _flex(call: AttentionCall, inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
             block_mask = flex.block_mask_from_bounds(inputs.lo, inputs.hi, q_len, k_len, mask_mod=mask_mod)
             if cache is not None:
                 cache["block_mask"] = block_mask
-    out, lse = flex.flex_interval_attention(
-        inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi, scale=inputs.scale, softcap=inputs.softcap,
-        alibi_slopes=inputs.alibi_slopes, sinks=inputs.sinks, block_mask=block_mask,
-        compiled=inputs.query.device.type != "cpu")
+    try:
+        out, lse = flex.flex_interval_attention(
+            inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi, scale=inputs.scale,
+            softcap=inputs.softcap, alibi_slopes=inputs.alibi_slopes, sinks=inputs.sinks, block_mask=block_mask,
+            compiled=inputs.query.device.type != "cpu",
+            backend="inductor" if torch.compiler.is_compiling() else tiled_plan.settings().flex_backend)
+    except flex.FlexUnavailable as error:  # never FlexAttention unfused: the op's interval kernels instead
+        _warn_once(f"{error}: running attnkit's interval kernels instead")
+        fallback = "triton" if GpuEngines.find().triton and inputs.query.is_cuda else "blocks"
+        return interval_op.run(inputs.replace(kernel=fallback))
     return blockwise.pairwise_if_not_finite(out, lse, inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi,
                                             None, inputs.scale, 0.0, None, softcap=inputs.softcap,
                                             alibi=inputs.alibi_slopes, sinks=inputs.sinks)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def causal_only(call: AttentionCall) -> bool:

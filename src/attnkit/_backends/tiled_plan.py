@@ -56,6 +56,9 @@ class Settings:
     #: tests run the Triton kernel on CPU tensors through Triton's interpreter this way. ``""``: the
     #: policy's choice.
     kernel: str = ""
+    #: The ``torch.compile`` backend the FlexAttention engine is compiled with off the CPU; tests use
+    #: ``"eager"`` to trace it on CPU tensors without generating kernels.
+    flex_backend: str = "inductor"
 
 
 _settings: ContextVar[Settings] = ContextVar("attnkit_tiled_settings", default=Settings())
@@ -78,6 +81,10 @@ def tuning(**overrides: int | str) -> Iterator[Settings]:
         if name == "kernel":
             if value not in ("", *KERNELS):
                 raise ValueError(f"kernel must be one of {KERNELS} or '', got {value!r}")
+            continue
+        if name == "flex_backend":
+            if not isinstance(value, str) or not value:
+                raise TypeError(f"flex_backend must be the name of a torch.compile backend, got {value!r}")
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# What a session with a lent GPU runs, in one command (device time is short): the CUDA tests, then
+# the GPU benchmarks, each under its own time limit so that one stage overrunning still leaves the
+# others' results. Logs go to $OUT (the device tool's folder) or out/cuda-session.
+#
+#   bash benchmarks/cuda_session.sh tests bench blocks     # stages, in order
+#   STAGE_SECONDS_tests=240 bash benchmarks/cuda_session.sh tests
+#
+# Stages: tests (tests/test_cuda.py on 8 processes), bench (benchmarks/gpu.py at L = 32768),
+# blocks (benchmarks/triton_blocks.py), overhead (benchmarks/gpu_overhead.py), models (benchmarks/transformers.py, Mistral-style, bf16).
+# It uses the python3 found on the PATH with attnkit from src/ (no install: the GPU machine's own
+# torch, triton and transformers).
+set -u
+out=${OUT:-out/cuda-session}
+mkdir -p "$out"
+export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+python=${PYTHON:-python3}
+
+limit() {  # seconds for a stage: STAGE_SECONDS_<stage> or the default given
+    local name="STAGE_SECONDS_$1"
+    echo "${!name:-$2}"
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    "$python" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+    "$python" -c "import transformers; print('transformers', transformers.__version__)" 2>&1 | tail -1
+    nproc
+} >"$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+for stage in "$@"; do
+    began=$(date +%s)
+    case $stage in
+    tests)
+        timeout "$(limit tests 220)" "$python" -m pytest tests/test_cuda.py -q -n 8 -p no:cacheprovider \
+            --timeout 170 --tb=short -o addopts="-ra" >"$out/tests.log" 2>&1
+        ;;
+    bench)
+        timeout "$(limit bench 140)" "$python" benchmarks/gpu.py --lengths 32768 --repeats 5 >"$out/gpu.txt" 2>&1
+        ;;
+    blocks)
+        timeout "$(limit blocks 70)" "$python" benchmarks/triton_blocks.py --repeats 10 >"$out/blocks.txt" 2>&1
+        ;;
+    overhead)
+        timeout "$(limit overhead 50)" "$python" benchmarks/gpu_overhead.py >"$out/overhead.txt" 2>&1
+        ;;
+    models)
+        timeout "$(limit models 150)" "$python" benchmarks/transformers.py --device cuda --dtype bfloat16 \
+            --hidden 2048 --heads 16 --kv-heads 4 --intermediate 7168 --window 1024 --lengths 16384 \
+            --implementations attnkit flex_attention sdpa --repeats 5 >"$out/models.txt" 2>&1
+        ;;
+    *)
+        echo "unknown stage $stage" >&2
+        exit 2
+        ;;
+    esac
+    status=$?
+    echo "== $stage: exit $status after $(($(date +%s) - began)) s"
+done
+# the end of each log, for the device tool's output tail
+for log in "$out"/tests.log "$out"/gpu.txt "$out"/blocks.txt "$out"/overhead.txt "$out"/models.txt; do
+    [ -f "$log" ] && { echo "== $log"; tail -n 25 "$log"; }
+done
+exit 0
