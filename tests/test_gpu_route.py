@@ -26,8 +26,8 @@ from oracle import oracle_attention
 triton_missing = not GpuEngines.find().triton
 
 
-def _call(mask=None, length=256, head_dim=64, dtype=torch.bfloat16, **options):
-    q = torch.empty(1, 8, length, head_dim, dtype=dtype)
+def _call(mask=None, length=256, head_dim=64, dtype=torch.bfloat16, grad=True, **options):
+    q = torch.empty(1, 8, length, head_dim, dtype=dtype, requires_grad=grad)
     k = torch.empty(1, 2, length, head_dim, dtype=dtype)
     settings = dict(mask=mask, causal=False, scale=None, dropout=0.0, generator=None, return_weights=False)
     return make_call(q, k, k, **{**settings, **options})
@@ -35,9 +35,10 @@ def _call(mask=None, length=256, head_dim=64, dtype=torch.bfloat16, **options):
 
 @pytest.mark.parametrize("flex_here, triton_here", [(True, True), (False, True), (False, False)])
 def test_the_cuda_rule_sends_every_interval_call_to_an_interval_engine(monkeypatch, flex_here, triton_here):
-    """Structured masks, score modifiers and the lse go to Flex (dropout, and head sizes Flex does
-    not compile, to Triton); SDPA keeps what it runs as it is: no mask, plain causal, a decoding
-    step, a dense tensor mask, weights. Without the engines, SDPA (the lse: the tiled backend)."""
+    """Structured masks, score modifiers and the lse go to Flex where a gradient may follow (dropout,
+    and head sizes Flex does not compile, to Triton), to Triton in half precision where none will
+    (its forward kernel measured faster); SDPA keeps what it runs as it is: no mask, plain causal, a
+    decoding step, a dense tensor mask, weights. Without the engines, SDPA (the lse: the tiled backend)."""
     monkeypatch.setattr(policy, "_gpu_engines", lambda: GpuEngines(flex=flex_here, triton=triton_here))
     interval = "tiled:flex" if flex_here else "tiled:triton" if triton_here else "torch"
     after_flex = "tiled:triton" if triton_here else "torch"
@@ -55,6 +56,10 @@ def test_the_cuda_rule_sends_every_interval_call_to_an_interval_engine(monkeypat
     assert route(masks.sliding_window(64), return_weights=True) == "torch"
     assert route(masks.sliding_window(64).dense(256, 256)) == "torch"  # already L x L
     assert route(masks.sliding_window(64), length=1) == "torch"  # a decoding step
+    forward_only = "tiled:triton" if triton_here else interval
+    assert route(masks.sliding_window(64), grad=False) == route(None, softcap=30.0, grad=False) == forward_only
+    assert route(masks.sliding_window(64), grad=False, dtype=torch.float16) == forward_only
+    assert route(masks.sliding_window(64), grad=False, dtype=torch.float32) == interval  # IEEE fp32 on FMA units
 
 
 def test_the_cpu_rule_is_unchanged_by_the_cuda_one():

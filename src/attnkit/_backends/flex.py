@@ -265,7 +265,7 @@ def flex_interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tenso
                             scale: float, softcap: float | None = None, alibi_slopes: Tensor | None = None,
                             sinks: Tensor | None = None, mask_mod: MaskMod | None = None,
                             block_mask: BlockMask | None = None, compiled: bool = False,
-                            backend: str = "inductor") -> tuple[Tensor, Tensor]:
+                            backend: str = "inductor", every_row_attends: bool = False) -> tuple[Tensor, Tensor]:
     """Attention of ``query [N, H, Lq, D]`` over ``key [N, Hkv, Lk, D]``, ``value [N, Hkv, Lk, Dv]``
     (``H % Hkv == 0``) where row ``i`` of sequence ``n`` attends keys ``lo[s, r, i] <= j <
     hi[s, r, i]`` (``[S, R, Lq]``, ``s = n`` or 0 when S = 1). Scores ``scale * q.k``, soft-capped,
@@ -276,7 +276,8 @@ def flex_interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tenso
     with ``mask_mod``, default :func:`interval_mask_mod`); ``compiled``: run it compiled (with
     ``backend``; while ``torch.compile`` traces, the caller's compile does it) instead of the eager
     one. Differentiable through FlexAttention's autograd (q, k, v, sinks), where PyTorch runs its
-    backward (not on the CPU). Raises :class:`FlexUnavailable` where compiled Flex would run unfused."""
+    backward (not on the CPU). Raises :class:`FlexUnavailable` where compiled Flex would run unfused.
+    ``every_row_attends``: the caller knows no row is empty (two full-size copies fewer)."""
     batch, heads, q_len, _ = query.shape
     k_len = key.shape[-2]
     if lo.dim() != 3 or lo.shape != hi.shape or lo.shape[0] not in (1, batch) or lo.shape[-1] != q_len:
@@ -309,9 +310,11 @@ def flex_interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tenso
     lse = aux.lse if AuxRequest is not None else aux
     # FlexAttention gives rows with no key zeros and lse -inf (2.13, eager; its kernels intend the
     # same): enforced here whatever a backend gives, which also stops any gradient into them.
-    has_key = (lo < hi).any(1)[:, None]  # [S, 1, Lq]
-    lse = torch.where(has_key, lse.to(work), float("-inf"))
-    out = torch.where(has_key[..., None], out, 0.0)
+    lse = lse.to(work)
+    if not every_row_attends:
+        has_key = (lo < hi).any(1)[:, None]  # [S, 1, Lq]
+        lse = torch.where(has_key, lse, float("-inf"))
+        out = torch.where(has_key[..., None], out, 0.0)
     if sinks is not None:
         out, lse = fold_sinks(out.to(work), lse, sinks)
         out = out.to(query.dtype)

@@ -123,10 +123,14 @@ def _plain_causal(call: AttentionCall) -> bool:
 def _cuda_route(call: AttentionCall) -> Route:
     """On CUDA: SDPA's kernels wherever they apply as they are (no mask, plain causal, a decoding
     step, a dense tensor mask, weights asked for); every structured mask, soft-capping, ALiBi, sinks
-    and ``return_lse`` on a kernel that reads the rows' intervals (no ``Lq x Lk`` tensor): FlexAttention
-    with a block mask built from the intervals, or attnkit's Triton kernel where Flex cannot run the
-    call (dropout: Flex has none; head sizes Flex does not compile). Neither was timed on a GPU by
-    the session that wrote this rule: docs/performance.md says what was measured where."""
+    and ``return_lse`` on a kernel that reads the rows' intervals (no ``Lq x Lk`` tensor): attnkit's
+    Triton kernel for half-precision calls that need no gradient, FlexAttention with a block mask
+    built from the intervals for the rest, and the Triton kernel where Flex cannot run the call
+    (dropout: Flex has none; head sizes Flex does not compile). Measured on an H100 (bf16, L =
+    32768, D = 128; docs/performance.md): the Triton forward kernel took 0.91-1.01 ms for a 1024
+    window and 1.67 ms for 8 documents against Flex's 1.16-1.33 and 2.07-2.44, but its backward
+    is slower (a window's training step 12.3 ms against 6.7 through Flex). Float32 stays on Flex:
+    the Triton kernel's IEEE float32 products run on the FMA units."""
     interval_only = call.return_lse or call.modifies_scores or (call.structure is not None and not _plain_causal(call))
     if call.return_weights or call.mask is not None:
         return _TILED if call.return_lse else _TORCH  # weights are Lq x Lk; a dense mask already is
@@ -134,9 +138,12 @@ def _cuda_route(call: AttentionCall) -> Route:
         return _TORCH  # a decoding step: the mask's one row per sequence on SDPA
     if not interval_only and call.dropout == 0:
         return _TORCH  # no mask or plain causal: SDPA's own kernels
-    if call.dropout == 0 and _gpu_engines().flex and flex_supports(call.query, call.key, call.value):
+    engines = _gpu_engines()
+    forward_only = not call.needs_grad and call.query.dtype in (torch.float16, torch.bfloat16)
+    if call.dropout == 0 and engines.flex and flex_supports(call.query, call.key, call.value) \
+            and not (forward_only and engines.triton):
         return Route("tiled", "flex")
-    if _gpu_engines().triton and triton_supports(call.query):
+    if engines.triton and triton_supports(call.query):
         return Route("tiled", "triton")
     return _TILED if call.return_lse else _TORCH
 

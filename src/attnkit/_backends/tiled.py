@@ -141,20 +141,22 @@ def _flex(call: AttentionCall, inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
     if inputs.bias is not None:
         raise ValueError("FlexAttention takes no dense tensor mask here: pass a structured mask, or use 'auto'")
     q_len, k_len = inputs.query.shape[2], inputs.key.shape[2]
-    block_mask = None
+    block_mask, every_row_attends = None, False
     if q_len and k_len:
         cache = _built_for(call, inputs.query.device)
         block_mask = None if cache is None else cache.get("block_mask")
         if block_mask is None:
             mask_mod = flex.mask_mod_for(call.structure, call.causal, q_len, k_len, inputs.lo, inputs.hi)
             block_mask = flex.block_mask_from_bounds(inputs.lo, inputs.hi, q_len, k_len, mask_mod=mask_mod)
-            if cache is not None:
+            if cache is not None:  # once per mask: whether any row is empty (a host sync, then never)
                 cache["block_mask"] = block_mask
+                cache["every_row_attends"] = bool((inputs.lo < inputs.hi).any(1).all())
+        every_row_attends = cache is not None and cache["every_row_attends"]
     try:
         out, lse = flex.flex_interval_attention(
             inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi, scale=inputs.scale,
             softcap=inputs.softcap, alibi_slopes=inputs.alibi_slopes, sinks=inputs.sinks, block_mask=block_mask,
-            compiled=inputs.query.device.type != "cpu",
+            compiled=inputs.query.device.type != "cpu", every_row_attends=every_row_attends,
             backend="inductor" if torch.compiler.is_compiling() else tiled_plan.settings().flex_backend)
     except flex.FlexUnavailable as error:  # never FlexAttention unfused: the op's interval kernels instead
         _warn_once(f"{error}: running attnkit's interval kernels instead")
