@@ -33,12 +33,13 @@ def median_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int
     return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
-def square_matmul() -> tuple[float, Callable[[], object]]:
-    """Flops and a callable of a 2048^3 fp32 matrix product: PyTorch's own matmul rate on this
-    machine. Near the cores' FMA peak where the BLAS uses their widest vectors (MKL on Intel and on
-    AMD Zen 4: 85-100%), far below it where it does not (MKL on AMD Zen 5: 40%, and attention
-    kernels then beat it): :func:`fma_peak` says which."""
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+def square_matmul(dtype: torch.dtype = torch.float32) -> tuple[float, Callable[[], object]]:
+    """Flops and a callable of a 2048^3 matrix product in ``dtype``: PyTorch's own matmul rate on
+    this machine. In fp32, near the cores' FMA peak where the BLAS uses their widest vectors (MKL on
+    Intel and on AMD Zen 4: 85-100%), far below it where it does not (MKL on AMD Zen 5: 40%, and
+    attention kernels then beat it): :func:`fma_peak` says which. In bf16, what the CPU's
+    half-precision units give (AMX, AVX512-BF16) or a conversion path's rate where it has none."""
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
     return 2 * 2048**3, (lambda: a @ b)
 
 
@@ -56,12 +57,24 @@ def fma_peak(threads: int) -> tuple[float | None, str]:
                                capture_output=True, text=True)
         if built.returncode != 0:
             return None, f"fma_peak.c did not build: {(built.stderr.strip().splitlines() or ['?'])[-1]}"
-        ran = subprocess.run([str(program)], capture_output=True, text=True,
+        ran = subprocess.run([str(program), "1.0"], capture_output=True, text=True,
                              env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if ran.returncode != 0:
         return None, f"fma_peak exited with {ran.returncode}"
     gflops, _, lanes, _ = ran.stdout.split()
-    return float(gflops), f"benchmarks/fma_peak.c, {threads} threads, {lanes}-lane FMA"
+    return float(gflops), f"benchmarks/fma_peak.c, {threads} threads, {lanes}-lane FMA, best of 7 one-second runs"
+
+
+def reliable_peak(peak: float | None, how: str, matmul_rates: list[float]) -> tuple[float | None, str]:
+    """The FMA peak where no matmul of the same run exceeded it; else ``(None, why)``: a peak some
+    product beats is no peak, and shares of it would flatter every kernel."""
+    if peak is None:
+        return None, how
+    fastest = max(matmul_rates, default=0.0)
+    if fastest > peak:
+        return None, (f"could not be measured: fma_peak.c read {peak:.0f} GFLOP/s ({how}) and a matmul of the "
+                      f"same run reached {fastest:.0f}")
+    return peak, how
 
 
 def describe_machine(device: torch.device | str = "cpu") -> str:

@@ -1,6 +1,8 @@
 /* The cores' fused multiply-add peak in float32: independent FMA chains on the widest vectors the
- * build targets (-march=native), one loop per OpenMP thread, best of 5 timed runs. Prints GFLOP/s
- * (2 flops per lane and FMA). benchmarks/common.py builds and runs it: the rate no kernel's
+ * build targets (-march=native), one loop per OpenMP thread. Each timed run lasts about a second
+ * (its length calibrated by a first short run: 0.2 s runs read 220 GFLOP/s on a Xeon whose matmul
+ * then reached 250, the cores still ramping their clocks), best of 7 after a warm-up second.
+ * Prints GFLOP/s (2 flops per lane and FMA). benchmarks/common.py builds and runs it: the rate no kernel's
  * products can beat, next to which PyTorch's own matmul rate can be read (a BLAS may not use a
  * CPU's widest vectors: MKL on AMD Zen 5 ran at 40% of this). */
 #include <immintrin.h>
@@ -33,24 +35,39 @@ static double now(void) {
   return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-int main(void) {
-  const long steps = 50000000; /* per thread: ~0.2 s on a 4 GHz core */
-  double best = 0.0;
+static double run(long steps, float* sink_out) {
   float sink = 0.0f;
-  for (int run = 0; run < 5; ++run) {
-    const double start = now();
+  const double start = now();
 #pragma omp parallel reduction(+ : sink)
-    {
-      vec acc[CHAINS];
-      for (int i = 0; i < CHAINS; ++i) acc[i] = SPLAT(0.001f * i);
-      const vec x = SPLAT(0.999999f), y = SPLAT(1e-7f); /* converges to 0.1: no subnormals */
-      for (long s = 0; s < steps; ++s) {
+  {
+    vec acc[CHAINS];
+    for (int i = 0; i < CHAINS; ++i) acc[i] = SPLAT(0.001f * i);
+    const vec x = SPLAT(0.999999f), y = SPLAT(1e-7f); /* converges to 0.1: no subnormals */
+    for (long s = 0; s < steps; ++s) {
 #pragma GCC unroll 16
-        for (int i = 0; i < CHAINS; ++i) acc[i] = FMA(acc[i], x, y);
-      }
-      for (int i = 0; i < CHAINS; ++i) sink += lane0(acc[i]);
+      for (int i = 0; i < CHAINS; ++i) acc[i] = FMA(acc[i], x, y);
     }
-    const double seconds = now() - start;
+    for (int i = 0; i < CHAINS; ++i) sink += lane0(acc[i]);
+  }
+  *sink_out += sink;
+  return now() - start;
+}
+
+int main(int argc, char** argv) {
+  const double seconds_per_run = argc > 1 ? atof(argv[1]) : 1.0;
+  float sink = 0.0f;
+  long steps = 10000000;
+  double warm = 0.0;
+  while (warm < seconds_per_run) { /* warm-up and calibration: at least one run's length */
+    const double took = run(steps, &sink);
+    warm += took;
+    if (took < 0.25 * seconds_per_run) steps *= 2;
+  }
+  const double per_step = run(steps, &sink) / steps;
+  steps = (long)(seconds_per_run / per_step) + 1;
+  double best = 0.0;
+  for (int r = 0; r < 7; ++r) {
+    const double seconds = run(steps, &sink);
     const double gflops = (double)omp_get_max_threads() * steps * CHAINS * LANES * 2 / seconds / 1e9;
     if (gflops > best) best = gflops;
   }

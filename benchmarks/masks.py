@@ -4,9 +4,13 @@ One run, B=1, H=8, D=64, fp32, L=16384 by default, three masks: a causal sliding
 8 packed documents (bidirectional within each, uneven lengths), causal + padding (the last
 quarter of the keys is padding). For each contender it prints:
 
-- steady-state time: median of interleaved repeats in this process (benchmarks/common.py);
-  ours also with attnkit's native kernel turned off (the tiled forward on PyTorch's kernel),
-  where the native kernel is built (`make native`);
+- steady-state time: each contender in its own fresh process (so that no contender's
+  allocations, e.g. SDPA's L x L mask, land on the next: in one process a 12 s dense-mask step
+  made attnkit's steps after it read 1.4-1.9x slower), ``--rounds`` rounds alternating the order,
+  each process timing ``--repeats`` calls after a warm-up; the median over rounds and its spread
+  (min-max) are printed. ``--in-process`` times them interleaved in one process instead. Ours
+  also with attnkit's native kernel turned off (the tiled forward on PyTorch's kernel: what
+  ``auto`` would run without it), where the native kernel is built (`make native`);
 - first-call time, in a fresh subprocess: ours includes loading the native kernel and planning;
   FlexAttention includes
   create_block_mask and torch.compile, with an empty inductor cache (so nothing is reused);
@@ -17,22 +21,28 @@ quarter of the keys is padding). For each contender it prints:
   mask, which that path needs (the mask alone is L*L bytes); Flex reuses its compiled kernel and
   block mask (small);
 - useful GFLOP/s: 4 * D flops per attended (query, key) pair and head (two matrix products),
-  next to a square fp32 matmul timed in the same run and to the cores' FMA peak (fma_peak.c,
-  built here: whether the matmul is near the peak depends on the CPU and the BLAS).
+  next to a square matmul in the same dtype timed in the same run, SDPA's causal kernel's rate,
+  and the cores' FMA peak (fma_peak.c, built here; reported as not measurable where a matmul of
+  the run beats it).
 
-    python benchmarks/masks.py                 # the README table (several minutes)
+``--dtype bfloat16|float16`` runs the tables in half precision (inputs, outputs and the matmul).
+
+    python benchmarks/masks.py                 # the tables of docs/performance.md (several minutes)
     python benchmarks/masks.py --long          # L = 131072, window 512: ours only, memory check
     python benchmarks/masks.py --threshold     # tiled vs the fused dense path at short lengths
     python benchmarks/masks.py --train         # forward + backward, each mask
+    python benchmarks/masks.py --dtype bfloat16  # half precision, with SDPA's causal rate in bf16
     python benchmarks/masks.py --compile       # torch.compile(fullgraph=True) vs eager, each mask
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,7 +57,7 @@ import attnkit.kernel  # noqa: E402
 from attnkit import masks  # noqa: E402
 from attnkit._backends import auto_runs, native, tiled, tiled_plan  # noqa: E402
 from attnkit._call import make_call  # noqa: E402
-from common import describe_machine, fma_peak, median_times, square_matmul  # noqa: E402
+from common import describe_machine, fma_peak, median_times, reliable_peak, square_matmul  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
 MIB = 2**20
@@ -84,9 +94,14 @@ def mask_set(length: int, window: int = 512) -> dict[str, tuple[masks.Structured
     }
 
 
-def inputs(length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def inputs(length: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(1, HEADS, length, HEAD_DIM, generator=g) for _ in range(3))
+    return tuple(torch.randn(1, HEADS, length, HEAD_DIM, generator=g).to(dtype) for _ in range(3))
+
+
+def bench_dtype() -> torch.dtype:
+    """The run's dtype (``--dtype``), passed to child processes through ``BENCH_DTYPE``."""
+    return getattr(torch, os.environ.get("BENCH_DTYPE", "float32"))
 
 
 def attended_pairs(mask: masks.StructuredMask, length: int) -> int:
@@ -111,13 +126,13 @@ def child(contender: str, mask_name: str, length: int, window: int) -> None:
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
     train = contender.endswith("-train")
     contender = contender.removesuffix("-train")
-    query, key, value = (t.requires_grad_(train) for t in inputs(length))
+    query, key, value = (t.requires_grad_(train) for t in inputs(length, bench_dtype()))
     structured, mask_mod = mask_set(length, window)[mask_name]
     if train:
         forward = (lambda: attnkit.attention(query, key, value, mask=structured)) if contender == "ours" else (
             lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=structured.dense(length, length)))
 
-        grad_out = torch.randn(query.shape)
+        grad_out = torch.randn(query.shape).to(query.dtype)
 
         def call():
             output = forward()
@@ -158,7 +173,7 @@ def child(contender: str, mask_name: str, length: int, window: int) -> None:
 
 
 def measure_first_call(contender: str, mask_name: str, length: int, window: int) -> dict:
-    env = dict(os.environ, BENCH_THREADS=str(torch.get_num_threads()))
+    env = _child_env()
     with tempfile.TemporaryDirectory() as cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache  # a cold compile, as a user's first run
         result = subprocess.run(
@@ -168,6 +183,104 @@ def measure_first_call(contender: str, mask_name: str, length: int, window: int)
     if result.returncode != 0:
         return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1]}
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# -- steady times, each contender in its own process ---------------------------------------------------
+
+
+def contender_step(contender: str, mask_name: str, length: int, window: int) -> Callable[[], object]:
+    """The call one contender makes, built in this process: ``ours`` (``attention(backend="auto")``),
+    ``ours-fused`` (the same with the native kernel off), ``sdpa`` (the dense boolean mask, built
+    once), ``sdpa-causal`` (SDPA's causal kernel, no mask), ``flex`` (compiled, its block mask built
+    once), ``matmul``; ``...-train``: forward and backward from a fixed gradient; ``...-dropout``:
+    dropout 0.1 on the weights."""
+    train = contender.endswith("-train")
+    name = contender.removesuffix("-train")
+    dropout = 0.1 if name.endswith("-dropout") else 0.0
+    name = name.removesuffix("-dropout")
+    dtype = bench_dtype()
+    if name == "matmul":
+        return square_matmul(dtype)[1]
+    query, key, value = (t.requires_grad_(train) for t in inputs(length, dtype))
+    structured, mask_mod = mask_set(length, window)[mask_name]
+    if name == "ours":
+        forward = lambda: attnkit.attention(query, key, value, mask=structured, dropout=dropout)  # noqa: E731
+    elif name == "ours-fused":
+        forward = lambda: _without_native(query, key, value, structured, dropout)  # noqa: E731
+    elif name == "sdpa":
+        dense = structured.dense(length, length)
+        forward = lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=dense)  # noqa: E731
+    elif name == "sdpa-causal":
+        forward = lambda: F.scaled_dot_product_attention(query, key, value, is_causal=True)  # noqa: E731
+    elif name == "flex":
+        forward, error = flex_contender(mask_mod, query, key, value)
+        if forward is None:
+            raise RuntimeError(error)
+    else:
+        raise ValueError(f"unknown contender {contender!r}")
+    if not train:
+        return forward
+    grad_out = torch.randn(query.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+    def step():
+        forward().backward(grad_out)
+        query.grad = key.grad = value.grad = None
+    return step
+
+
+def steady_child(contender: str, mask_name: str, length: int, window: int, repeats: int) -> None:
+    """One warm-up call, then ``repeats`` timed ones; prints their times as JSON."""
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
+    step = contender_step(contender, mask_name, length, window)
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"times": times}))
+
+
+def _child_env() -> dict[str, str]:
+    return dict(os.environ, BENCH_THREADS=str(torch.get_num_threads()), BENCH_DTYPE=str(bench_dtype()).split(".")[-1])
+
+
+def steady_times(contenders: list[str], mask_name: str, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Per contender, the median time of each round (a fresh process each), rounds alternating the
+    order; a contender that fails is left out and its error printed. ``--in-process``: one process,
+    interleaved (benchmarks/common.median_times), one sample each."""
+    if args.in_process:
+        steps = {c: contender_step(c, mask_name, args.length, args.window) for c in contenders}
+        return {c: [t] for c, t in median_times(steps, repeats=args.repeats).items()}
+    samples: dict[str, list[float]] = {c: [] for c in contenders}
+    failed: set[str] = set()
+    for round_ in range(args.rounds):
+        for contender in (contenders if round_ % 2 == 0 else contenders[::-1]):
+            if contender in failed:
+                continue
+            result = subprocess.run(
+                [sys.executable, __file__, "--steady", contender, mask_name, str(args.length), str(args.window),
+                 str(args.repeats)], capture_output=True, text=True, env=_child_env(), check=False)
+            if result.returncode != 0:
+                failed.add(contender)
+                print(f"    {contender} ({mask_name}) failed: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
+                continue
+            samples[contender].append(statistics.median(json.loads(result.stdout.strip().splitlines()[-1])["times"]))
+    return {c: ts for c, ts in samples.items() if ts}
+
+
+def median_of(samples: dict[str, list[float]]) -> dict[str, float]:
+    return {c: statistics.median(ts) for c, ts in samples.items()}
+
+
+def _fmt_spread(samples: list[float] | None) -> str:
+    """``median (min-max)`` in ms over the rounds, or the median alone with one sample."""
+    if not samples:
+        return "n/a"
+    median = statistics.median(samples)
+    if len(samples) == 1:
+        return _fmt_ms(median)
+    return f"{_fmt_ms(median)} ({_fmt_ms(min(samples))}-{_fmt_ms(max(samples))})"
 
 
 # -- the table ---------------------------------------------------------------------------------------
@@ -192,40 +305,43 @@ def flex_contender(mask_mod, query, key, value) -> tuple[object, str | None]:
 
 def main_table(args: argparse.Namespace) -> None:
     length, window = args.length, args.window
-    query, key, value = inputs(length)
-    flops, matmul = square_matmul()
-    print(f"# Structured masks, B=1, H={HEADS}, D={HEAD_DIM}, fp32, L={length}  ({describe_machine()})")
-    print(f"# steady: median of {args.repeats} interleaved runs; first call and extra peak memory: fresh process each")
+    dtype = bench_dtype()
+    flops = 2 * 2048**3
+    dtype_name = str(dtype).split(".")[-1]
+    print(f"# Structured masks, B=1, H={HEADS}, D={HEAD_DIM}, {dtype_name}, L={length}  ({describe_machine()})")
+    how = ("one process, interleaved" if args.in_process else
+           f"each contender in a fresh process, {args.rounds} rounds alternating")
+    print(f"# steady: median (min-max over rounds) of {args.repeats} calls, {how}; first call and extra peak "
+          "memory: fresh process each")
     kernel = "attnkit's native kernel" if native.available() else f"PyTorch's fused kernel ({native.why_unavailable()})"
     print(f"# tiled forward runs {kernel}\n")
+    first_mask = next(iter(mask_set(length, window)))
+    reference = steady_times(["sdpa-causal", "matmul"], first_mask, args)
+    causal_rate = 4 * HEAD_DIM * HEADS * (length * (length + 1) // 2) / statistics.median(reference["sdpa-causal"]) / 1e9 \
+        if "sdpa-causal" in reference else None
     rows = []
     for name, (structured, mask_mod) in mask_set(length, window).items():
-        dense = structured.dense(length, length)
-        contenders = {
-            "ours": lambda: attnkit.attention(query, key, value, mask=structured),
-            "sdpa": lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=dense),
-            "matmul": matmul,
-        }
-        if native.available():  # the same call with the tiled forward on PyTorch's fused kernel
-            contenders["ours-fused"] = lambda: _without_native(query, key, value, structured)
+        query, key, value = inputs(length, dtype)
+        ours_out = attnkit.attention(query, key, value, mask=structured)  # how closely they agree
+        errors = {"sdpa": (ours_out - F.scaled_dot_product_attention(
+            query, key, value, attn_mask=structured.dense(length, length))).abs().max().item()}
         flex, flex_error = (None, "skipped (--no-flex)") if args.no_flex else flex_contender(
             mask_mod, query, key, value)
         if flex is not None:
-            contenders["flex"] = flex
-        ours_out = contenders["ours"]()  # the three compute the same thing: say how closely
-        errors = {"sdpa": (ours_out - contenders["sdpa"]()).abs().max().item()}
-        if flex is not None:
-            errors["flex"] = (ours_out - contenders["flex"]()).abs().max().item()
-        del ours_out
-        times = median_times(contenders, repeats=args.repeats)
-        contenders = dense = None  # free the L x L mask before the fresh-process measurements
+            errors["flex"] = (ours_out - flex()).abs().max().item()
+        del ours_out, flex, query, key, value
+        contenders = ["ours", "sdpa", "matmul"] + (["ours-fused"] if native.available() else []) + (
+            ["flex"] if "flex" in errors else [])
+        samples = steady_times(contenders, name, args)
+        times = median_of(samples)
         first = {c: measure_first_call(c, name, length, window) for c in ("ours", "sdpa", "flex")
-                 if c != "flex" or flex is not None}
+                 if c != "flex" or "flex" in errors}
         pairs = attended_pairs(structured, length)
         useful = 4 * HEAD_DIM * pairs * HEADS / times["ours"] / 1e9
         peak = flops / times["matmul"] / 1e9
-        rows.append((name, pairs / length**2, times, first, useful, peak, errors, flex_error))
-    _print_tables(rows)
+        rows.append(dict(name=name, share=pairs / length**2, times=times, samples=samples, first=first,
+                         useful=useful, peak=peak, errors=errors, flex_error=flex_error))
+    _print_tables(rows, causal_rate, dtype_name)
 
 
 def _without_native(query, key, value, structured, dropout=0.0):
@@ -241,37 +357,47 @@ def _fmt_mib(result: dict) -> str:
     return result.get("error", "n/a") if "extra_bytes" not in result else f"{result['extra_bytes'] / MIB:,.0f}"
 
 
-def _print_tables(rows: list) -> None:
-    print("| mask | attended | ours (ms) | ours, PyTorch kernel (ms) | SDPA dense mask (ms) | SDPA / ours "
+def _print_tables(rows: list[dict], causal_rate: float | None, dtype_name: str) -> None:
+    print("| mask | attended | ours = auto (ms) | ours, native kernel off (ms) | SDPA dense mask (ms) | SDPA / ours "
           "| Flex compiled (ms) | ours / Flex | ours first call (ms) | first / steady | Flex first call (s) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, share, t, first, useful, peak, errors, flex_error in rows:
+    for row in rows:
+        t, samples, first = row["times"], row["samples"], row["first"]
         flex, ours = t.get("flex"), t["ours"]
         ours_first = first["ours"].get("seconds")
         flex_first = first.get("flex", {}).get("seconds")
         versus_flex = "n/a" if flex is None else f"{ours / flex:.2f}"
         first_ratio = "n/a" if ours_first is None else f"{ours_first / ours:.2f}"
         flex_first_s = "n/a" if flex_first is None else f"{flex_first:.1f}"
-        print(f"| {name} | {share:.1%} | {_fmt_ms(ours)} | {_fmt_ms(t.get('ours-fused'))} | {_fmt_ms(t['sdpa'])} "
-              f"| {t['sdpa'] / ours:.1f}x "
-              f"| {_fmt_ms(flex)} | {versus_flex} | {_fmt_ms(ours_first)} | {first_ratio} | {flex_first_s} |")
+        sdpa_ratio = f"{t['sdpa'] / ours:.1f}x" if "sdpa" in t else "n/a"
+        print(f"| {row['name']} | {row['share']:.1%} | {_fmt_spread(samples.get('ours'))} "
+              f"| {_fmt_spread(samples.get('ours-fused'))} | {_fmt_spread(samples.get('sdpa'))} | {sdpa_ratio} "
+              f"| {_fmt_spread(samples.get('flex'))} | {versus_flex} | {_fmt_ms(ours_first)} | {first_ratio} "
+              f"| {flex_first_s} |")
+    fma, how = reliable_peak(*machine_peak(), [row["peak"] for row in rows]) if dtype_name == "float32" else (None, "")
     print("\n| mask | extra peak memory: ours (MiB) | SDPA dense mask (MiB) | Flex (MiB) | ours / SDPA "
-          "| ours useful GFLOP/s | matmul GFLOP/s | ours / matmul | ours / FMA peak | max abs diff vs SDPA, Flex |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    fma, _ = machine_peak()
-    for name, share, t, first, useful, peak, errors, flex_error in rows:
+          "| ours useful GFLOP/s | ours / SDPA causal rate | matmul GFLOP/s | ours / matmul | ours / FMA peak "
+          "| max abs diff vs SDPA, Flex |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for row in rows:
+        first = row["first"]
         ours_mem, sdpa_mem = first["ours"].get("extra_bytes"), first["sdpa"].get("extra_bytes")
         ratio = "n/a" if not (ours_mem and sdpa_mem) else f"{ours_mem / sdpa_mem:.1%}"
-        diffs = ", ".join(f"{errors[c]:.1e}" for c in ("sdpa", "flex") if c in errors)
-        print(f"| {name} | {_fmt_mib(first['ours'])} | {_fmt_mib(first['sdpa'])} | "
+        diffs = ", ".join(f"{row['errors'][c]:.1e}" for c in ("sdpa", "flex") if c in row["errors"])
+        versus_causal = "n/a" if causal_rate is None else f"{row['useful'] / causal_rate:.0%}"
+        print(f"| {row['name']} | {_fmt_mib(first['ours'])} | {_fmt_mib(first['sdpa'])} | "
               f"{_fmt_mib(first.get('flex', {})) if 'flex' in first else 'n/a'} | {ratio} "
-              f"| {useful:.0f} | {peak:.0f} | {useful / peak:.0%} | {share_of_peak(useful, fma)} | {diffs} |")
-    print(peak_note([row[5] for row in rows]))
+              f"| {row['useful']:.0f} | {versus_causal} | {row['peak']:.0f} | {row['useful'] / row['peak']:.0%} "
+              f"| {share_of_peak(row['useful'], fma)} | {diffs} |")
+    if causal_rate is not None:
+        print(f"\nSDPA's causal kernel, same length and dtype ({dtype_name}): {causal_rate:.0f} useful GFLOP/s.")
+    print(peak_note([row["peak"] for row in rows], dtype_name))
     for row in rows:
-        if row[-1]:
-            print(f"\nFlexAttention ({row[0]}): {row[-1]}")
+        if row["flex_error"]:
+            print(f"\nFlexAttention ({row['name']}): {row['flex_error']}")
     print("\nGoals (issue 4): SDPA / ours >= 10x with ours / SDPA memory <= 5%; ours / Flex <= 1.0; "
-          "first / steady <= 1.5; ours / matmul >= 60% at L >= 8192. (Issue 11): ours / matmul >= 85%.")
+          "first / steady <= 1.5; ours / matmul >= 60% at L >= 8192. (Issue 11): ours / matmul >= 85%. "
+          "(Issue 26, bf16 with AMX): ours / SDPA causal rate >= 100%.")
 
 
 @functools.cache
@@ -285,9 +411,11 @@ def share_of_peak(gflops: float, fma: float | None) -> str:
     return "n/a" if fma is None else f"{gflops / fma:.0%}"
 
 
-def peak_note(matmul_rates: list[float]) -> str:
-    """One line: the FMA peak, and the share of it the run's matmul reached."""
-    fma, how = machine_peak()
+def peak_note(matmul_rates: list[float], dtype_name: str = "float32") -> str:
+    """One line: the FMA peak, and the share of it the run's matmul reached (or why there is none)."""
+    if dtype_name != "float32":
+        return f"\nFMA peak: float32's, not a bound for {dtype_name} (half-precision units, or conversions)."
+    fma, how = reliable_peak(*machine_peak(), matmul_rates)
     if fma is None:
         return f"\nFMA peak: not measured ({how})."
     shares = ", ".join(f"{rate / fma:.0%}" for rate in matmul_rates)
@@ -315,60 +443,47 @@ def long_run(args: argparse.Namespace) -> None:
 
 def training(args: argparse.Namespace) -> None:
     """Forward + backward (from a fixed gradient of the output, as FlashAttention's benchmarks time
-    it: no loss computed around the attention) for each mask: steady time of ours, ours
-    on PyTorch's kernel and dense-mask SDPA (interleaved, in this process), useful GFLOP/s against
-    a matmul; then first call and extra peak memory of ours and SDPA with the window, fresh
-    process each."""
+    it: no loss computed around the attention) for each mask: steady time of ours (what ``auto``
+    runs), ours with the native kernel off (its alternative: PyTorch's kernels) and dense-mask
+    SDPA, each in its own process (``steady_times``), useful GFLOP/s against a matmul; then first
+    call and extra peak memory of ours and SDPA with the window, fresh process each."""
     length, window = args.length, args.window
-    print(f"# forward + backward, B=1, H={HEADS}, D={HEAD_DIM}, fp32, L={length} ({describe_machine()})")
-    print(f"# output.backward(fixed gradient) after each forward; steady: median of {args.repeats} interleaved runs; "
-          "FlexAttention has no CPU backward in this torch\n")
-    query, key, value = (t.requires_grad_() for t in inputs(length))
-    grad_out = torch.randn(query.shape, generator=torch.Generator().manual_seed(1))
-    flops, matmul = square_matmul()
-
-    def step(forward):
-        def run():
-            forward().backward(grad_out)
-            query.grad = key.grad = value.grad = None
-        return run
-
-    print("| mask | ours (ms) | ours, PyTorch kernel (ms) | SDPA dense mask (ms) | SDPA / ours | ours useful GFLOP/s "
-          "| matmul GFLOP/s | ours / matmul | ours / FMA peak |")
+    dtype_name = str(bench_dtype()).split(".")[-1]
+    how = "one process, interleaved" if args.in_process else f"each in a fresh process, {args.rounds} rounds alternating"
+    print(f"# forward + backward, B=1, H={HEADS}, D={HEAD_DIM}, {dtype_name}, L={length} ({describe_machine()})")
+    print(f"# output.backward(fixed gradient) after each forward; steady: median (min-max over rounds) of "
+          f"{args.repeats} calls, {how}; FlexAttention has no CPU backward in this torch\n")
+    flops = 2 * 2048**3
+    print("| mask | ours = auto (ms) | ours, native kernel off (ms) | SDPA dense mask (ms) | SDPA / ours "
+          "| ours useful GFLOP/s | matmul GFLOP/s | ours / matmul | ours / FMA peak |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    fma, _ = machine_peak()
-    matmul_rates = []
+    matmul_rates, lines = [], []
     for name, (structured, _) in mask_set(length, window).items():
-        dense = structured.dense(length, length)
-        contenders = {
-            "ours": step(lambda: attnkit.attention(query, key, value, mask=structured)),
-            "sdpa": step(lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=dense)),
-            "matmul": matmul,
-        }
-        if native.available():
-            contenders["ours-fused"] = step(lambda: _without_native(query, key, value, structured))
-        times = median_times(contenders, repeats=args.repeats)
-        dense = contenders = None
+        contenders = ["ours-train", "sdpa-train", "matmul"] + (["ours-fused-train"] if native.available() else [])
+        samples = steady_times(contenders, name, args)
+        times = median_of(samples)
         # FlashAttention's count: the backward does 2.5x the forward's two products (it recomputes the scores)
-        useful = 3.5 * 4 * HEAD_DIM * attended_pairs(structured, length) * HEADS / times["ours"] / 1e9
+        useful = 3.5 * 4 * HEAD_DIM * attended_pairs(structured, length) * HEADS / times["ours-train"] / 1e9
         peak = flops / times["matmul"] / 1e9
         matmul_rates.append(peak)
-        print(f"| {name} | {_fmt_ms(times['ours'])} | {_fmt_ms(times.get('ours-fused'))} | {_fmt_ms(times['sdpa'])} "
-              f"| {times['sdpa'] / times['ours']:.1f}x | {useful:.0f} | {peak:.0f} | {useful / peak:.0%} "
-              f"| {share_of_peak(useful, fma)} |", flush=True)
+        sdpa_ratio = f"{times['sdpa-train'] / times['ours-train']:.1f}x" if "sdpa-train" in times else "n/a"
+        lines.append((name, samples, sdpa_ratio, useful, peak))
+    fma, _ = reliable_peak(*machine_peak(), matmul_rates) if dtype_name == "float32" else (None, "")
+    for name, samples, sdpa_ratio, useful, peak in lines:
+        print(f"| {name} | {_fmt_spread(samples.get('ours-train'))} | {_fmt_spread(samples.get('ours-fused-train'))} "
+              f"| {_fmt_spread(samples.get('sdpa-train'))} | {sdpa_ratio} | {useful:.0f} | {peak:.0f} "
+              f"| {useful / peak:.0%} | {share_of_peak(useful, fma)} |", flush=True)
 
     # Dropout on the weights (SDPA would run its math path: 8 x L^2 weights, 8 GiB at 16384)
-    structured, _ = mask_set(length, window)[f"sliding window {window}"]
-    contenders = {"ours": step(lambda: attnkit.attention(query, key, value, mask=structured, dropout=0.1))}
-    if native.available():
-        contenders["ours-fused"] = step(lambda: _without_native(query, key, value, structured, dropout=0.1))
-    times = median_times(contenders, repeats=args.repeats)
-    print(f"| sliding window {window}, dropout 0.1 | {_fmt_ms(times['ours'])} | {_fmt_ms(times.get('ours-fused'))} "
-          "| n/a | | | | | |", flush=True)
-    print(peak_note(matmul_rates))
-    print("Goal (issue 11): ours / matmul >= 75%.")
-
     name = f"sliding window {window}"
+    contenders = ["ours-dropout-train"] + (["ours-fused-dropout-train"] if native.available() else [])
+    samples = steady_times(contenders, name, args)
+    print(f"| {name}, dropout 0.1 | {_fmt_spread(samples.get('ours-dropout-train'))} "
+          f"| {_fmt_spread(samples.get('ours-fused-dropout-train'))} | n/a | | | | | |", flush=True)
+    print(peak_note(matmul_rates, dtype_name))
+    print("Goal (issue 11): ours / matmul >= 75%. (Issue 26): float32 training >= 70% of the FMA peak and never "
+          "slower than the native kernel off.")
+
     print(f"\n{name}, fresh process each:\n")
     print("| contender | first call (s) | extra peak memory of the next call (MiB) |")
     print("|---|---:|---:|")
@@ -475,9 +590,20 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.0, help="with --threshold: dropout on the weights")
     parser.add_argument("--dense-side", action="store_true",
                         help="with --threshold: also masks that keep most pairs (prefix-LM, padding, ...)")
+    parser.add_argument("--rounds", type=int, default=3, help="steady times: rounds of fresh processes")
+    parser.add_argument("--in-process", action="store_true",
+                        help="steady times interleaved in this process instead of a fresh process each")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="the inputs' dtype (default float32)")
     parser.add_argument("--child", nargs=4, metavar=("CONTENDER", "MASK", "LENGTH", "WINDOW"), help=argparse.SUPPRESS)
+    parser.add_argument("--steady", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
+    if args.dtype:
+        os.environ["BENCH_DTYPE"] = args.dtype  # children read it too
+    if args.steady:
+        contender, mask_name, length, window, repeats = args.steady
+        steady_child(contender, mask_name, int(length), int(window), int(repeats))
+    elif args.child:
         contender, mask_name, length, window = args.child
         child(contender, mask_name, int(length), int(window))
     elif args.long:

@@ -22,7 +22,22 @@ USAGE_ERROR = 2
 
 
 class UsageError(Exception):
-    """A mistake in the command line itself, found after parsing (e.g. options that do not go together)."""
+    """A mistake in the command line itself, found after parsing (e.g. options that do not go together).
+
+    A command raises it with the message to show; :func:`attnkit.cli.main` prints that as one
+    line, ``attnkit <command>: error: <message>``, on stderr and returns exit status 2.
+
+    Example:
+
+        >>> import contextlib, sys
+        >>> from attnkit.cli import UsageError, main
+        >>> str(UsageError("--scale applies to the toy model only"))
+        '--scale applies to the toy model only'
+        >>> with contextlib.redirect_stderr(sys.stdout):      # show the error line here
+        ...     main(["explain", "--model", "minilm", "--scale", "2"])
+        attnkit explain: error: --scale applies to the toy model only (a real model uses the scale it was trained with)
+        2
+    """
 
 
 class _Parser(argparse.ArgumentParser):
@@ -185,6 +200,31 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``attnkit`` argument parser, with its subcommands ``explain``, ``show``, ``train``,
+    ``generate`` and ``build-kernel``.
+
+    Each parsed namespace has ``command`` (the subcommand's name) and ``run`` (the function that
+    carries it out, given the namespace). A parse error exits with status 2 and one line on
+    stderr (``SystemExit``), as :func:`attnkit.cli.main` does for errors found later.
+
+    Returns:
+        A new ``argparse.ArgumentParser`` (``prog="attnkit"``).
+
+    Example:
+
+        >>> from attnkit.cli import build_parser
+        >>> args = build_parser().parse_args(["show", "--model", "toy", "--no-images"])
+        >>> args.command, args.model, args.out, args.no_images, args.layer
+        ('show', 'toy', 'attnkit-report', True, None)
+        >>> import contextlib, sys
+        >>> with contextlib.redirect_stderr(sys.stdout):      # show the error line here
+        ...     try:
+        ...         build_parser().parse_args(["explain", "--head", "-1"])
+        ...     except SystemExit as exit:
+        ...         print("exit status", exit.code)
+        attnkit explain: error: argument --head: expected an integer >= 0, got '-1' (see attnkit explain --help)
+        exit status 2
+    """
     parser = _Parser(prog="attnkit", description="Attention mechanisms, exact and easy to look inside.")
     parser.add_argument("--version", action="version", version=f"attnkit {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -257,7 +297,42 @@ def _one_line(error: BaseException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0, or 2 for a user error)."""
+    """Run the command line; returns the exit status (0, or 2 for a user error).
+
+    Args:
+        argv: the arguments after ``attnkit``, e.g. ``["explain", "--causal"]``; default
+            ``sys.argv[1:]``.
+
+    Returns:
+        0 on success; 2 for a user's mistake (:class:`attnkit.cli.UsageError`, a ``ValueError``,
+        ``OSError`` or ``ImportError``: one line on stderr, no traceback); 130 when interrupted.
+        What the command prints goes to stdout.
+
+    Raises:
+        SystemExit: for ``--help``, ``--version`` and arguments argparse rejects (status 2).
+
+    Example:
+
+        >>> from attnkit.cli import main
+        >>> main(["explain", "--causal"])                     # the toy walkthrough, printed
+        Self-attention, step by step, on seed 002's sentence "Your journey starts with one step"
+        (causal: each token may attend only to itself and the tokens before it)
+        <BLANKLINE>
+        Step 1: inputs [6, 3]
+        ...
+        Reading the weights:
+          'Your' attends most to 'Your' (1.0000)
+          'journey' attends most to 'journey' (0.6320)
+        ...
+        0
+        >>> main(["show", "--model", "toy", "--no-images", "--out", "report"])
+        'Your journey starts with one step' (6 tokens): most-attended word of each head
+          layer 0: journey(0.22)
+        <BLANKLINE>
+        wrote:
+          report/attention.html
+        0
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

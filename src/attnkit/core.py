@@ -64,7 +64,7 @@ def attention(
             global RNG).
         return_weights: also return the weights ``[..., Lq, Lk]`` (per query head) that were
             applied to ``value``, after masking and dropout, so ``output == weights @ value``.
-        backend: ``"auto"`` (see :mod:`attnkit._backends.policy`: on the CPU, ``"tiled"`` for a
+        backend: ``"auto"`` (attnkit's policy, ``attnkit._backends.policy``: on the CPU, ``"tiled"`` for a
             structured mask long enough to profit, for ``return_lse``, or for dropout where
             attnkit's native CPU kernel runs; else, and on every other device, ``"torch"``; the
             same choice compiled and eager), ``"reference"`` (the readable formula),
@@ -98,7 +98,44 @@ def attention(
         attended NaN or +inf score makes its row NaN), as in the reference backend.
 
     Raises:
-        TypeError / ValueError naming the offending argument, its shape and the one expected.
+        TypeError or ValueError: a malformed argument, named with its shape and the one expected
+            (a key whose ``Dk`` differs from the query's, a head count that does not divide the
+            query's, a mask that does not broadcast, ...).
+        ValueError: an unknown ``backend``, or one that cannot do what the call asks (``return_weights``
+            or ``return_lse`` where it has none, inputs on a device it does not run on).
+
+    Example:
+
+        >>> import torch
+        >>> import attnkit
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k, v = (torch.randn(2, 4, 8, 16, generator=g) for _ in range(3))  # [B, H, L, D]
+        >>> attnkit.attention(q, k, v, causal=True).shape
+        torch.Size([2, 4, 8, 16])
+        >>> out, weights = attnkit.attention(q, k, v, mask=attnkit.masks.sliding_window(3),
+        ...                                  return_weights=True)
+        >>> torch.allclose(out, weights @ v, atol=1e-6)
+        True
+        >>> (weights[0, 0] > 0).sum(-1)  # keys each query attends: itself and up to 2 before
+        tensor([1, 2, 3, 3, 3, 3, 3, 3])
+
+        Grouped-query attention (4 query heads read 2 key/value heads), and a shape error:
+
+        >>> attnkit.attention(q, k[:, :2], v[:, :2]).shape
+        torch.Size([2, 4, 8, 16])
+        >>> attnkit.attention(q, k[..., :8], v)
+        Traceback (most recent call last):
+            ...
+        ValueError: key's last dim (Dk) must equal query's: expected key [..., Lk, 16],
+        got key (2, 4, 8, 8) with query (2, 4, 8, 16)
+
+        Bottom-right causal with fewer queries than keys, as when decoding after a cache:
+
+        >>> _, weights = attnkit.attention(q[0, 0, :2], k[0, 0, :5], v[0, 0, :5], causal=True,
+        ...                                return_weights=True)
+        >>> print(attnkit.masks.to_string(weights > 0))
+        # # # # .
+        # # # # #
     """
     call = make_call(
         query, key, value,
@@ -111,11 +148,55 @@ def attention(
 
 def attention_piece(query: Tensor, key: Tensor, value: Tensor, *, seed: Tensor | None, heads: int = 0,
                     rows: int = 0, keys: int = 0, backend: str = "auto", **arguments) -> Tensor | tuple[Tensor, ...]:
-    """Private (for :mod:`attnkit.distributed`): :func:`attention` on a piece of a larger call whose
-    query heads start at ``heads``, query rows at ``rows`` and keys at ``keys`` of the whole, with the
-    whole call's dropout ``seed`` (int64 scalar, drawn once for the whole): the piece draws the
-    whole call's dropout pattern at its own positions (:func:`._backends.dropout.at_positions`).
-    ``arguments`` are :func:`attention`'s, ``generator`` excepted (the seed is given)."""
+    """Private (for :mod:`attnkit.distributed`): :func:`attnkit.attention` on a piece of a larger
+    call whose query heads start at ``heads``, query rows at ``rows`` and keys at ``keys`` of the
+    whole, with the whole call's dropout ``seed`` (int64 scalar, drawn once for the whole): the piece
+    draws the whole call's dropout pattern at its own positions
+    (``attnkit._backends.dropout.at_positions``). ``arguments`` are :func:`attnkit.attention`'s,
+    ``generator`` excepted (the seed is given).
+
+    Args:
+        query: the piece's ``[..., Lq, Dk]`` (4-D ``[B, H, Lq, Dk]`` to split heads).
+        key: the piece's ``[..., Lk, Dk]``.
+        value: the piece's ``[..., Lk, Dv]``.
+        seed: the whole call's dropout seed, an int64 tensor of one element; ``None`` without dropout.
+        heads, rows, keys: where the piece starts in the whole call: its first query head, query
+            row and key.
+        backend: as for :func:`attnkit.attention`.
+
+    Returns:
+        What :func:`attnkit.attention` returns for the piece: ``output [..., Lq, Dv]``, or a tuple
+        with the weights and/or lse asked for.
+
+    Raises:
+        TypeError: ``generator`` among the arguments, or dropout with a ``seed`` that is not an int64
+            tensor of one element; and every error of :func:`attnkit.attention`.
+
+    Example:
+
+        Two pieces of query rows draw the same dropout as the whole call:
+
+        >>> import torch
+        >>> from attnkit.core import attention_piece
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
+        >>> seed = torch.tensor(1234)
+        >>> whole = attention_piece(q, k, v, seed=seed, dropout=0.5)
+        >>> top = attention_piece(q[..., :2, :], k, v, seed=seed, rows=0, dropout=0.5)
+        >>> bottom = attention_piece(q[..., 2:, :], k, v, seed=seed, rows=2, dropout=0.5)
+        >>> torch.allclose(torch.cat([top, bottom], -2), whole)
+        True
+
+        Two pieces of keys merge exactly through their log-sum-exp:
+
+        >>> out1, lse1 = attention_piece(q, k[..., :3, :], v[..., :3, :], seed=None, return_lse=True)
+        >>> out2, lse2 = attention_piece(q, k[..., 3:, :], v[..., 3:, :], seed=None, keys=3,
+        ...                              return_lse=True)
+        >>> lse = torch.logaddexp(lse1, lse2)
+        >>> merged = (lse1 - lse).exp()[..., None] * out1 + (lse2 - lse).exp()[..., None] * out2
+        >>> torch.allclose(merged, attention_piece(q, k, v, seed=None), atol=1e-6)
+        True
+    """
     call, seed = _piece(query, key, value, seed, heads, rows, keys, arguments)
     return _run(call, backend, seed)
 
@@ -124,11 +205,43 @@ def piece_gradients(query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse:
                     grad_lse: Tensor | None, *, seed: Tensor | None, heads: int = 0, rows: int = 0, keys: int = 0,
                     backend: str = "auto", **arguments) -> tuple[Tensor, Tensor, Tensor]:
     """Private (for :mod:`attnkit.distributed`): the gradients ``(dq, dk, dv)`` (shaped like query,
-    key, value) of :func:`attention_piece` called with the same arguments and ``return_lse=True``,
-    from the ``out [..., Lq, Dv]`` and ``lse [..., Lq]`` it returned and their gradients
-    (``grad_lse`` None where the lse was not used), without recomputing the forward: the
-    backend's :attr:`~._backends.Backend.gradients`, resolved from ``backend`` as the forward's
-    was, with the same dropout pattern."""
+    key, value) of :func:`attnkit.core.attention_piece` called with the same arguments and
+    ``return_lse=True``, from the ``out [..., Lq, Dv]`` and ``lse [..., Lq]`` it returned and their
+    gradients (``grad_lse`` None where the lse was not used), without recomputing the forward: the
+    backend's ``gradients`` (see :class:`attnkit.Backend`), resolved from ``backend`` as the
+    forward's was, with the same dropout pattern.
+
+    Args:
+        query, key, value, seed, heads, rows, keys, backend: as for
+            :func:`attnkit.core.attention_piece`.
+        out: ``[..., Lq, Dv]``, the piece's output.
+        lse: ``[..., Lq]``, the piece's log-sum-exp.
+        grad_out: ``[..., Lq, Dv]``, the gradient of the output.
+        grad_lse: ``[..., Lq]``, the gradient of the lse, or ``None``.
+
+    Returns:
+        ``(grad_query, grad_key, grad_value)``, shaped like ``query``, ``key`` and ``value``.
+
+    Raises:
+        ValueError: the backend returns no lse or has no backward from its output and lse (only
+            ``"tiled"`` has one); and the errors of :func:`attnkit.core.attention_piece`.
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.core import attention_piece, piece_gradients
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k, v = (torch.randn(1, 2, 4, 8, generator=g, requires_grad=True) for _ in range(3))
+        >>> out, lse = attention_piece(q, k, v, seed=None, return_lse=True)
+        >>> grad_out = torch.randn(out.shape, generator=g)
+        >>> grads = piece_gradients(q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+        ...                         grad_out, None, seed=None)
+        >>> [g.shape for g in grads]
+        [torch.Size([1, 2, 4, 8]), torch.Size([1, 2, 4, 8]), torch.Size([1, 2, 4, 8])]
+        >>> expected = torch.autograd.grad((out * grad_out).sum(), (q, k, v))
+        >>> all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, expected))
+        True
+    """
     call, seed = _piece(query, key, value, seed, heads, rows, keys, {**arguments, "return_lse": True})
     chosen, route = _backends.resolve(backend, call)
     call = replace(call, route=route)

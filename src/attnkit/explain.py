@@ -23,7 +23,32 @@ MAX_ROWS, MAX_COLS = 12, 8
 
 @dataclass(frozen=True)
 class Step:
-    """One named intermediate of an attention call, with labels for its rows and columns."""
+    """One named intermediate of an attention call, with labels for its rows and columns.
+
+    Args:
+        name: the step's name (``"scores"``, ``"weights"``...).
+        tensor: its values, 1-D or 2-D (e.g. ``weights [L, L]``, ``inputs [L, D]``).
+        meaning: one line saying what the step is.
+        rows: one label per row (the tokens), or ``None``.
+        cols: one label per column (the tokens, for ``[L, L]`` steps), or ``None``.
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.explain import Step, render
+        >>> step = Step("weights", torch.tensor([[1.0, 0.0], [0.5, 0.5]]), "who attends to whom",
+        ...             rows=["the", "cat"], cols=["the", "cat"])
+        >>> print(render([step]))
+        Step 1: weights [2, 2]
+          who attends to whom
+                    the    cat
+            the  1.0000 0.0000
+            cat  0.5000 0.5000
+        <BLANKLINE>
+        Reading the weights:
+          'the' attends most to 'the' (1.0000)
+          'cat' attends most to 'the' (0.5000)
+    """
 
     name: str
     tensor: Tensor
@@ -41,7 +66,33 @@ def _keep(n: int, limit: int) -> list[int | None]:
 
 def format_matrix(t: Tensor, rows: Sequence[str] | None = None, cols: Sequence[str] | None = None,
                   decimals: int = 4) -> str:
-    """A 1-D or 2-D tensor as aligned text with row/column labels, trimmed to fit a terminal."""
+    """A 1-D or 2-D tensor as aligned text with row/column labels, trimmed to fit a terminal.
+
+    Args:
+        t: ``[N]`` or ``[R, C]`` values (floats, or booleans shown as ``True`` / ``.``).
+        rows: ``R`` row labels, or ``None`` (ignored for a 1-D tensor).
+        cols: ``C`` column labels, or ``None``.
+        decimals: digits after the point.
+
+    Returns:
+        The lines of the table, joined by newlines (no trailing newline). Beyond ``MAX_ROWS``
+        rows or ``MAX_COLS`` columns the middle ones become ``...``, keeping the last two.
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.explain import format_matrix
+        >>> weights = torch.tensor([[1.0, 0.0], [0.25, 0.75]])
+        >>> print(format_matrix(weights, rows=["the", "cat"], cols=["the", "cat"], decimals=2))
+              the  cat
+        the  1.00 0.00
+        cat  0.25 0.75
+        >>> print(format_matrix(torch.arange(10.0), decimals=1))   # 10 columns: trimmed
+        0.0 1.0 2.0 3.0 4.0 ... 8.0 9.0
+        >>> print(format_matrix(weights > 0))
+        True    .
+        True True
+    """
     t = t.detach().cpu()
     if t.dim() == 1:
         t, rows = t[None], None
@@ -72,7 +123,26 @@ def format_matrix(t: Tensor, rows: Sequence[str] | None = None, cols: Sequence[s
 
 
 def toy_steps(*, causal: bool = False, scale: float = 1.0) -> list[Step]:
-    """Seed 002's weightless self-attention: the embeddings are queries, keys and values at once."""
+    """Seed 002's weightless self-attention: the embeddings are queries, keys and values at once.
+
+    Args:
+        causal: apply the causal mask (and show it, and the masked scores, as steps).
+        scale: the score scale (the seed's example uses 1, no ``1/sqrt(d)``).
+
+    Returns:
+        The steps ``inputs [6, 3]``, ``scores``, ``scaled_scores``, (``mask``,
+        ``masked_scores``,) ``weights`` (all ``[6, 6]``) and ``context [6, 3]``, labelled with
+        the six tokens of ``attnkit.toy.TOKENS``.
+
+    Example:
+
+        >>> from attnkit.explain import toy_steps
+        >>> steps = toy_steps(causal=True)
+        >>> [step.name for step in steps]
+        ['inputs', 'scores', 'scaled_scores', 'mask', 'masked_scores', 'weights', 'context']
+        >>> steps[5].rows[1], steps[5].tensor[1]       # "journey" attends to "Your" and itself
+        ('journey', tensor([0.3680, 0.6320, 0.0000, 0.0000, 0.0000, 0.0000]))
+    """
     tokens = toy.TOKENS
     inputs = toy.embeddings()
     with trace.record() as recorded:
@@ -99,7 +169,40 @@ def toy_steps(*, causal: bool = False, scale: float = 1.0) -> list[Step]:
 
 
 def model_steps(encoder, text: str, *, layer: int = 0, head: int = 0, causal: bool = False) -> list[Step]:
-    """One head of one layer of a real encoder (see :func:`attnkit.models.load`) on ``text``."""
+    """One head of one layer of a real encoder (see :func:`attnkit.models.load`) on ``text``.
+
+    Args:
+        encoder: a loaded :class:`attnkit.models.TextEncoder`.
+        text: one text; its tokens (special tokens included) label the steps.
+        layer: ``0 <= layer < num_hidden_layers``.
+        head: ``0 <= head < num_attention_heads``.
+        causal: run every layer with a causal mask (one the model was not trained with).
+
+    Returns:
+        The steps of that layer for ``L`` tokens, ``inputs [L, E]``, head ``head``'s
+        ``queries``, ``keys``, ``values [L, D]``, ``scores``, ``scaled_scores``,
+        (``masked_scores``,) ``weights [L, L]``, ``heads [L, D]``, and the layer's
+        ``concatenated`` and ``projected [L, E]``.
+
+    Raises:
+        ValueError: ``layer`` or ``head`` is out of range for the model.
+
+    Example:
+
+        >>> from attnkit import models
+        >>> from attnkit.explain import model_steps
+        >>> encoder = models.load("minilm")                       # 6 layers x 12 heads, E = 384
+        >>> steps = model_steps(encoder, "Hello world", layer=5, head=11)
+        >>> [(step.name, tuple(step.tensor.shape)) for step in steps][:6]
+        [('inputs', (4, 384)), ('queries', (4, 32)), ('keys', (4, 32)), ('values', (4, 32)),
+         ('scores', (4, 4)), ('scaled_scores', (4, 4))]
+        >>> steps[0].rows
+        ['[CLS]', 'hello', 'world', '[SEP]']
+        >>> model_steps(encoder, "Hello world", layer=6)
+        Traceback (most recent call last):
+            ...
+        ValueError: layer must be in [0, 5] for this model, got 6
+    """
     config = encoder.model.config
     if not 0 <= layer < config.num_hidden_layers:
         raise ValueError(f"layer must be in [0, {config.num_hidden_layers - 1}] for this model, got {layer}")
@@ -135,9 +238,36 @@ def model_steps(encoder, text: str, *, layer: int = 0, head: int = 0, causal: bo
 
 class GPTDirectory:
     """A GPT that ``attnkit train`` wrote (:func:`attnkit.models.llama_export.written_by_save_llama`),
-    run by attnkit's own :class:`~attnkit.models.gpt.GPT`, for :func:`checkpoint_steps`. Not through
-    transformers: its ``AutoModel`` is the Llama body without the LM head, and loading the head's
-    weights into it printed a load report about an unexpected ``lm_head.weight``."""
+    run by attnkit's own :class:`~attnkit.models.gpt.GPT`, for :func:`attnkit.explain.checkpoint_steps`.
+    Not through transformers: its ``AutoModel`` is the Llama body without the LM head, and loading
+    the head's weights into it printed a load report about an unexpected ``lm_head.weight``.
+
+    Args:
+        directory: a Llama-format directory with ``config.json``, ``model.safetensors`` and
+            ``tokenizer.json``.
+
+    Attributes ``model`` (the GPT, in eval mode), ``tokenizer``, ``name`` (the directory's
+    name), ``num_layers`` and ``num_heads``.
+
+    Raises:
+        FileNotFoundError: the directory or its weights are missing.
+        ValueError: it has no ``tokenizer.json``, or a file is damaged (see
+            :func:`attnkit.models.llama_export.load_llama`).
+
+    Example:
+
+        >>> from attnkit.models.gpt import GPT, GPTConfig
+        >>> from attnkit.models.llama_export import save_llama
+        >>> from attnkit.training.corpus import train_tokenizer
+        >>> config = GPTConfig(vocab_size=300, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+        ...                    num_key_value_heads=2, intermediate_size=32)
+        >>> tokenizer = train_tokenizer(["the cat sat on the mat"] * 4, 300)
+        >>> directory = save_llama(GPT(config), "tiny-gpt", tokenizer)   # what attnkit train writes
+        >>> from attnkit.explain import GPTDirectory
+        >>> gpt = GPTDirectory(directory)
+        >>> gpt.name, gpt.num_layers, gpt.num_heads
+        ('tiny-gpt', 2, 4)
+    """
 
     def __init__(self, directory: str | Path) -> None:
         from .models.llama_export import load_llama
@@ -150,7 +280,35 @@ class GPTDirectory:
         self.num_heads = self.model.config.num_attention_heads
 
     def trace(self, text: str) -> tuple[trace.Trace, list[str]]:
-        """Every attention call of ``text`` (a batch of one), one per layer, and its tokens."""
+        """Every attention call of ``text`` (a batch of one), one per layer, and its tokens.
+
+        Args:
+            text: the text to run through the model (a decoder: each token sees itself and
+                the tokens before it).
+
+        Returns:
+            A pair ``(trace, tokens)``, an :class:`attnkit.trace.Trace` with one call per layer
+            (``weights [1, H, L, L]``) and the ``L`` tokens as the tokenizer spells them.
+
+        Raises:
+            ValueError: ``text`` gives no tokens.
+
+        Example:
+
+            >>> from attnkit.models.gpt import GPT, GPTConfig
+            >>> from attnkit.models.llama_export import save_llama
+            >>> from attnkit.training.corpus import train_tokenizer
+            >>> config = GPTConfig(vocab_size=300, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+            ...                    num_key_value_heads=2, intermediate_size=32)
+            >>> tokenizer = train_tokenizer(["the cat sat on the mat"] * 4, 300)
+            >>> directory = save_llama(GPT(config), "tiny-gpt", tokenizer)   # what attnkit train writes
+            >>> from attnkit.explain import GPTDirectory
+            >>> trace, tokens = GPTDirectory(directory).trace("the cat sat")
+            >>> tokens                                            # byte-level BPE: Ġ is a space
+            ['the', 'Ġcat', 'Ġsat']
+            >>> len(trace), trace[1]["weights"].shape             # 2 layers; [B, H, L, L]
+            (2, torch.Size([1, 4, 3, 3]))
+        """
         ids = self.tokenizer.encode(text).ids
         if not ids:
             raise ValueError(f"text {text!r} gives no tokens")
@@ -160,9 +318,47 @@ class GPTDirectory:
 
 
 def checkpoint_steps(checkpoint, text: str, *, layer: int = 0, head: int = 0) -> list[Step]:
-    """One head of one layer of a transformers checkpoint (:class:`attnkit.integrations.checkpoints.
-    Checkpoint`, or a :class:`GPTDirectory`) on ``text``: the steps :func:`attnkit.attention`
-    recorded, the mask the model applied drawn as its own step (a decoder's causal mask, a window)."""
+    """One head of one layer of a transformers checkpoint
+    (:class:`attnkit.integrations.checkpoints.Checkpoint`, or a :class:`attnkit.explain.GPTDirectory`)
+    on ``text``: the steps :func:`attnkit.attention` recorded, the mask the model applied drawn as
+    its own step (a decoder's causal mask, a window).
+
+    Args:
+        checkpoint: anything with ``num_layers``, ``num_heads`` and ``trace(text)`` as those two
+            have.
+        text: one text.
+        layer: ``0 <= layer < checkpoint.num_layers``.
+        head: ``0 <= head < checkpoint.num_heads`` (a query head; with grouped-query attention
+            its keys and values are those of the key/value head it reads).
+
+    Returns:
+        The steps for ``L`` tokens, ``queries``, ``keys``, ``values [L, D]``, ``scores``,
+        ``scaled_scores`` (then where they apply ``capped_scores``, ``mask``,
+        ``masked_scores`` or ``biased_scores``), ``weights [L, L]`` and ``heads [L, D]``.
+
+    Raises:
+        ValueError: ``layer`` or ``head`` is out of range for the model.
+
+    Example:
+
+        >>> from attnkit.models.gpt import GPT, GPTConfig
+        >>> from attnkit.models.llama_export import save_llama
+        >>> from attnkit.training.corpus import train_tokenizer
+        >>> config = GPTConfig(vocab_size=300, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+        ...                    num_key_value_heads=2, intermediate_size=32)
+        >>> tokenizer = train_tokenizer(["the cat sat on the mat"] * 4, 300)
+        >>> directory = save_llama(GPT(config), "tiny-gpt", tokenizer)   # what attnkit train writes
+        >>> from attnkit.explain import GPTDirectory, checkpoint_steps
+        >>> steps = checkpoint_steps(GPTDirectory(directory), "the cat sat", layer=1, head=3)
+        >>> [step.name for step in steps]
+        ['queries', 'keys', 'values', 'scores', 'scaled_scores', 'mask', 'masked_scores', 'weights', 'heads']
+        >>> steps[1].meaning
+        'its keys (key/value head 1, shared by 2 query heads): what each token offers to be found by'
+        >>> steps[5].tensor                                       # causal: itself and before
+        tensor([[ True, False, False],
+                [ True,  True, False],
+                [ True,  True,  True]])
+    """
     if not 0 <= layer < checkpoint.num_layers:
         raise ValueError(f"layer must be in [0, {checkpoint.num_layers - 1}] for this model, got {layer}")
     if not 0 <= head < checkpoint.num_heads:
@@ -205,7 +401,22 @@ def checkpoint_steps(checkpoint, text: str, *, layer: int = 0, head: int = 0) ->
 
 
 def reading(weights: Tensor, tokens: Sequence[str]) -> list[str]:
-    """Plain-language reading of a ``[L, L]`` weight matrix: whom each token attends most."""
+    """Plain-language reading of a ``[L, L]`` weight matrix: whom each token attends most.
+
+    Args:
+        weights: ``[L, L]``, queries as rows.
+        tokens: the ``L`` tokens (the first of equal weights wins).
+
+    Returns:
+        One line per token.
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.explain import reading
+        >>> reading(torch.tensor([[0.9, 0.1], [0.3, 0.7]]), ["the", "cat"])
+        ["'the' attends most to 'the' (0.9000)", "'cat' attends most to 'cat' (0.7000)"]
+    """
     lines = []
     for i, token in enumerate(tokens):
         row = weights[i]
@@ -215,7 +426,38 @@ def reading(weights: Tensor, tokens: Sequence[str]) -> list[str]:
 
 
 def render(steps: Sequence[Step]) -> str:
-    """The walkthrough as text: each step's name, shape, meaning and values."""
+    """The walkthrough as text: each step's name, shape, meaning and values.
+
+    Args:
+        steps: the steps in order; one must be named ``"weights"`` (its ``rows`` label the
+            closing reading).
+
+    Returns:
+        The text (what ``attnkit explain`` prints), ending with a plain-language reading of the
+        weights (see :func:`attnkit.explain.reading`).
+
+    Raises:
+        StopIteration: no step is named ``"weights"``.
+
+    Example:
+
+        >>> from attnkit.explain import render, toy_steps
+        >>> print(render(toy_steps()))
+        Step 1: inputs [6, 3]
+          one embedding per token; here they serve as queries, keys and values
+            Your     0.4300 0.1500 0.8900
+        ...
+        Step 4: weights [6, 6]
+          softmax of each row: the share of attention each token pays to each other, summing to 1
+                        Your journey  starts    with     one    step
+            Your      0.2098  0.2006  0.1981  0.1242  0.1220  0.1452
+        ...
+        Reading the weights:
+          'Your' attends most to 'Your' (0.2098)
+          'journey' attends most to 'journey' (0.2379)
+        ...
+          'step' attends most to 'journey' (0.2184)
+    """
     out = []
     for number, step in enumerate(steps, start=1):
         out.append(f"Step {number}: {step.name} {list(step.tensor.shape)}")

@@ -16,14 +16,40 @@ DEFAULT_TEXTS = ("The quick brown fox jumps over the lazy dog.",)
 
 @dataclass
 class ShowResult:
-    """What :func:`show` wrote and found."""
+    """What :func:`attnkit.show.show` wrote and found.
+
+    Args:
+        paths: the files written, the report first, then the images.
+        summary: the lines ``attnkit show`` prints (see :func:`attnkit.show.summarise`).
+
+    Example:
+
+        >>> from attnkit.show import ShowResult, show
+        >>> result = show(None, model="toy", out="report", images=False)
+        >>> isinstance(result, ShowResult), result.paths
+        (True, [PosixPath('report/attention.html')])
+    """
 
     paths: list[Path]
     summary: list[str]
 
 
 def toy_record():
-    """Seed 002's six tokens as a one-layer, one-head record (weightless self-attention)."""
+    """Seed 002's six tokens as a one-layer, one-head record (weightless self-attention).
+
+    Returns:
+        An :class:`attnkit.viz.AttentionRecord` with ``attentions [1, 1, 6, 6]`` (scale 1, as in
+        :func:`attnkit.explain.toy_steps`), ``model="toy"``.
+
+    Example:
+
+        >>> from attnkit.show import toy_record
+        >>> record = toy_record()
+        >>> record.text, record.model, record.attentions.shape
+        ('Your journey starts with one step', 'toy', torch.Size([1, 1, 6, 6]))
+        >>> record.head(0, 0)[1]                                  # "journey"
+        tensor([0.1385, 0.2379, 0.2333, 0.1240, 0.1082, 0.1581])
+    """
     from .viz import AttentionRecord
 
     inputs = toy.embeddings()
@@ -32,7 +58,27 @@ def toy_record():
 
 
 def is_llama_directory(model: str) -> bool:
-    """Whether ``model`` names a Hugging Face Llama directory (what ``attnkit train`` writes)."""
+    """Whether ``model`` names a Hugging Face Llama directory (what ``attnkit train`` writes).
+
+    Args:
+        model: a model name or directory path.
+
+    Returns:
+        True when ``model/config.json`` is a JSON object with ``"model_type": "llama"``;
+        False otherwise (no such file, or not such JSON).
+
+    Example:
+
+        Only ``config.json`` is read (the loader checks the rest):
+
+        >>> import json
+        >>> from pathlib import Path
+        >>> from attnkit.show import is_llama_directory
+        >>> Path("gpt").mkdir()
+        >>> _ = Path("gpt/config.json").write_text(json.dumps({"model_type": "llama"}))
+        >>> is_llama_directory("gpt"), is_llama_directory("minilm")
+        (True, False)
+    """
     config = Path(model) / "config.json"
     if not config.is_file():
         return False
@@ -43,7 +89,41 @@ def is_llama_directory(model: str) -> bool:
 
 
 def gpt_records(texts: Sequence[str], directory: str):
-    """One record per text from a GPT's layers (causal: each token attends to itself and before)."""
+    """One record per text from a GPT's layers (causal: each token attends to itself and before).
+
+    Args:
+        texts: the texts, each run alone (a batch of one).
+        directory: a Llama-format directory with a ``tokenizer.json`` (see
+            :func:`attnkit.models.llama_export.load_llama`).
+
+    Returns:
+        One :class:`attnkit.viz.AttentionRecord` per text, ``attentions [layers, heads, T, T]``,
+        its tokens decoded one by one, named after the directory.
+
+    Raises:
+        FileNotFoundError: the directory or its weights are missing.
+        ValueError: it has no ``tokenizer.json``, a file is damaged, or a text gives no tokens.
+
+    Example:
+
+        >>> from attnkit.models.gpt import GPT, GPTConfig
+        >>> from attnkit.models.llama_export import save_llama
+        >>> from attnkit.training.corpus import train_tokenizer
+        >>> config = GPTConfig(vocab_size=300, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+        ...                    num_key_value_heads=2, intermediate_size=32)
+        >>> tokenizer = train_tokenizer(["the cat sat on the mat"] * 4, 300)
+        >>> directory = save_llama(GPT(config), "tiny-gpt", tokenizer)   # what attnkit train writes
+        >>> from attnkit.show import gpt_records
+        >>> records = gpt_records(["the cat sat", "on the mat"], "tiny-gpt")
+        >>> [record.tokens for record in records]
+        [['the', ' cat', ' sat'], ['on', ' the', ' mat']]
+        >>> records[0].model, records[0].attentions.shape        # [layers, heads, T, T]
+        ('tiny-gpt', torch.Size([2, 4, 3, 3]))
+        >>> records[0].head(1, 0) > 0                             # causal
+        tensor([[ True, False, False],
+                [ True,  True, False],
+                [ True,  True,  True]])
+    """
     import torch
 
     from .models.llama_export import load_llama
@@ -65,7 +145,35 @@ def gpt_records(texts: Sequence[str], directory: str):
 
 
 def model_records(texts: Sequence[str], model: str = "minilm", *, batch_size: int = 16):
-    """One :class:`~attnkit.viz.AttentionRecord` per text, from every layer's weights."""
+    """One :class:`~attnkit.viz.AttentionRecord` per text, from every layer's weights.
+
+    Args:
+        texts: the texts.
+        model: ``"minilm"``, a BERT-family directory (run by :func:`attnkit.models.load`, in
+            batches of ``batch_size``), a Llama directory from ``attnkit train`` (see
+            :func:`attnkit.show.gpt_records`) or, with transformers installed, a Hugging Face
+            checkpoint of another type (see :mod:`attnkit.integrations.checkpoints`).
+        batch_size: texts per batch for BERT-family models (a progress bar on stderr shows
+            for more than one batch).
+
+    Returns:
+        One record per text, ``attentions [layers, heads, T, T]`` over its own ``T`` tokens
+        (special tokens included, padding dropped).
+
+    Raises:
+        ImportError: ``"minilm"`` is asked for and its package is not installed.
+        OSError: the model directory is missing or unreadable.
+        ValueError: a damaged model directory.
+
+    Example:
+
+        >>> from attnkit.show import model_records
+        >>> records = model_records(["Hello world", "A cat sat on the mat."])
+        >>> [record.tokens for record in records]
+        [['[CLS]', 'hello', 'world', '[SEP]'], ['[CLS]', 'a', 'cat', 'sat', 'on', 'the', 'mat', '.', '[SEP]']]
+        >>> records[1].model, records[1].attentions.shape        # 6 layers x 12 heads
+        ('minilm', torch.Size([6, 12, 9, 9]))
+    """
     from . import models
     from .integrations import checkpoints
 
@@ -86,7 +194,25 @@ def model_records(texts: Sequence[str], model: str = "minilm", *, batch_size: in
 
 
 def train_induction():
-    """The induction-head demo's model, trained now (seconds; see :mod:`attnkit.models.induction`)."""
+    """The induction-head demo's model, trained now (seconds; see :mod:`attnkit.models.induction`).
+
+    Returns:
+        The :class:`attnkit.models.induction.InductionResult` of
+        :func:`attnkit.models.induction.train_induction` with the default
+        :class:`attnkit.models.induction.InductionConfig` (250 steps, seeded: the same model
+        each time, and the global random state is left as it was).
+
+    Example:
+
+        This function takes seconds to a minute; the same training with a tiny configuration
+        runs at once:
+
+        >>> from attnkit.models.induction import InductionConfig, train_induction
+        >>> config = InductionConfig(steps=1, half=4, vocab_size=16, hidden_size=16, batch_size=4)  # tiny, fast
+        >>> result = train_induction(config)
+        >>> len(result.losses), result.config.num_layers, result.model.training
+        (1, 2, False)
+    """
     from .models.induction import train_induction as train
 
     return train()
@@ -95,7 +221,32 @@ def train_induction():
 def induction_record(result) -> tuple[object, list[str], tuple[int, int]]:
     """The trained demo model on one sequence of random tokens repeated twice: its record (every
     layer and head), the per-head scores as text (over 64 such sequences) and the best
-    induction head ``(layer, head)``."""
+    induction head ``(layer, head)``.
+
+    Args:
+        result: what :func:`attnkit.show.train_induction` (or
+            :func:`attnkit.models.induction.train_induction`) returns.
+
+    Returns:
+        ``(record, lines, (layer, head))``; the record's ``attentions`` are
+        ``[layers, heads, 2 * half, 2 * half]`` and its tokens ``t<id>``; the lines give the
+        losses on each half and, per head, its previous-token, prefix-matching and copying
+        scores.
+
+    Example:
+
+        >>> from attnkit.models.induction import InductionConfig, train_induction
+        >>> config = InductionConfig(steps=1, half=4, vocab_size=16, hidden_size=16, batch_size=4)  # tiny, fast
+        >>> result = train_induction(config)
+        >>> from attnkit.show import induction_record
+        >>> record, lines, (layer, head) = induction_record(result)
+        >>> record.text, record.attentions.shape                  # [layers, heads, 2 * half, 2 * half]
+        ('4 random tokens, repeated', torch.Size([2, 4, 8, 8]))
+        >>> print(lines[1])
+        layer head  previous-token  prefix-matching  copying
+        >>> record.head(layer, head).shape                        # the best induction head
+        torch.Size([8, 8])
+    """
     import torch
 
     from .models import induction
@@ -122,7 +273,25 @@ def _is_special(token: str) -> bool:
 def most_attended(record, layer: int) -> list[tuple[str, float]]:
     """For each head of ``layer``: the word token that receives the most attention, and the
     average weight a query gives it. Special tokens ([CLS], [SEP]) are left out: BERT heads
-    park most of their weight there, which says little about the sentence."""
+    park most of their weight there, which says little about the sentence.
+
+    Args:
+        record: an :class:`attnkit.viz.AttentionRecord`.
+        layer: ``0 <= layer < record.num_layers``.
+
+    Returns:
+        One ``(token, average weight)`` per head of the layer. A token in brackets is special;
+        a record of special tokens only falls back to all of them.
+
+    Raises:
+        IndexError: ``layer`` is out of range.
+
+    Example:
+
+        >>> from attnkit.show import most_attended, toy_record
+        >>> [(token, round(weight, 4)) for token, weight in most_attended(toy_record(), 0)]
+        [('journey', 0.2162)]
+    """
     received = record.attentions[layer].mean(dim=1)  # [heads, T]: average weight each key receives
     words = [i for i, t in enumerate(record.tokens) if not _is_special(t)] or list(range(record.num_tokens))
     result = []
@@ -133,7 +302,23 @@ def most_attended(record, layer: int) -> list[tuple[str, float]]:
 
 
 def summarise(record) -> list[str]:
-    """Per layer, the most-attended word token of each head, and the share taken by special tokens."""
+    """Per layer, the most-attended word token of each head, and the share taken by special tokens.
+
+    Args:
+        record: an :class:`attnkit.viz.AttentionRecord`.
+
+    Returns:
+        A heading line, then one line per layer (what ``attnkit show`` prints), as
+        :func:`attnkit.show.most_attended` finds it, with weights to 2 decimals.
+
+    Example:
+
+        >>> from attnkit.show import summarise, toy_record
+        >>> for line in summarise(toy_record()):
+        ...     print(line)
+        'Your journey starts with one step' (6 tokens): most-attended word of each head
+          layer 0: journey(0.22)
+    """
     special = [i for i, t in enumerate(record.tokens) if _is_special(t)]
     lines = [f"{record.text!r} ({record.num_tokens} tokens): most-attended word of each head"]
     for layer in range(record.num_layers):
@@ -157,6 +342,42 @@ def show(texts: Sequence[str] | None, *, model: str = "minilm", out: str | Path 
 
     ``out`` is a directory, created if needed (an existing file there is refused before any
     work); files of the same names in it are replaced.
+
+    Args:
+        texts: the texts; ``None`` or empty for a built-in sentence (and for ``"toy"`` and
+            ``"induction"``, which take none).
+        model: ``"minilm"``, ``"toy"``, ``"induction"`` or a model directory (see
+            :func:`attnkit.show.model_records`).
+        out: the output directory.
+        layer: the layer of the single-head images (default 0).
+        head: the head of the single-head images (default 0).
+        images: also write ``grid.png``, ``grid.svg`` and ``layer<L>-head<H>.png``/``.svg``.
+
+    Returns:
+        A :class:`attnkit.show.ShowResult` with the paths written and a summary (see
+        :func:`attnkit.show.summarise`; the scores of each head for ``"induction"``).
+
+    Raises:
+        ValueError: ``out`` is an existing file, texts are given to ``"toy"`` or
+            ``"induction"``, ``layer`` or ``head`` is out of range, or a model directory is
+            damaged.
+        ImportError: numpy (or, with ``images``, matplotlib) or the model's package is missing.
+        OSError: a model directory is missing, or ``out`` cannot be written.
+
+    Example:
+
+        >>> from attnkit.show import show
+        >>> result = show(None, model="toy", out="report", images=False)
+        >>> [str(path) for path in result.paths]
+        ['report/attention.html']
+        >>> for line in result.summary:
+        ...     print(line)
+        'Your journey starts with one step' (6 tokens): most-attended word of each head
+          layer 0: journey(0.22)
+        >>> show(["my own text"], model="toy", images=False)
+        Traceback (most recent call last):
+            ...
+        ValueError: the toy model has one fixed sentence; use --model minilm for your own texts
     """
     from .viz import save_grid, save_head, write_report
     from ._optional import require

@@ -31,15 +31,37 @@ GradientsFn = Callable[[AttentionCall, Tensor, Tensor, Tensor, "Tensor | None"],
 class Backend:
     """A named attention implementation and what it supports.
 
+    ``name``: what ``attention(..., backend=name)`` selects it by. ``run``: the implementation, a
+    function of one validated call (``attnkit._call.AttentionCall``: ``query [..., Lq, Dk]``,
+    ``key [..., Lk, Dk]``, ``value [..., Lk, Dv]``, ``mask``, ``causal``, ``scale``, ``dropout``, ...)
+    returning ``(output [..., Lq, Dv], weights [..., Lq, Lk] or None)``, or with ``returns_lse``
+    ``(output, weights or None, lse [..., Lq])``. ``summary``: one line for listings.
     ``returns_weights`` / ``returns_lse``: it can return the weights / the log-sum-exp.
-    ``structured``: it reads structured masks (others receive :meth:`AttentionCall.densified`).
+    ``structured``: it reads structured masks (others receive the call densified,
+    ``AttentionCall.densified()``: the mask as a dense boolean tensor).
     ``devices``: the device types it runs on (None: any device PyTorch runs on).
     ``gradients`` (optional, for backends that return the lse): the gradients of query, key and
     value of a call from the output and lse the backend returned for it and their gradients,
     without recomputing the forward (``attnkit.distributed``'s Ulysses runs its backward by
     groups of heads with it).
     Every backend takes any rank ``[..., L, D]``, dense boolean and additive masks, causal,
-    GQA (4-D), dropout with a generator, and is differentiable.
+    GQA (4-D), dropout with a generator, and is differentiable. Register one with
+    :func:`attnkit.register_backend`.
+
+    Example:
+
+        A sketch that handles only plain calls (a real backend implements the whole contract):
+
+        >>> import attnkit
+        >>> def plain(call):
+        ...     if call.mask is not None or call.causal or call.dropout or call.modifies_scores or call.is_gqa:
+        ...         raise NotImplementedError("plain: unmasked calls without dropout or score modifiers only")
+        ...     weights = (call.query @ call.key.transpose(-2, -1) * call.scale).softmax(-1)
+        ...     return weights @ call.value, weights
+        >>> backend = attnkit.Backend("plain", plain, "softmax(q k^T * scale) v, plain calls only",
+        ...                           returns_weights=True)
+        >>> backend.name, backend.returns_weights, backend.returns_lse, backend.structured, backend.devices
+        ('plain', True, False, False, None)
     """
 
     name: str
@@ -56,7 +78,39 @@ _REGISTRY: dict[str, Backend] = {}
 
 
 def register_backend(backend: Backend) -> None:
-    """Make ``backend`` selectable by name in ``attention(..., backend=name)``."""
+    """Make ``backend`` selectable by name in ``attention(..., backend=name)``.
+
+    Args:
+        backend: a :class:`attnkit.Backend`; one registered under the same name is replaced.
+
+    Raises:
+        TypeError: ``backend`` is not a :class:`attnkit.Backend`.
+        ValueError: its name is ``"auto"`` (reserved for automatic selection).
+
+    Example:
+
+        >>> import torch
+        >>> import attnkit
+        >>> def plain(call):  # unmasked calls only: a sketch (see attnkit.Backend)
+        ...     weights = (call.query @ call.key.transpose(-2, -1) * call.scale).softmax(-1)
+        ...     return weights @ call.value, weights
+        >>> attnkit.register_backend(attnkit.Backend("plain", plain, "a sketch", returns_weights=True))
+        >>> "plain" in attnkit.backends()
+        True
+        >>> q = torch.randn(2, 3, 5, 8, generator=torch.Generator().manual_seed(0))
+        >>> torch.allclose(attnkit.attention(q, q, q, backend="plain"),
+        ...                attnkit.attention(q, q, q, backend="reference"), atol=1e-6)
+        True
+        >>> attnkit.attention(q, q, q, backend="plain", return_lse=True)
+        Traceback (most recent call last):
+            ...
+        ValueError: backend 'plain' cannot return the log-sum-exp; use return_lse=False,
+        or backend 'auto' or one of ['tiled']
+        >>> attnkit.register_backend(attnkit.Backend("auto", plain, "a sketch"))
+        Traceback (most recent call last):
+            ...
+        ValueError: 'auto' is reserved for automatic selection
+    """
     if not isinstance(backend, Backend):
         raise TypeError(f"backend must be an attnkit.Backend, got {type(backend).__name__}")
     if backend.name == "auto":
@@ -65,7 +119,18 @@ def register_backend(backend: Backend) -> None:
 
 
 def backends() -> tuple[str, ...]:
-    """Names accepted by ``attention(..., backend=...)``: ``"auto"`` then every registered backend."""
+    """Names accepted by ``attention(..., backend=...)``: ``"auto"`` then every registered backend.
+
+    Returns:
+        A tuple of str: ``"auto"``, the built-in ``"reference"``, ``"torch"`` and ``"tiled"``, then
+        the backends registered with :func:`attnkit.register_backend`, in registration order.
+
+    Example:
+
+        >>> import attnkit
+        >>> attnkit.backends()  # then any backend you registered
+        ('auto', 'reference', 'torch', 'tiled'...)
+    """
     return ("auto", *_REGISTRY)
 
 

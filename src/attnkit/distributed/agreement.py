@@ -4,8 +4,8 @@ Every rank plans its sends and receives from facts it believes all ranks share (
 shapes of what travels, the mask, ``causal``, the layout, the block sizes, ...) and computes the
 others' keys with its own scale and dropout. Ranks that disagree would exchange messages of
 different sizes (an abort inside the backend that Python cannot catch, or a hang) or return
-garbage. So each call first runs :func:`agree`: **one** ``all_gather`` of a fixed-size int64
-tensor (:data:`SLOTS` numbers, 256 bytes a rank) holding
+garbage. So each call first runs :func:`attnkit.distributed.agreement.agree`: **one** ``all_gather`` of a fixed-size int64
+tensor (``SLOTS`` numbers, 256 bytes a rank) holding
 
 * whether the rank accepted its arguments (a rank whose local checks failed still takes part, so
   that the others raise instead of waiting for it),
@@ -16,11 +16,11 @@ Every rank sees the same gathered tensor, so every rank decides alike: on agreem
 on; otherwise every rank raises the same ``ValueError`` naming the first fact that differs and
 what each rank had, e.g. ``ring_attention: the ranks disagree on dtype: rank 0 torch.float32,
 rank 1 torch.bfloat16; dtype must be the same on every rank``. Only then, on the error path, a
-second small ``all_gather`` (:data:`TEXT_BYTES` bytes a rank) brings every rank's readable value
+second small ``all_gather`` (``TEXT_BYTES`` bytes a rank) brings every rank's readable value
 of that fact (or the refusing ranks' error messages). A rank whose own checks failed raises its
 own error; the others a ``ValueError`` naming it.
 
-Masks are compared by description (:func:`mask_fact`): their class, their ``repr`` and the
+Masks are compared by description (:func:`attnkit.distributed.agreement.mask_fact`): their class, their ``repr`` and the
 contents of the tensors they hold (document ids, per-sequence lengths, explicit ranges), not by
 meaning: two ranks passing ``document([4, 4])`` and ``document(ids=...)`` of the same packing
 are told they disagree.
@@ -29,6 +29,7 @@ are told they disagree.
 from __future__ import annotations
 
 import hashlib
+import typing
 from collections.abc import Sequence
 
 import torch
@@ -50,7 +51,21 @@ TEXT_BYTES = 1024
 
 #: ``(name, shown, canonical)``: what the message calls it, what it shows of the rank's value, the
 #: text whose hash is compared (the shown text when None).
-Fact = tuple[str, object, "str | None"]
+Fact = typing.Tuple[str, object, "str | None"]
+Fact.__doc__ = """One fact the ranks of a call must share, ``(name, shown, canonical)``: ``name`` is what
+the error message calls it, ``shown`` what it shows of this rank's value, ``canonical`` the text
+whose hash :func:`attnkit.distributed.agreement.agree` compares (``str(shown)`` when None).
+
+Example:
+
+    >>> import torch
+    >>> from attnkit.distributed.agreement import Fact
+    >>> fact: Fact = ("dtype", torch.float32, None)  # compared as the text "dtype=torch.float32"
+    >>> name, shown, canonical = fact
+    >>> name, shown
+    ('dtype', torch.float32)
+"""
+__test__ = {"Fact": Fact.__doc__}  # a type alias: doctest would not find its example otherwise
 
 
 def _digest(text: str) -> int:
@@ -63,7 +78,45 @@ def agree(function: str, facts: Sequence[Fact] | BaseException, data: Sequence[i
     """Check that every rank of ``group`` called ``function`` with the same ``facts`` (or raise the
     same error on every rank; ``facts`` is the exception when this rank's own checks refused its
     arguments: it is raised here, after the others heard of it). Returns every rank's ``data``
-    (``DATA`` ints at most), by rank."""
+    (``DATA`` ints at most), by rank.
+
+    Every rank of ``group`` must call it (it is a collective: one ``all_gather``, and a second on
+    the error path).
+
+    Args:
+        function: the call's name, for the messages (``"ring_attention"``).
+        facts: this rank's :data:`attnkit.distributed.agreement.Fact` list (in the order the first
+            difference is reported; at most ``MAX_FACTS``), or the exception its own checks raised.
+        data: numbers the call needs from every rank (at most ``DATA`` ints, e.g. the shard length).
+        device: where the gathered tensor lives (the inputs' device; the backend's).
+        group: the process group, None for the whole world.
+
+    Returns:
+        ``P`` lists, ``data`` of each rank, by rank.
+
+    Raises:
+        ValueError: on every rank when the ranks disagree on a fact (naming it and each rank's
+            value), or when some rank was refused (naming it and its error).
+        BaseException: ``facts`` itself, on the rank that was refused.
+
+    Example:
+
+        One rank (a single-process gloo group), so the ranks agree:
+
+        >>> import os, torch, torch.distributed as dist
+        >>> from attnkit import masks
+        >>> from attnkit.distributed.agreement import agree, mask_fact
+        >>> dist.init_process_group("gloo", init_method="file://" + os.path.abspath("agree_pg"),
+        ...                         rank=0, world_size=1)
+        >>> facts = [("dtype", torch.float32, None), mask_fact(masks.causal()), ("block_size", 128, None)]
+        >>> agree("my_call", facts, [16], torch.device("cpu"), None)  # every rank's data, by rank
+        [[16]]
+        >>> agree("my_call", ValueError("n must be positive"), [], torch.device("cpu"), None)
+        Traceback (most recent call last):
+            ...
+        ValueError: n must be positive
+        >>> dist.destroy_process_group()
+    """
     world = dist.get_world_size(group)
     refused = isinstance(facts, BaseException)
     if not refused and len(facts) > MAX_FACTS:
@@ -156,7 +209,29 @@ def _by_value(values: dict[int, str]) -> str:
 def mask_fact(mask: object) -> Fact:
     """The mask as a fact: shown as its ``repr``, compared by class, ``repr`` and the contents of
     the tensors it holds (walking its public attributes, so every structured mask is covered,
-    composed ones included; attributes starting with ``_`` are taken for caches and skipped)."""
+    composed ones included; attributes starting with ``_`` are taken for caches and skipped).
+
+    Args:
+        mask: a structured mask (:mod:`attnkit.masks`) or None.
+
+    Returns:
+        The :data:`attnkit.distributed.agreement.Fact` ``("mask", repr(mask), canonical text)``.
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit import masks
+        >>> from attnkit.distributed.agreement import mask_fact
+        >>> mask_fact(masks.document([4, 4]) & masks.causal())[:2]
+        ('mask', 'document([4, 4]) & causal()')
+        >>> same = masks.document(ids=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))  # the same packing
+        >>> mask_fact(same)[2] == mask_fact(masks.document([4, 4]))[2]  # described otherwise
+        False
+        >>> mask_fact(masks.document([4, 4]))[2] == mask_fact(masks.document([4, 4]))[2]
+        True
+        >>> mask_fact(None)
+        ('mask', 'None', None)
+    """
     if mask is None:
         return ("mask", "None", None)
     return ("mask", repr(mask), _canonical(mask, depth=0))

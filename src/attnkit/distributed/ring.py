@@ -3,16 +3,17 @@ whose queries attend them, partial results merge exactly through the lse.
 
 At step ``s`` (1 .. P-1) rank ``r`` sends its pieces to rank ``r + s`` and receives rank ``r - s``'s
 (mod P), point to point: the ring's pattern (every rank sends one message and receives one per
-step), but straight from the owner, so a rank that needs no key of another rank neither receives
-its shard nor relays it (:mod:`.schedule`: the mask decides). The pieces travel in **items** of at
-most ``block_size`` keys (:mod:`.stream`), one label ``(step, index)`` after another; the next
-label's messages are posted before this one is computed, so they travel while the kernels run,
-and a rank holds two items of other ranks' keys at a time, never a whole shard.
+step), but straight from the owner, so a rank that needs no key of another rank neither receives its
+shard nor relays it (:mod:`attnkit.distributed.schedule`: the mask decides). The pieces travel in
+**items** of at most ``block_size`` keys (:mod:`attnkit.distributed.stream`), one label
+``(step, index)`` after another; the next label's messages are posted before this one is computed,
+so they travel while the kernels run, and a rank holds two items of other ranks' keys at a time,
+never a whole shard.
 
 Forward: each call (a unit's query rows against one item's keys) is the tiled backend's op,
 ``attnkit::interval_attention`` (what :func:`attnkit.attention` runs with ``return_lse=True``),
 with the call's ranges and the whole call's dropout seed at its positions, merged into the rows'
-output by lse. Backward (:class:`_Ring`): the items travel again; each call's gradients (at most
+output by lse. Backward (``_Ring``): the items travel again; each call's gradients (at most
 ``2 * block_size`` rows) come from the op's split-key backward (``attnkit::interval_attention_backward``)
 given the *merged* output and lse, so nothing is recomputed twice and no partial output is stored;
 the key and value gradients of a received item go back to its owner, who adds them to its own.
@@ -73,7 +74,8 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks.St
             generators do not.
         group: the process group (default: the whole world).
         layout: ``"contiguous"`` (rank ``r`` holds the ``r``-th run of positions) or ``"zigzag"``
-            (chunks ``r`` and ``2P-1-r`` of ``2P``: balanced causal work); see :func:`shard`.
+            (chunks ``r`` and ``2P-1-r`` of ``2P``: balanced causal work); see
+            :func:`attnkit.distributed.shard`.
         return_lse: also return the lse ``[B, H, n]`` (float32 for half inputs, ``-inf`` on
             rows with no key), differentiable.
         block_size: other ranks' keys and values travel in messages of at most this many keys
@@ -84,7 +86,8 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks.St
             sequence's ``L`` keys, at least 128 (228 at L = 4096 over 2 ranks). Smaller saves
             memory and costs time. The same on every rank (checked).
 
-    Before any exchange the ranks check that they agree on the call (:mod:`.agreement`: one
+    Before any exchange the ranks check that they agree on the call
+    (:mod:`attnkit.distributed.agreement`: one
     ``all_gather`` of 32 int64 numbers a rank): the dtype, batch, query and key/value heads, head
     sizes, mask (kind, parameters and the tensors it holds), ``causal``, layout, scale, dropout
     and ``block_size``. Ranks that disagree, or a rank whose own arguments are refused, make every
@@ -92,7 +95,38 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks.St
     torch.float32, rank 1 torch.bfloat16; ...") instead of exchanging mismatched messages.
 
     Returns:
-        ``output [B, H, n, Dv]`` (and ``lse`` with ``return_lse``).
+        ``output [B, H, n, Dv]`` (and ``lse [B, H, n]`` with ``return_lse``), this rank's shard.
+
+    Raises:
+        ValueError: on every rank, when the ranks disagree on the call, or when a rank's own
+            arguments are refused (``query`` not 4-D, ``key``/``value`` of another ``n``, an unknown
+            ``layout``, ``block_size < 1``, a mask for another batch, ...; that rank raises its own
+            error); also when ``block_size`` cuts the shards into more messages than the message
+            tags can number.
+        TypeError: on the refusing rank (the others: ``ValueError``), for a dense tensor ``mask``
+            or a ``block_size`` that is not an int.
+
+    Example:
+
+        Every rank passes its shard of the whole sequence (here one rank, a single-process gloo
+        group: its shard is the whole sequence) and gets its shard of the output:
+
+        >>> import os, torch, torch.distributed as dist
+        >>> import attnkit
+        >>> from attnkit.distributed import ring_attention, shard
+        >>> dist.init_process_group("gloo", init_method="file://" + os.path.abspath("ring_pg"),
+        ...                         rank=0, world_size=1)
+        >>> rank, world = dist.get_rank(), dist.get_world_size()
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k, v = (torch.randn(1, 4, 16, 8, generator=g) for _ in range(3))  # the whole sequence
+        >>> mine = [shard(x, rank, world, layout="zigzag") for x in (q, k, v)]
+        >>> out, lse = ring_attention(*mine, causal=True, layout="zigzag", return_lse=True)
+        >>> out.shape, lse.shape
+        (torch.Size([1, 4, 16, 8]), torch.Size([1, 4, 16]))
+        >>> whole = attnkit.attention(q, k, v, causal=True)
+        >>> torch.allclose(out, shard(whole, rank, world, layout="zigzag"), atol=1e-5)
+        True
+        >>> dist.destroy_process_group()
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     try:  # this rank's own checks; a refusal is heard by every rank (agreement.agree)

@@ -27,7 +27,18 @@ from .layout import Chunk, chunks
 
 @dataclass(frozen=True)
 class Piece:
-    """Keys ``[start, stop)`` (global) of ``chunk``, sent to one receiver (or kept: own chunk)."""
+    """Keys ``[start, stop)`` (global positions) of ``chunk`` (a
+    :class:`attnkit.distributed.layout.Chunk`), sent to one receiver (or kept: own chunk). Frozen.
+
+    Example:
+
+        >>> from attnkit.distributed.layout import Chunk
+        >>> from attnkit.distributed.schedule import Piece
+        >>> chunk = Chunk(rank=1, start=8, length=8, local=0)  # rank 1 holds positions 8..15
+        >>> piece = Piece(chunk, start=14, stop=16)  # its last two keys
+        >>> piece.length, piece.local
+        (2, 6)
+    """
 
     chunk: Chunk
     start: int
@@ -35,18 +46,54 @@ class Piece:
 
     @property
     def length(self) -> int:
+        """The number of keys, ``stop - start`` (an int).
+
+        Example:
+
+            >>> from attnkit.distributed.layout import Chunk
+            >>> from attnkit.distributed.schedule import Piece
+            >>> Piece(Chunk(rank=0, start=0, length=8, local=0), start=6, stop=8).length
+            2
+        """
         return self.stop - self.start
 
     @property
     def local(self) -> int:
-        """Where the piece starts in its owner's shard."""
+        """Where the piece starts in its owner's shard (an int): the position along the shard's
+        sequence dimension of key ``start``.
+
+        Example:
+
+            >>> from attnkit.distributed.layout import Chunk
+            >>> from attnkit.distributed.schedule import Piece
+            >>> second = Chunk(rank=0, start=12, length=4, local=4)  # zigzag: rank 0's second chunk
+            >>> Piece(second, start=13, stop=16).local
+            5
+        """
         return self.chunk.local + self.start - self.chunk.start
 
 
 @dataclass(frozen=True)
 class Unit:
     """One kernel call on the receiver: query chunk ``query`` against the ``index``-th piece of the
-    message from ``owner`` (``owner == rank``: its own keys), with local ranges ``lo, hi [S, R, n]``."""
+    message from ``owner`` (``owner == rank``: its own keys), with local ranges ``lo, hi [S, R, n]``
+    (int64; query row ``i`` of the chunk attends keys ``lo <= j < hi`` of ``piece``, counted from its
+    first; ``(0, 0)``: none). Frozen; :func:`attnkit.distributed.schedule.make_schedule` makes them.
+
+    Example:
+
+        Rank 1 of two, shards of 8, a sliding window of 3 keys: its queries attend the last two keys
+        of rank 0 and its own.
+
+        >>> from attnkit import masks
+        >>> from attnkit.distributed.schedule import make_schedule
+        >>> schedule = make_schedule([8, 8], "contiguous", 1, masks.sliding_window(3), causal=False)
+        >>> for unit in schedule.units:
+        ...     print(unit.owner, (unit.piece.start, unit.piece.stop), unit.lo[0, 0, :3].tolist(),
+        ...           unit.hi[0, 0, :3].tolist())
+        0 (6, 8) [0, 1, 0] [2, 2, 0]
+        1 (8, 16) [0, 0, 0] [1, 2, 3]
+    """
 
     query: Chunk
     owner: int
@@ -61,7 +108,22 @@ class Schedule:
     """The rank's side of the exchange: ``sends[d]`` the pieces it sends to rank ``d``,
     ``receives[s]`` those it receives from rank ``s`` (own pieces under its own rank), ``units``.
     The planning runs on the CPU (its decisions read values); ``device`` is where the kernel calls'
-    row ranges go (the inputs' device)."""
+    row ranges go (the inputs' device). ``chunks``: every rank's chunks (as
+    :func:`attnkit.distributed.layout.chunks` gives them). Frozen; made by
+    :func:`attnkit.distributed.schedule.make_schedule`.
+
+    Example:
+
+        >>> from attnkit import masks
+        >>> from attnkit.distributed.schedule import make_schedule
+        >>> window = masks.sliding_window(3)
+        >>> first = make_schedule([8, 8], "contiguous", 0, window, causal=False)
+        >>> {to: [(p.start, p.stop) for p in pieces] for to, pieces in first.sends.items()}
+        {1: [(6, 8)]}
+        >>> second = make_schedule([8, 8], "contiguous", 1, window, causal=False)
+        >>> {owner: [(p.start, p.stop) for p in pieces] for owner, pieces in second.receives.items()}
+        {0: [(6, 8)], 1: [(8, 16)]}
+    """
 
     rank: int
     world: int
@@ -91,7 +153,36 @@ def _pieces_for(lo: Tensor, hi: Tensor, rows: list[Chunk], owner: list[Chunk]) -
 def make_schedule(lengths: list[int], layout: str, rank: int, mask: StructuredMask | None,
                   causal: bool, device: torch.device | str = "cpu") -> Schedule:
     """The schedule of rank ``rank`` (see the module docstring); the same facts give every rank
-    the same exchange."""
+    the same exchange.
+
+    Args:
+        lengths: every rank's shard length (``P`` ints).
+        layout: ``"contiguous"`` or ``"zigzag"``.
+        rank: the rank whose side to plan.
+        mask: a structured mask over global positions (:mod:`attnkit.masks`), or None.
+        causal: bottom-right causal over the whole sequence.
+        device: where the units' ranges go.
+
+    Returns:
+        A :class:`attnkit.distributed.schedule.Schedule`.
+
+    Raises:
+        ValueError: for an unknown ``layout``.
+
+    Example:
+
+        Causal, two ranks, contiguous: rank 1 needs every key of rank 0, rank 0 none of rank 1's.
+
+        >>> from attnkit.distributed.schedule import make_schedule
+        >>> first = make_schedule([8, 8], "contiguous", 0, None, causal=True)
+        >>> {to: [(p.start, p.stop) for p in pieces] for to, pieces in first.sends.items()}
+        {1: [(0, 8)]}
+        >>> sorted(first.receives)  # its own keys only
+        [0]
+        >>> second = make_schedule([8, 8], "contiguous", 1, None, causal=True)
+        >>> sorted(second.receives), second.sends
+        ([0, 1], {})
+    """
     world = len(lengths)
     layout_chunks = chunks(lengths, layout)
     total = sum(lengths)

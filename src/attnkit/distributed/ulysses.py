@@ -7,7 +7,7 @@ on GPUs), over one flat buffer with split sizes, so shards of different lengths 
 form ``all_to_all`` wants tensors of one size). Each rank holds ``H / P`` query heads and
 ``Hkv / P`` key/value heads of the whole sequence, so both must divide by the number of ranks.
 
-**By groups of heads** (:class:`_Ulysses`): a rank's heads are cut into ``head_groups`` groups of
+**By groups of heads** (``_Ulysses``): a rank's heads are cut into ``head_groups`` groups of
 whole key/value heads (each with its ``H / Hkv`` query heads), and only one group's whole-sequence
 tensors exist at a time. The forward exchanges a group's q, k, v, runs it and sends its output
 back; it saves the rank's own q, k, v and output shards and the lse (in head layout: as many
@@ -59,7 +59,7 @@ def ulysses_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks
     r"""Attention over a sequence split across the ranks of ``group``, by head: every rank calls it
     with its shard and gets its shard of :func:`attnkit.attention` on the whole sequence.
 
-    Args are :func:`ring_attention`'s (``query [B, H, n, Dk]``, ``key [B, Hkv, n, Dk]``, ``value
+    Args are :func:`attnkit.distributed.ring_attention`'s (``query [B, H, n, Dk]``, ``key [B, Hkv, n, Dk]``, ``value
     [B, Hkv, n, Dv]``), plus:
 
     Args:
@@ -82,11 +82,43 @@ def ulysses_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks
     output once (and the lse with ``return_lse``); the backward q, k, v, output and dO to head
     layout and dq, dk, dv back (with ``return_lse``, the lse's gradient too).
 
-    The ranks must agree on the call as in :func:`ring_attention` (checked before any exchange),
+    The ranks must agree on the call as in :func:`attnkit.distributed.ring_attention` (checked before any exchange),
     with ``head_groups`` and ``return_lse`` (it adds an exchange) instead of ``block_size``.
 
     Returns:
-        ``output [B, H, n, Dv]`` (and ``lse [B, H, n]`` with ``return_lse``, differentiable).
+        ``output [B, H, n, Dv]`` (and ``lse [B, H, n]`` with ``return_lse``, differentiable), this
+        rank's shard.
+
+    Raises:
+        ValueError: on every rank, when the ranks disagree on the call or a rank's own arguments
+            are refused (heads that do not divide by the number of ranks, ``head_groups`` above
+            ``Hkv / P``, a backend without the lse or its backward, ``key``/``value`` of another
+            ``n`` than ``query``, an unknown ``layout``, ...; that rank raises its own error).
+        TypeError: on the refusing rank (the others: ``ValueError``), for a dense tensor ``mask``
+            or a ``head_groups`` that is not an int.
+
+    Example:
+
+        One rank in a single-process gloo group (with ``P`` ranks, each passes its own shard and
+        ``H``, ``Hkv`` must divide by ``P``):
+
+        >>> import os, torch, torch.distributed as dist
+        >>> import attnkit
+        >>> from attnkit import masks
+        >>> from attnkit.distributed import shard, ulysses_attention
+        >>> dist.init_process_group("gloo", init_method="file://" + os.path.abspath("ulysses_pg"),
+        ...                         rank=0, world_size=1)
+        >>> rank, world = dist.get_rank(), dist.get_world_size()
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q = torch.randn(1, 4, 16, 8, generator=g)
+        >>> k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(2))  # grouped-query: Hkv = 2
+        >>> window = masks.sliding_window(4)
+        >>> out = ulysses_attention(*(shard(x, rank, world) for x in (q, k, v)), mask=window, head_groups=2)
+        >>> out.shape
+        torch.Size([1, 4, 16, 8])
+        >>> torch.allclose(out, shard(attnkit.attention(q, k, v, mask=window), rank, world), atol=1e-5)
+        True
+        >>> dist.destroy_process_group()
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     try:  # this rank's own checks; a refusal is heard by every rank (agreement.agree)

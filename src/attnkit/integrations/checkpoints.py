@@ -24,7 +24,21 @@ OWN_MODEL_TYPES = frozenset({"bert"})
 
 
 def model_type(name_or_path: str | Path) -> str | None:
-    """The ``model_type`` in ``config.json`` of a directory, or None (not a directory, no config)."""
+    """The ``model_type`` in ``config.json`` of a directory, or None (not a directory, no config,
+    not a JSON object, no string ``model_type``).
+
+    Example:
+
+        >>> import json, os
+        >>> from attnkit.integrations.checkpoints import model_type
+        >>> os.makedirs("some-llama", exist_ok=True)
+        >>> with open("some-llama/config.json", "w") as file:
+        ...     json.dump({"model_type": "llama", "hidden_size": 16}, file)
+        >>> model_type("some-llama")
+        'llama'
+        >>> print(model_type("no-such-directory"))
+        None
+    """
     config = Path(name_or_path) / "config.json"
     if not config.is_file():
         return None
@@ -45,21 +59,72 @@ def _architectures(directory: Path) -> list[str]:
 
 
 def wants_transformers(name_or_path: str | Path) -> bool:
-    """True for a directory whose model type attnkit's own loader does not read."""
+    """True for a directory whose model type attnkit's own loader does not read (anything but
+    BERT): such a directory is loaded with :class:`attnkit.integrations.checkpoints.Checkpoint`.
+
+    Example:
+
+        >>> import json, os
+        >>> from attnkit.integrations.checkpoints import wants_transformers
+        >>> for kind in ("llama", "bert"):
+        ...     os.makedirs(kind, exist_ok=True)
+        ...     with open(f"{kind}/config.json", "w") as file:
+        ...         json.dump({"model_type": kind}, file)
+        >>> wants_transformers("llama"), wants_transformers("bert"), wants_transformers("no-such-directory")
+        (True, False, False)
+    """
     kind = model_type(name_or_path)
     return kind is not None and kind not in OWN_MODEL_TYPES
 
 
 @dataclass
 class Encoded:
-    """One text through a checkpoint: its tokens and every layer's weights ``[1, H, T, T]``."""
+    """One text through a checkpoint: its tokens (``tokens[0]``, ``T`` of them) and every layer's
+    weights ``[1, H, T, T]`` (float32). :meth:`attnkit.integrations.checkpoints.Checkpoint.encode`
+    makes them.
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.integrations.checkpoints import Encoded
+        >>> encoded = Encoded([["a", "b"]], [torch.tensor([[[[1.0, 0.0], [0.5, 0.5]]]])])
+        >>> len(encoded.tokens[0]), [tuple(a.shape) for a in encoded.attentions]
+        (2, [(1, 1, 2, 2)])
+    """
 
     tokens: list[list[str]]
     attentions: list[Tensor]
 
 
 class Checkpoint:
-    """A local transformers checkpoint with its tokenizer, attention on attnkit."""
+    """A local transformers checkpoint with its tokenizer, attention on attnkit.
+
+    ``path``: a directory saved by ``save_pretrained`` (``config.json``, the weights and a
+    tokenizer), read with ``local_files_only=True`` (never a download). Attributes: ``path``,
+    ``name`` (the directory's), ``tokenizer``, ``model`` (the base model, eval mode),
+    ``is_encoder_decoder``, ``has_sinks``, ``num_layers``, ``num_heads``.
+
+    Raises:
+        ValueError: when the directory holds no usable tokenizer.
+        ImportError: when transformers is not installed (naming the extra to install).
+
+    Example:
+
+        >>> import transformers
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> words = {"[UNK]": 0, "the": 1, "quick": 2, "brown": 3, "fox": 4}
+        >>> tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+        >>> tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+        >>> saved = fast.save_pretrained("tiny")
+        >>> config = transformers.LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...                                   num_attention_heads=2, num_key_value_heads=1)
+        >>> transformers.LlamaForCausalLM(config).save_pretrained("tiny")  # a tiny random Llama checkpoint
+        >>> from attnkit.integrations.checkpoints import Checkpoint
+        >>> checkpoint = Checkpoint("tiny")
+        >>> checkpoint.name, checkpoint.num_layers, checkpoint.num_heads, checkpoint.is_encoder_decoder
+        ('tiny', 2, 2, False)
+    """
 
     def __init__(self, path: str | Path) -> None:
         require("transformers", f"model directory {str(path)!r} ({model_type(path)})", extra="transformers")
@@ -105,7 +170,36 @@ class Checkpoint:
 
     def encode(self, text: str) -> Encoded:
         """``text`` alone (a batch of one: no padding), every layer's attention weights. With learned
-        sinks (GPT-OSS) a row's weights sum to less than 1; they are renormalised over the keys."""
+        sinks (GPT-OSS) a row's weights sum to less than 1; they are renormalised over the keys.
+
+        Returns:
+            An :class:`attnkit.integrations.checkpoints.Encoded`: ``T`` tokens and ``num_layers``
+            tensors ``[1, H, T, T]``.
+
+        Raises:
+            ValueError: when ``text`` gives no tokens.
+
+        Example:
+
+            >>> import transformers
+            >>> from tokenizers import Tokenizer, models, pre_tokenizers
+            >>> words = {"[UNK]": 0, "the": 1, "quick": 2, "brown": 3, "fox": 4}
+            >>> tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+            >>> tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+            >>> fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+        >>> saved = fast.save_pretrained("tiny")
+            >>> config = transformers.LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            ...                                   num_attention_heads=2, num_key_value_heads=1)
+            >>> transformers.LlamaForCausalLM(config).save_pretrained("tiny")  # a tiny random Llama checkpoint
+            >>> import torch
+            >>> from attnkit.integrations.checkpoints import Checkpoint
+            >>> encoded = Checkpoint("tiny").encode("the quick brown fox")
+            >>> encoded.tokens, [tuple(a.shape) for a in encoded.attentions]
+            ([['the', 'quick', 'brown', 'fox']], [(1, 2, 4, 4), (1, 2, 4, 4)])
+            >>> first = encoded.attentions[0][0, 0]  # causal: nothing above the diagonal
+            >>> bool((first.triu(1) == 0).all()), torch.allclose(first.sum(-1), torch.ones(4))
+            (True, True)
+        """
         input_ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
         if input_ids.shape[1] == 0:
             raise ValueError(f"text {text!r} gives no tokens")
@@ -117,7 +211,28 @@ class Checkpoint:
 
     def trace(self, text: str):
         """Every attention call of ``text`` (batch of one) recorded by :func:`attnkit.trace.record`,
-        with its tokens. Call ``i`` is layer ``i`` (the encoder's layers for encoder-decoders)."""
+        with its tokens. Call ``i`` is layer ``i`` (the encoder's layers for encoder-decoders).
+
+        Returns:
+            ``(trace, tokens)``: an :class:`attnkit.trace.Trace` and the ``T`` token strings.
+
+        Example:
+
+            >>> import transformers
+            >>> from tokenizers import Tokenizer, models, pre_tokenizers
+            >>> words = {"[UNK]": 0, "the": 1, "quick": 2, "brown": 3, "fox": 4}
+            >>> tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+            >>> tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+            >>> fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+        >>> saved = fast.save_pretrained("tiny")
+            >>> config = transformers.LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            ...                                   num_attention_heads=2, num_key_value_heads=1)
+            >>> transformers.LlamaForCausalLM(config).save_pretrained("tiny")  # a tiny random Llama checkpoint
+            >>> from attnkit.integrations.checkpoints import Checkpoint
+            >>> recorded, tokens = Checkpoint("tiny").trace("the quick fox")
+            >>> len(recorded.calls), tokens
+            (2, ['the', 'quick', 'fox'])
+        """
         from .. import trace
 
         input_ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
@@ -127,7 +242,31 @@ class Checkpoint:
 
 
 def records(checkpoint: Checkpoint, texts: Sequence[str]) -> list:
-    """One :class:`~attnkit.viz.AttentionRecord` per text."""
+    """One :class:`~attnkit.viz.AttentionRecord` per text (its weights ``[layers, H, T, T]``, named
+    after the checkpoint), for :func:`attnkit.viz.write_report` and the other views.
+
+    Args:
+        checkpoint: a :class:`attnkit.integrations.checkpoints.Checkpoint`.
+        texts: the texts, each run alone (:meth:`attnkit.integrations.checkpoints.Checkpoint.encode`).
+
+    Example:
+
+        >>> import transformers
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> words = {"[UNK]": 0, "the": 1, "quick": 2, "brown": 3, "fox": 4}
+        >>> tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+        >>> tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+        >>> saved = fast.save_pretrained("tiny")
+        >>> config = transformers.LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...                                   num_attention_heads=2, num_key_value_heads=1)
+        >>> transformers.LlamaForCausalLM(config).save_pretrained("tiny")  # a tiny random Llama checkpoint
+        >>> from attnkit.integrations.checkpoints import Checkpoint, records
+        >>> found = records(Checkpoint("tiny"), ["the quick fox", "brown fox"])
+        >>> [(r.text, r.tokens, tuple(r.attentions.shape), r.model) for r in found]
+        [('the quick fox', ['the', 'quick', 'fox'], (2, 2, 3, 3), 'tiny'),
+         ('brown fox', ['brown', 'fox'], (2, 2, 2, 2), 'tiny')]
+    """
     from ..viz import AttentionRecord
 
     result = []

@@ -110,6 +110,19 @@ class TransformersMask:
     keys), or None (every key). The object
     answers ``shape``, ``ndim`` (4), ``contiguous()`` and ``to()`` as a 4-D mask would, because
     ``generate()`` builds masks ahead of the model for static caches and passes them back in.
+    Frozen; :func:`attnkit.integrations.transformers.attnkit_mask` makes them.
+
+    Example:
+
+        >>> from attnkit import masks
+        >>> from attnkit.integrations.transformers import TransformersMask
+        >>> built = TransformersMask(masks.causal(), batch_size=2, q_length=3, kv_length=3)
+        >>> built.shape, built.ndim
+        (torch.Size([2, 1, 3, 3]), 4)
+        >>> built.dense()[0, 0]
+        tensor([[ True, False, False],
+                [ True,  True, False],
+                [ True,  True,  True]])
     """
 
     mask: StructuredMask | Tensor | None
@@ -121,16 +134,63 @@ class TransformersMask:
 
     @property
     def shape(self) -> torch.Size:
+        """``[B, 1, Lq, Lk]``, the shape of the 4-D mask it stands for (``torch.Size``).
+
+        Example:
+
+            >>> from attnkit import masks
+            >>> from attnkit.integrations.transformers import TransformersMask
+            >>> TransformersMask(masks.sliding_window(2), batch_size=1, q_length=4, kv_length=6).shape
+            torch.Size([1, 1, 4, 6])
+        """
         return torch.Size((self.batch_size, 1, self.q_length, self.kv_length))
 
     def contiguous(self) -> TransformersMask:
+        """The mask itself (it holds no tensor to lay out): for callers that treat it as a tensor.
+
+        Example:
+
+            >>> from attnkit.integrations.transformers import TransformersMask
+            >>> built = TransformersMask(None, batch_size=1, q_length=2, kv_length=2)
+            >>> built.contiguous() is built
+            True
+        """
         return self
 
     def to(self, *args: object, **kwargs: object) -> TransformersMask:
+        """The mask itself, whatever the arguments (a device or dtype: a structured mask goes with
+        the inputs where :func:`attnkit.attention` runs): for callers that treat it as a tensor.
+
+        Example:
+
+            >>> import torch
+            >>> from attnkit import masks
+            >>> from attnkit.integrations.transformers import TransformersMask
+            >>> built = TransformersMask(masks.causal(), batch_size=1, q_length=2, kv_length=2)
+            >>> built.to("cpu") is built, built.to(torch.float16) is built
+            (True, True)
+        """
         return self
 
     def dense(self, device: torch.device | str | None = None) -> Tensor:
-        """The boolean mask ``[B or 1, 1, Lq, Lk]`` (True = may attend), for callers that need a tensor."""
+        """The boolean mask ``[B or 1, 1, Lq, Lk]`` (True = may attend), for callers that need a tensor.
+
+        Args:
+            device: where to build it (default: the CPU, or the tensor's own device).
+
+        Returns:
+            A boolean tensor; ``[1, 1, Lq, Lk]`` of True for no mask.
+
+        Example:
+
+            >>> from attnkit import masks
+            >>> from attnkit.integrations.transformers import TransformersMask
+            >>> TransformersMask(None, batch_size=2, q_length=1, kv_length=3).dense()
+            tensor([[[[True, True, True]]]])
+            >>> padded = TransformersMask(masks.padding([3, 1]), batch_size=2, q_length=1, kv_length=3)
+            >>> padded.dense().shape, padded.dense()[1, 0, 0].tolist()
+            (torch.Size([2, 1, 1, 3]), [True, False, False])
+        """
         if self.mask is None:
             return torch.ones(1, 1, self.q_length, self.kv_length, dtype=torch.bool, device=device)
         if isinstance(self.mask, Tensor):
@@ -222,7 +282,35 @@ def attnkit_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int |
                  **kwargs: object) -> TransformersMask:
     """transformers' mask builder for ``"attnkit"`` (``AttentionMaskInterface``): the rule
     ``mask_function`` at these offsets, with the 2-D padding ``attention_mask``, as a
-    :class:`TransformersMask` holding a structured mask where attnkit has one for the rule."""
+    :class:`attnkit.integrations.transformers.TransformersMask` holding a structured mask where
+    attnkit has one for the rule (else a boolean ``[B, 1, Lq, Lk]`` tensor). transformers calls it;
+    the arguments are those of its mask builders.
+
+    Args:
+        batch_size, q_length, kv_length: ``B``, ``Lq`` and ``Lk`` of the attention call.
+        q_offset, kv_offset: the first query's and key's positions (from the cache).
+        mask_function: transformers' rule (``causal_mask_function``, a sliding-window one, ...).
+        attention_mask: the 2-D padding mask ``[B, positions]`` (1 = real token), or a
+            :class:`attnkit.integrations.transformers.TransformersMask` built ahead (returned as
+            it is).
+
+    Returns:
+        A :class:`attnkit.integrations.transformers.TransformersMask`.
+
+    Example:
+
+        >>> import torch
+        >>> from transformers import masking_utils
+        >>> from attnkit.integrations.transformers import attnkit_mask
+        >>> attnkit_mask(2, 4, 4)  # causal, no padding
+        TransformersMask(mask=causal(), batch_size=2, q_length=4, kv_length=4)
+        >>> attnkit_mask(2, 4, 4, attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])).mask
+        causal() & padding([4, 2])
+        >>> attnkit_mask(1, 4, 4, mask_function=masking_utils.sliding_window_causal_mask_function(2)).mask
+        sliding_window(2)
+        >>> print(attnkit_mask(1, 4, 4, mask_function=masking_utils.bidirectional_mask_function).mask)
+        None
+    """
     if isinstance(attention_mask, TransformersMask):
         return attention_mask  # generate() built it ahead of the forward (static caches)
     q_offset = int(q_offset)  # a static cache keeps it as a tensor
@@ -287,12 +375,40 @@ def attnkit_attention_forward(module: torch.nn.Module, query: Tensor, key: Tenso
     Args:
         module: the model's attention module (``training``, ``is_causal``, GPT-OSS's ``sinks``).
         query: ``[B, H, Lq, D]``; key, value: ``[B, Hkv, Lk, D]`` (``H % Hkv == 0``, passed as they are).
-        attention_mask: what :func:`attnkit_mask` built, a 4-D tensor (boolean, or an additive float
-            mask), or None (then the module's ``is_causal``, as transformers' SDPA path reads it).
+        attention_mask: what :func:`attnkit.integrations.transformers.attnkit_mask` built, a 4-D
+            tensor (boolean, or an additive float mask), or None (then the module's ``is_causal``,
+            as transformers' SDPA path reads it).
         dropout, scaling, softcap, s_aux / sinks, position_bias, alibi_slopes: as models pass them.
 
     Returns:
-        ``(output [B, Lq, H, Dv], weights [B, H, Lq, Lk] or None)``.
+        ``(output [B, Lq, H, Dv], weights [B, H, Lq, Lk] or None)``: the weights with
+        ``output_attentions``.
+
+    Raises:
+        ValueError: for a keyword attnkit cannot express (``head_mask``, ...), naming it; and
+            whatever :func:`attnkit.attention` refuses.
+
+    Example:
+
+        Models call it; by hand, with a module that is causal:
+
+        >>> import torch
+        >>> from attnkit.integrations.transformers import attnkit_attention_forward, attnkit_mask
+        >>> module = torch.nn.Module().eval()
+        >>> module.is_causal = True
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q = torch.randn(1, 4, 5, 8, generator=g)  # [B, H, Lq, D]
+        >>> k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(2))  # [B, Hkv, Lk, D]
+        >>> out, weights = attnkit_attention_forward(module, q, k, v, attnkit_mask(1, 5, 5), scaling=8 ** -0.5)
+        >>> out.shape, weights
+        (torch.Size([1, 5, 4, 8]), None)
+        >>> out2, weights = attnkit_attention_forward(module, q, k, v, None, output_attentions=True)
+        >>> weights.shape, torch.allclose(out, out2, atol=1e-6)
+        (torch.Size([1, 4, 5, 5]), True)
+        >>> attnkit_attention_forward(module, q, k, v, None, head_mask=torch.ones(4))
+        Traceback (most recent call last):
+            ...
+        ValueError: attn_implementation='attnkit' cannot express 'head_mask' (passed by Module); use ...
     """
     unknown = sorted(name for name, value in kwargs.items()
                      if name not in _IGNORED and value is not None and value is not False)
@@ -337,7 +453,27 @@ def _all_dropped(query: Tensor, key: Tensor, value: Tensor, want_weights: bool) 
 
 def register(name: str = NAME) -> None:
     """Register ``name`` (default ``"attnkit"``) as an attention implementation and its mask
-    builder in transformers. Importing this module does it once; calling again is harmless."""
+    builder in transformers. Importing this module does it once; calling again is harmless.
+
+    Example:
+
+        A tiny random Llama gives eager's logits on attnkit:
+
+        >>> import torch, transformers
+        >>> from attnkit.integrations.transformers import register
+        >>> register()  # importing the module already did
+        >>> config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+        >>> model = transformers.LlamaForCausalLM(config).eval()
+        >>> ids = torch.tensor([[1, 5, 7, 3]])
+        >>> with torch.no_grad():
+        ...     model.set_attn_implementation("eager")
+        ...     eager = model(ids).logits
+        ...     model.set_attn_implementation("attnkit")
+        ...     ours = model(ids).logits
+        >>> torch.allclose(ours, eager, atol=1e-5)
+        True
+    """
     AttentionInterface.register(name, attnkit_attention_forward)
     AttentionMaskInterface.register(name, attnkit_mask)
 

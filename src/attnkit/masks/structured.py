@@ -23,7 +23,7 @@ Positions: query ``i`` sits at key position ``p = i + Lk - Lq`` (**bottom-right*
 ``causal`` everywhere in attnkit), so the last query is level with the last key. ``causal()``
 lets ``p`` see keys ``j <= p``; rows with ``p < 0`` (when ``Lq > Lk``) see nothing and give zeros.
 With ``varlen(q_lengths, k_lengths)`` in an intersection, each sequence aligns to its own real
-lengths instead (FlashAttention's variable-length semantics; see :func:`varlen`).
+lengths instead (FlashAttention's variable-length semantics; see :func:`attnkit.masks.varlen`).
 
 Masks made from per-sequence data (``padding(lengths)``, ``document(ids=[B, T])``,
 ``prefix_lm([B])``, ``varlen``, ``key_ranges([B, Lq])``) have a ``batch_size``; their dense form is
@@ -62,8 +62,31 @@ class StructuredMask:
     """A mask given by one or two key intervals ``[lo, hi)`` per query row. Combine with ``&``
     (intersection) and ``|`` (union, at most two ranges a row).
 
-    Subclasses implement :meth:`bounds`; everything else (dense form, key ranges of a block,
-    drawing) follows from it.
+    Subclasses implement :meth:`~attnkit.masks.StructuredMask.bounds`; everything else (dense
+    form, key ranges of a block, drawing) follows from it. Make masks with the constructors of
+    :mod:`attnkit.masks` (:func:`attnkit.masks.causal`, :func:`attnkit.masks.sliding_window`,
+    :func:`attnkit.masks.document`, ...) and pass them as ``mask=`` to :func:`attnkit.attention`
+    or a layer.
+
+    Raises:
+        ValueError: from ``&`` / ``|``: masks describing different numbers of sequences (other than 1),
+            a union that would give rows more than two key ranges, or more than one ``varlen(...)``.
+
+    Example:
+
+        >>> import torch
+        >>> import attnkit
+        >>> from attnkit import masks
+        >>> mask = masks.sliding_window(3) & masks.document([4, 4])
+        >>> mask
+        sliding_window(3) & document([4, 4])
+        >>> print(mask.to_string(8, block_size=4))  # 4 x 4 blocks: "+" partly allowed, "." skipped
+        + .
+        . +
+        >>> q, k, v = (torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+        >>> out = attnkit.attention(q, k, v, mask=mask)
+        >>> torch.allclose(out, attnkit.attention(q, k, v, mask=mask.dense(8)), atol=1e-6)
+        True
     """
 
     #: Number of sequences the mask describes, or None when it is the same for all of them.
@@ -74,16 +97,58 @@ class StructuredMask:
     def bounds(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Keys ``lo <= j < hi`` for each query at ``positions`` (int64 ``[n]``, or ``[B, n]`` in a
         variable-length batch; key coordinates, may be negative). Returns ``lo, hi`` broadcastable
-        to ``[n]``, or ``[B, n]`` for per-sequence masks; not clipped to the key range."""
+        to ``[n]``, or ``[B, n]`` for per-sequence masks; not clipped to the key range.
+
+        Raises:
+            NotImplementedError: in the base class (each mask implements it).
+
+        Example:
+
+            >>> import torch
+            >>> from attnkit import masks
+            >>> lo, hi = masks.sliding_window(3).bounds(torch.arange(5))  # p - 3 < j <= p
+            >>> lo, hi
+            (tensor([-2, -1,  0,  1,  2]), tensor([1, 2, 3, 4, 5]))
+            >>> masks.document([2, 3]).bounds(torch.arange(5))
+            (tensor([0, 0, 2, 2, 2]), tensor([2, 2, 5, 5, 5]))
+        """
         raise NotImplementedError
 
     def ranges(self, positions: Tensor, rows: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """The rows' key intervals, one ``(lo, hi)`` pair per range (at most :data:`MAX_RANGES`).
-        ``rows`` are the query indices of ``positions`` (masks given per row use them)."""
+        """The rows' key intervals, one ``(lo, hi)`` pair per range (at most two,
+        ``attnkit.masks.structured.MAX_RANGES``), each broadcastable to ``positions``' shape as in
+        :meth:`~attnkit.masks.StructuredMask.bounds` and not clipped to the key range.
+        ``positions``: int64 ``[n]`` (or ``[B, n]``) key coordinates of the queries; ``rows``: their
+        query indices ``[n]`` (masks given per row use them).
+
+        Example:
+
+            >>> import torch
+            >>> from attnkit import masks
+            >>> sinks_and_window = masks.sliding_window(2) | masks.first_keys(1)
+            >>> rows = torch.arange(5)
+            >>> for lo, hi in sinks_and_window.ranges(rows, rows):  # positions = rows when Lq = Lk
+            ...     print(lo.tolist(), hi.tolist())
+            [-1, 0, 0, 0, 0] [1, 2, 3, 1, 1]
+            [0, 0, 0, 2, 3] [0, 0, 0, 4, 5]
+        """
         return [self.bounds(positions)]
 
     def aligner(self) -> _Varlen | None:
-        """The ``varlen`` part that sets each sequence's alignment, if any."""
+        """The ``varlen`` part that sets each sequence's alignment, if any.
+
+        Returns:
+            The ``varlen(...)`` mask (see :func:`attnkit.masks.varlen`) this mask holds, or ``None``
+            (every query then aligns bottom-right with the padded lengths).
+
+        Example:
+
+            >>> from attnkit import masks
+            >>> (masks.varlen([3, 5]) & masks.causal()).aligner()
+            varlen([3, 5])
+            >>> masks.causal().aligner() is None
+            True
+        """
         return None
 
     # -- derived views -------------------------------------------------------------------------
@@ -92,7 +157,30 @@ class StructuredMask:
                    device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
         """``lo, hi`` (int64, ``[S, R, Lq]``: S = 1 or one per sequence, R = 1 or 2 ranges) clipped
         to ``[0, Lk]``, the ranges of a row disjoint and in order: query ``i`` of sequence ``s`` may
-        attend keys ``lo[s, r, i] <= j < hi[s, r, i]`` for each ``r``."""
+        attend keys ``lo[s, r, i] <= j < hi[s, r, i]`` for each ``r``.
+
+        Args:
+            q_len: ``Lq``, the number of queries.
+            k_len: ``Lk``, the number of keys; default ``q_len``.
+            device: where to compute the ranges.
+
+        Raises:
+            ValueError: a negative length, or a mask that does not fit the call (``key_ranges`` made for
+                another number of query rows).
+
+        Example:
+
+            >>> from attnkit import masks
+            >>> lo, hi = masks.padding([2, 4]).row_ranges(3, 4)  # 2 sequences, 1 range a row
+            >>> lo.shape
+            torch.Size([2, 1, 3])
+            >>> hi[:, 0]
+            tensor([[2, 2, 2],
+                    [4, 4, 4]])
+            >>> lo, hi = (masks.sliding_window(2) | masks.first_keys(1)).row_ranges(5)  # 2 ranges a row
+            >>> print(lo[0].tolist(), hi[0].tolist())
+            [[0, 0, 0, 0, 0], [0, 0, 0, 2, 3]] [[1, 2, 3, 1, 1], [0, 0, 0, 4, 5]]
+        """
         k_len = q_len if k_len is None else k_len
         _check_lengths(q_len, k_len)
         rows = torch.arange(q_len, device=device, dtype=torch.int64)
@@ -109,7 +197,27 @@ class StructuredMask:
                    device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
         """``lo, hi`` (int64, ``[Lq]`` or ``[B, Lq]``) clipped to ``[0, Lk]`` for a mask of one range
         per row: query ``i`` may attend keys ``lo[i] <= j < hi[i]``; the row is empty when
-        ``lo[i] >= hi[i]``. A mask with two ranges a row raises; use :meth:`row_ranges`."""
+        ``lo[i] >= hi[i]``. A mask with two ranges a row raises; use
+        :meth:`~attnkit.masks.StructuredMask.row_ranges`.
+
+        Args:
+            q_len: ``Lq``, the number of queries.
+            k_len: ``Lk``, the number of keys; default ``q_len``.
+            device: where to compute the bounds.
+
+        Raises:
+            ValueError: a mask with two key ranges a row, or a negative length.
+
+        Example:
+
+            >>> from attnkit import masks
+            >>> masks.causal().row_bounds(3, 5)  # bottom-right: the last query sees every key
+            (tensor([0, 0, 0]), tensor([3, 4, 5]))
+            >>> masks.padding([2, 4]).row_bounds(2, 4)
+            (tensor([[0, 0],
+                    [0, 0]]), tensor([[2, 2],
+                    [4, 4]]))
+        """
         lo, hi = self.row_ranges(q_len, k_len, device=device)
         if lo.shape[1] != 1:
             raise ValueError(f"{self!r} gives rows two key ranges; row_bounds describes one: use row_ranges")
@@ -119,7 +227,28 @@ class StructuredMask:
     def dense(self, q_len: int, k_len: int | None = None, *, ndim: int = 4,
               device: torch.device | str | None = None) -> Tensor:
         """The boolean mask (True = may attend): ``[Lq, Lk]``, or ``[B, 1, ..., Lq, Lk]`` with
-        ``ndim`` dims for per-sequence masks (``ndim=4`` broadcasts against ``[B, H, Lq, Lk]``)."""
+        ``ndim`` dims for per-sequence masks (``ndim=4`` broadcasts against ``[B, H, Lq, Lk]``).
+
+        Args:
+            q_len: ``Lq``, the number of queries.
+            k_len: ``Lk``, the number of keys; default ``q_len``.
+            ndim: the dims of a per-sequence mask's dense form (at least 3, or 2 for one sequence).
+            device: where to create the mask.
+
+        Raises:
+            ValueError: ``ndim < 3`` for a mask of several sequences, or a negative length.
+
+        Example:
+
+            >>> import torch
+            >>> from attnkit import masks
+            >>> torch.equal(masks.causal().dense(2, 4), masks.causal_mask(2, 4))
+            True
+            >>> masks.padding([2, 4]).dense(3, 4).shape
+            torch.Size([2, 1, 3, 4])
+            >>> masks.padding([2, 4]).dense(3, 4, ndim=3).shape
+            torch.Size([2, 3, 4])
+        """
         k_len = q_len if k_len is None else k_len
         lo, hi = self.row_ranges(q_len, k_len, device=device)
         keys = torch.arange(k_len, device=lo.device)
@@ -138,7 +267,34 @@ class StructuredMask:
     def to_string(self, q_len: int, k_len: int | None = None, *, block_size: int | None = None) -> str:
         """Draw the mask as text, one line per query (``#`` may attend, ``.`` may not), or with
         ``block_size`` one character per block: ``#`` all allowed, ``+`` partly, ``.`` skipped.
-        Per-sequence masks draw each sequence under a ``sequence b:`` heading."""
+        Per-sequence masks draw each sequence under a ``sequence b:`` heading.
+
+        Args:
+            q_len: ``Lq``, the number of queries.
+            k_len: ``Lk``, the number of keys; default ``q_len``.
+            block_size: draw blocks of ``block_size`` queries by ``block_size`` keys.
+
+        Raises:
+            ValueError: ``block_size < 1``, or a negative length.
+
+        Example:
+
+            >>> from attnkit import masks
+            >>> print(masks.causal().to_string(3, 5))
+            # # # . .
+            # # # # .
+            # # # # #
+            >>> print(masks.causal().to_string(8, block_size=4))  # "#" all allowed, "+" partly
+            + .
+            # +
+            >>> print(masks.padding([2, 3]).to_string(2, 4))
+            sequence 0:
+            # # . .
+            # # . .
+            sequence 1:
+            # # # .
+            # # # .
+        """
         k_len = q_len if k_len is None else k_len
         lo, hi = self.row_ranges(q_len, k_len)
         if self.batch_size is None:
@@ -459,6 +615,22 @@ def causal() -> StructuredMask:
         # # # # .            . .
         # # # # #            # .
                              # #
+
+    Returns:
+        The mask (``is_causal`` is True: dense paths run it as ``causal=True``).
+
+    Example:
+
+        >>> import torch
+        >>> import attnkit
+        >>> from attnkit import masks
+        >>> q, k, v = (torch.randn(1, 2, 6, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+        >>> torch.allclose(attnkit.attention(q, k, v, mask=masks.causal()),
+        ...                attnkit.attention(q, k, v, causal=True), atol=1e-6)
+        True
+        >>> print(masks.causal().to_string(2, 4))
+        # # # .
+        # # # #
     """
     return _Causal()
 
@@ -490,6 +662,33 @@ def sliding_window(size: int, right: int | None = None, *, causal: bool | None =
 
     Intersect with ``document(...)`` for windows inside packed documents, with ``varlen(...)`` for
     windows aligned to each sequence's own length.
+
+    Args:
+        size: the window (``>= 1``); or, with ``right``, the left reach ``left`` (``-1``: unbounded).
+        right: the right reach (``-1``: unbounded); ``None`` for the ``size`` spelling.
+        causal: with ``size`` alone: the default ``True`` (only past keys) or ``False`` (both sides).
+
+    Raises:
+        TypeError: a non-int reach, a non-bool ``causal``, or ``causal`` given with ``right``.
+        ValueError: ``size < 1``, or a reach below ``-1``.
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit import masks
+        >>> print(masks.sliding_window(2, causal=False).to_string(4))
+        # # . .
+        # # # .
+        . # # #
+        . . # #
+        >>> torch.equal(masks.sliding_window(-1, 0).dense(4), masks.causal().dense(4))
+        True
+        >>> print((masks.sliding_window(2) & masks.document([2, 3])).to_string(5))
+        # . . . .
+        # # . . .
+        . . # . .
+        . . # # .
+        . . . # #
     """
     if right is None:
         causal = True if causal is None else causal
@@ -517,6 +716,26 @@ def first_keys(count: int) -> StructuredMask:
         # # # # . .
         # . # # # .
         # . . # # #
+
+    Args:
+        count: how many keys, from the first one (``>= 0``).
+
+    Raises:
+        TypeError: a non-int ``count``.
+        ValueError: a negative one.
+
+    Example:
+
+        >>> from attnkit import masks
+        >>> streaming = (masks.sliding_window(2) | masks.first_keys(1)) & masks.causal()
+        >>> streaming
+        (sliding_window(2) | first_keys(1)) & causal()
+        >>> print(streaming.to_string(5))
+        # . . . .
+        # # . . .
+        # # # . .
+        # . # # .
+        # . . # #
     """
     return _FirstKeys(_integers.integer("count", count))
 
@@ -531,6 +750,29 @@ def key_ranges(lo: Tensor | Sequence[Tensor], hi: Tensor | Sequence[Tensor]) -> 
         # . . .
         # # # .
         . . # #
+
+    Args:
+        lo: the first key of each row's range, an integer tensor ``[Lq]`` or ``[B, Lq]`` (or a
+            list of two for two ranges a row).
+        hi: one past the last key of each row's range, shaped like ``lo``.
+
+    Raises:
+        TypeError: ``lo`` / ``hi`` not integer tensors of 1 or 2 dims.
+        ValueError: other than one or two ranges, as many ``lo`` as ``hi``, or shapes that describe
+            different rows; when used, a call with other than ``Lq`` queries.
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit import masks
+        >>> mask = masks.key_ranges([torch.tensor([0, 0, 0]), torch.tensor([2, 3, 3])],
+        ...                         [torch.tensor([1, 1, 1]), torch.tensor([3, 4, 5])])
+        >>> mask
+        key_ranges(2 ranges per row, 3 rows)
+        >>> print(mask.to_string(3, 5))
+        # . # . .
+        # . . # .
+        # . . # #
     """
     los = list(lo) if isinstance(lo, (list, tuple)) else [lo]
     his = list(hi) if isinstance(hi, (list, tuple)) else [hi]
@@ -564,6 +806,30 @@ def varlen(q_lengths: Sequence[int] | Tensor, k_lengths: Sequence[int] | Tensor 
     Plain ``causal() & padding([3, 5])`` aligns every sequence to the padded length instead: its
     padding rows still attend keys, and with fewer queries than keys (a chunk of new tokens after
     a cache) sequence 0's queries would sit level with key 4, past its real keys.
+
+    Args:
+        q_lengths: real queries of each sequence, ``[B]`` ints.
+        k_lengths: real keys of each sequence, ``[B]`` ints; default ``q_lengths``.
+
+    Raises:
+        TypeError: lengths that are not 1-D ints.
+        ValueError: negative lengths, or ``q_lengths`` and ``k_lengths`` of different sizes.
+
+    Example:
+
+        One new token of sequence 0 after 2 cached keys, two of sequence 1 after 4:
+
+        >>> from attnkit import masks
+        >>> mask = masks.varlen([1, 2], [3, 6]) & masks.causal()
+        >>> mask.batch_size
+        2
+        >>> print(mask.to_string(2, 6))
+        sequence 0:
+        # # # . . .
+        . . . . . .
+        sequence 1:
+        # # # # # .
+        # # # # # #
     """
     q = _integers.integers("q_lengths", q_lengths, expected="a 1-D sequence of ints [B]")
     k = q.clone() if k_lengths is None else _integers.integers("k_lengths", k_lengths,
@@ -587,6 +853,33 @@ def document(lengths: Sequence[int] | Tensor | None = None, *, ids: Tensor | Non
         . . # # #
         . . # # #
         . . # # #
+
+    Args:
+        lengths: the documents' lengths, ints (one packing for every sequence).
+        ids: instead, integer labels ``[T]`` or ``[B, T]``, one per position.
+
+    Raises:
+        TypeError: both or neither of ``lengths`` and ``ids``, or non-int values.
+        ValueError: negative lengths, or ids that reuse a label after another run.
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit import masks
+        >>> packed = masks.document(ids=torch.tensor([[0, 0, 1, 1], [5, 5, 5, 7]]))
+        >>> packed.batch_size
+        2
+        >>> print((packed & masks.causal()).to_string(4))
+        sequence 0:
+        # . . .
+        # # . .
+        . . # .
+        . . # #
+        sequence 1:
+        # . . .
+        # # . .
+        # # # .
+        . . . #
     """
     if (lengths is None) == (ids is None):
         raise TypeError("document() takes either lengths (positional) or ids=..., exactly one of them")
@@ -612,6 +905,31 @@ def prefix_lm(prefix_length: int | Sequence[int] | Tensor) -> StructuredMask:
         # # # . .
         # # # # .
         # # # # #
+
+    Args:
+        prefix_length: the bidirectional prefix, an int or ``[B]`` ints (one per sequence).
+
+    Raises:
+        TypeError: a non-int length.
+        ValueError: a negative one.
+
+    Example:
+
+        >>> from attnkit import masks
+        >>> mask = masks.prefix_lm([1, 3])
+        >>> mask.batch_size, mask.dense(4).shape
+        (2, torch.Size([2, 1, 4, 4]))
+        >>> print(mask.to_string(4))
+        sequence 0:
+        # . . .
+        # # . .
+        # # # .
+        # # # #
+        sequence 1:
+        # # # .
+        # # # .
+        # # # .
+        # # # #
     """
     return _PrefixLM(_int_or_lengths("prefix_length", prefix_length))
 
@@ -623,6 +941,27 @@ def padding(lengths: int | Sequence[int] | Tensor) -> StructuredMask:
         # # # . .
         # # # . .
         # # # . .
+
+    Args:
+        lengths: real keys per sequence, ``[B]`` ints, or one int.
+
+    Raises:
+        TypeError: a non-int length.
+        ValueError: a negative one.
+
+    Example:
+
+        >>> import torch
+        >>> import attnkit
+        >>> from attnkit import masks
+        >>> mask = masks.padding([2, 4])
+        >>> mask.batch_size, mask.dense(3, 4).shape
+        (2, torch.Size([2, 1, 3, 4]))
+        >>> q = torch.randn(2, 2, 3, 8, generator=torch.Generator().manual_seed(0))  # [B, H, Lq, D]
+        >>> k = v = torch.randn(2, 2, 4, 8, generator=torch.Generator().manual_seed(1))
+        >>> _, weights = attnkit.attention(q, k, v, mask=mask, return_weights=True)
+        >>> bool((weights[0, ..., 2:] == 0).all())  # sequence 0 never attends its padding keys
+        True
     """
     value = _int_or_lengths("lengths", lengths)
     if isinstance(value, int):

@@ -26,7 +26,20 @@ _ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
 @dataclass(frozen=True)
 class BertConfig:
-    """The subset of a Hugging Face ``config.json`` that a BERT encoder needs."""
+    """The subset of a Hugging Face ``config.json`` that a BERT encoder needs.
+
+    The fields keep Hugging Face's names and defaults. The constructor takes the values as given;
+    :meth:`attnkit.models.BertConfig.from_dict` and :meth:`attnkit.models.BertConfig.from_file`
+    check them (type and range) and raise ``ValueError`` for a damaged file.
+
+    Example:
+
+    >>> from attnkit.models import BertConfig
+    >>> config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...                     intermediate_size=64, max_position_embeddings=16)
+    >>> config.hidden_act, config.type_vocab_size, config.pad_token_id
+    ('gelu', 2, 0)
+    """
 
     vocab_size: int
     hidden_size: int
@@ -44,7 +57,33 @@ class BertConfig:
     @classmethod
     def from_dict(cls, raw: dict, *, source: str = "config") -> "BertConfig":
         """Build from a parsed ``config.json``, checking every key it uses (type and range);
-        errors name ``source`` (the file) and the key. Keys attnkit does not use are ignored."""
+        errors name ``source`` (the file) and the key. Keys attnkit does not use are ignored.
+
+        Args:
+            raw: the parsed JSON object (a ``dict``).
+            source: what the errors call it, usually the file's path.
+
+        Returns:
+            The :class:`attnkit.models.BertConfig`.
+
+        Raises:
+            ValueError: ``raw`` is not a dict, is no absolute-position BERT (``model_type``,
+                ``position_embedding_type``), lacks a required key, holds a value of the wrong
+                type or range, or ``hidden_size`` is not divisible by ``num_attention_heads``.
+
+        Example:
+
+        >>> from attnkit.models import BertConfig
+        >>> raw = {"model_type": "bert", "architectures": ["BertModel"], "vocab_size": 100,
+        ...        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        ...        "intermediate_size": 64, "max_position_embeddings": 16, "hidden_act": "gelu"}
+        >>> BertConfig.from_dict(raw).num_hidden_layers
+        2
+        >>> BertConfig.from_dict({**raw, "hidden_size": 30}, source="my/config.json")
+        Traceback (most recent call last):
+        ...
+        ValueError: my/config.json: hidden_size 30 is not divisible by num_attention_heads 4
+        """
         if not isinstance(raw, dict):
             raise ValueError(f"{source}: expected a JSON object of settings, got {type(raw).__name__}")
         for key, expected in (("model_type", "bert"), ("position_embedding_type", "absolute")):
@@ -67,6 +106,28 @@ class BertConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "BertConfig":
+        """Read and check the ``config.json`` at ``path`` (see
+        :meth:`attnkit.models.BertConfig.from_dict`); errors name the file.
+
+        Raises:
+            ValueError: the file is unreadable, not UTF-8 JSON, not a JSON object, or fails a
+                check of :meth:`attnkit.models.BertConfig.from_dict`.
+
+        Example:
+
+        >>> import json
+        >>> from attnkit.models import BertConfig
+        >>> with open("config.json", "w") as file:
+        ...     json.dump({"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2,
+        ...                "num_attention_heads": 4, "intermediate_size": 64,
+        ...                "max_position_embeddings": 16}, file)
+        >>> BertConfig.from_file("config.json").vocab_size
+        100
+        >>> BertConfig.from_file("missing.json")
+        Traceback (most recent call last):
+        ...
+        ValueError: missing.json: not valid JSON (...)
+        """
         return cls.from_dict(read_json(Path(path)), source=str(path))
 
 
@@ -117,7 +178,22 @@ def _checked(source: str, key: str, value: object) -> object:
 
 
 class BertEmbeddings(nn.Module):
-    """Token ids -> vectors: word + absolute position + token type, then LayerNorm."""
+    """Token ids -> vectors: word + absolute position + token type, then LayerNorm (and dropout
+    in training mode).
+
+    Built from a :class:`attnkit.models.BertConfig`; the word embedding's ``pad_token_id`` row
+    gets no gradient.
+
+    Example:
+
+    >>> import torch
+    >>> from attnkit.models import BertConfig, BertEmbeddings
+    >>> config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+    ...                     intermediate_size=64, max_position_embeddings=16)
+    >>> embeddings = BertEmbeddings(config).eval()
+    >>> embeddings(torch.tensor([[5, 6, 7]])).shape
+    torch.Size([1, 3, 32])
+    """
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
@@ -129,7 +205,33 @@ class BertEmbeddings(nn.Module):
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
         """``input_ids [B, T]`` -> ``[B, T, E]``. Token type 0 is added when none is given, as
-        the checkpoint was trained with it (leaving it out shifts every vector)."""
+        the checkpoint was trained with it (leaving it out shifts every vector).
+
+        Args:
+            input_ids: ``[B, T]`` integer token ids.
+            token_type_ids: ``[B, T]`` segment ids, or None for all zeros.
+
+        Returns:
+            ``[B, T, E]`` vectors (``E`` = ``hidden_size``).
+
+        Raises:
+            ValueError: ``T`` is more than ``max_position_embeddings``.
+
+        Example:
+
+        >>> import torch
+        >>> from attnkit.models import BertConfig, BertEmbeddings
+        >>> config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        ...                     intermediate_size=64, max_position_embeddings=16)
+        >>> embeddings = BertEmbeddings(config).eval()
+        >>> ids = torch.tensor([[5, 6, 7]])
+        >>> torch.equal(embeddings(ids), embeddings(ids, torch.zeros_like(ids)))
+        True
+        >>> embeddings(torch.zeros(1, 17, dtype=torch.long))
+        Traceback (most recent call last):
+        ...
+        ValueError: input_ids has 17 tokens; this model has 16 positions
+        """
         if input_ids.shape[1] > self.position.num_embeddings:
             raise ValueError(f"input_ids has {input_ids.shape[1]} tokens; this model has "
                              f"{self.position.num_embeddings} positions")
@@ -141,7 +243,22 @@ class BertEmbeddings(nn.Module):
 
 
 class BertLayer(nn.Module):
-    """Post-norm transformer block: attention and feed-forward, each with residual + LayerNorm."""
+    """Post-norm transformer block: attention and feed-forward, each with residual + LayerNorm.
+
+    The attention is a :class:`attnkit.nn.MultiHeadAttention` running on ``backend`` (one of
+    :func:`attnkit.backends`); the feed-forward uses the config's ``hidden_act`` GELU.
+
+    Example:
+
+    >>> import torch
+    >>> from attnkit.models import BertConfig, BertLayer
+    >>> config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+    ...                     intermediate_size=64, max_position_embeddings=16)
+    >>> layer = BertLayer(config).eval()
+    >>> out, weights = layer(torch.randn(2, 5, 32), None)
+    >>> out.shape, weights
+    (torch.Size([2, 5, 32]), None)
+    """
 
     def __init__(self, config: BertConfig, *, backend: str = "auto") -> None:
         super().__init__()
@@ -157,7 +274,37 @@ class BertLayer(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor | None, *, need_weights: bool = False,
                 causal: bool = False) -> tuple[Tensor, Tensor | None]:
-        """``x [B, T, E]``, ``mask`` broadcastable to ``[B, H, T, T]`` (True = may attend)."""
+        """``x [B, T, E]``, ``mask`` broadcastable to ``[B, H, T, T]`` (True = may attend).
+
+        Args:
+            x: ``[B, T, E]`` hidden states.
+            mask: a boolean mask broadcastable to ``[B, H, T, T]`` (True = may attend), e.g. a
+                key-padding mask ``[B, 1, 1, T]``, or None.
+            need_weights: also return the attention weights.
+            causal: add a causal mask (BERT was trained without one).
+
+        Returns:
+            ``(x [B, T, E], weights)``: ``weights`` is ``[B, H, T, T]`` with ``need_weights``,
+            else None.
+
+        Raises:
+            ValueError: ``mask`` does not broadcast to ``[B, H, T, T]`` (raised by
+                :func:`attnkit.attention`).
+
+        Example:
+
+        >>> import torch
+        >>> from attnkit.models import BertConfig, BertLayer
+        >>> config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        ...                     intermediate_size=64, max_position_embeddings=16)
+        >>> layer = BertLayer(config).eval()
+        >>> keys = torch.tensor([[True, True, True, False, False]])[:, None, None, :]  # [B, 1, 1, T]
+        >>> out, weights = layer(torch.randn(1, 5, 32), keys, need_weights=True)
+        >>> out.shape, weights.shape
+        (torch.Size([1, 5, 32]), torch.Size([1, 4, 5, 5]))
+        >>> bool((weights[..., 3:] == 0).all())  # padded keys get no weight
+        True
+        """
         weights = None
         if need_weights:
             attended, weights = self.attention(x, mask=mask, causal=causal, need_weights=True)
@@ -170,7 +317,23 @@ class BertLayer(nn.Module):
 
 
 class BertEncoder(nn.Module):
-    """Embeddings and a stack of :class:`BertLayer`; returns hidden states and, if asked, weights."""
+    """Embeddings and a stack of :class:`attnkit.models.BertLayer`; returns hidden states and, if
+    asked, weights.
+
+    Built from a :class:`attnkit.models.BertConfig`, every attention on ``backend`` (see
+    :func:`attnkit.backends`). :func:`attnkit.models.load` builds one from a checkpoint.
+
+    Example:
+
+    >>> import torch
+    >>> from attnkit.models import BertConfig, BertEncoder
+    >>> config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...                     intermediate_size=64, max_position_embeddings=16)
+    >>> encoder = BertEncoder(config).eval()
+    >>> hidden, weights = encoder(torch.tensor([[5, 6, 7, 8]]))
+    >>> hidden.shape, weights
+    (torch.Size([1, 4, 32]), None)
+    """
 
     def __init__(self, config: BertConfig, *, backend: str = "auto") -> None:
         super().__init__()
@@ -180,7 +343,28 @@ class BertEncoder(nn.Module):
 
     def set_backend(self, backend: str) -> None:
         """Run every attention call of the model on ``backend`` (see :func:`attnkit.backends`);
-        an unknown name is refused and changes nothing."""
+        an unknown name is refused and changes nothing.
+
+        Raises:
+            ValueError: ``backend`` is not a registered backend.
+
+        Example:
+
+        >>> import torch
+        >>> from attnkit.models import BertConfig, BertEncoder
+        >>> config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        ...                     intermediate_size=64, max_position_embeddings=16)
+        >>> encoder = BertEncoder(config).eval()
+        >>> ids = torch.tensor([[5, 6, 7, 8]])
+        >>> before = encoder(ids)[0]
+        >>> encoder.set_backend("reference")
+        >>> torch.allclose(encoder(ids)[0], before, atol=1e-5)
+        True
+        >>> encoder.set_backend("nope")
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown backend 'nope'; available: (...)
+        """
         backend = _checks.backend_name(backend)
         for layer in self.layers:
             layer.attention.backend = backend
@@ -200,7 +384,33 @@ class BertEncoder(nn.Module):
         serves to show the mechanism on a real model.
 
         Returns ``hidden_states [B, T, E]`` and, with ``need_weights``, one ``[B, H, T, T]``
-        weight tensor per layer (padded keys get exactly zero weight).
+        weight tensor per layer (padded keys get exactly zero weight); without, None.
+
+        Args:
+            input_ids: ``[B, T]`` integer token ids.
+            attention_mask: ``[B, T]``, 1/True on real tokens and 0 on padding, or None.
+            token_type_ids: ``[B, T]`` segment ids, or None for all zeros.
+            need_weights: also return every layer's attention weights.
+            causal: add a causal mask in every layer.
+
+        Raises:
+            ValueError: ``attention_mask``'s shape differs from ``input_ids``', or ``T`` is more
+                than ``max_position_embeddings``.
+
+        Example:
+
+        >>> import torch
+        >>> from attnkit.models import BertConfig, BertEncoder
+        >>> config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        ...                     intermediate_size=64, max_position_embeddings=16)
+        >>> encoder = BertEncoder(config).eval()
+        >>> ids = torch.tensor([[5, 6, 7, 8], [5, 6, 0, 0]])
+        >>> real = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+        >>> hidden, weights = encoder(ids, real, need_weights=True)
+        >>> hidden.shape, len(weights), weights[0].shape
+        (torch.Size([2, 4, 32]), 2, torch.Size([2, 4, 4, 4]))
+        >>> bool((weights[1][1, :, :, 2:] == 0).all())  # the second text's padding
+        True
         """
         key_mask = None
         if attention_mask is not None:

@@ -71,7 +71,35 @@ def _check_pad(pad_token_id: object, vocab_size: int) -> None:
 def next_token(logits: Tensor, *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                generator: torch.Generator | None = None) -> Tensor:
     """Pick one token per row from ``logits [B, vocab]`` -> ``[B]``. A temperature so small that
-    ``logits / temperature`` overflows is greedy (the limit of sampling as the temperature goes to 0)."""
+    ``logits / temperature`` overflows is greedy (the limit of sampling as the temperature goes to 0).
+
+    Args:
+        logits: ``[B, vocab]`` next-token logits; ``-inf`` bans a token.
+        temperature: 0 for greedy (argmax), else the softmax temperature.
+        top_k: sample among the ``top_k`` most likely tokens only (None: all).
+        top_p: sample among the smallest set of most likely tokens holding ``top_p`` of the
+            probability (nucleus sampling; None: all).
+        generator: the ``torch.Generator`` to sample from (None: torch's default one).
+
+    Returns:
+        ``[B]`` int64 token ids.
+
+    The arguments are not checked here (:func:`attnkit.models.generate.generate` checks them).
+
+    Example:
+
+    >>> import torch
+    >>> from attnkit.models.generate import next_token
+    >>> logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 0.5]])
+    >>> next_token(logits)
+    tensor([1, 0])
+    >>> generator = torch.Generator().manual_seed(0)
+    >>> next_token(logits, temperature=1.0, top_k=1, generator=generator)  # top-1 is the argmax
+    tensor([1, 0])
+    >>> banned = torch.tensor([[0.0, float("-inf"), 0.0]]).expand(100, 3)
+    >>> bool((next_token(banned, temperature=1.0, generator=generator) != 1).all())
+    True
+    """
     if temperature == 0:
         return logits.argmax(dim=-1)
     greedy = logits.argmax(dim=-1)
@@ -114,6 +142,48 @@ def generate(
     Returns the new tokens of each prompt; a row stops after ``eos_token_id`` (included).
     ``pad_token_id`` (a token of the vocabulary) fills the left padding and the rows that stopped.
     A float or bool token id is a TypeError; a ``pad_token_id`` outside the vocabulary a ValueError.
+
+    Args:
+        model: the :class:`attnkit.models.gpt.GPT` (put in eval mode while generating, then back).
+        prompts: ``B`` lists of token ids, of any lengths (they run as one left-padded batch).
+        max_new_tokens: the most tokens to add to each prompt (>= 0).
+        temperature, top_k, top_p, generator: sampling, as
+            :func:`attnkit.models.generate.next_token` (``temperature=0``: greedy).
+        eos_token_id: a row stops after generating it; None: every row runs ``max_new_tokens``.
+        pad_token_id: the id that fills the padding (it is masked out, so any id does).
+
+    Returns:
+        ``B`` lists of new token ids (the prompts not included).
+
+    Raises:
+        ValueError: a sampling argument is out of range, ``prompts`` is empty or holds an empty
+            prompt or an id outside the vocabulary, or ``pad_token_id`` is outside it.
+        TypeError: a token id is not an integer.
+
+    Example:
+
+    >>> import torch
+    >>> from attnkit.models.gpt import GPT, GPTConfig
+    >>> from attnkit.models.generate import generate
+    >>> _ = torch.manual_seed(0)
+    >>> model = GPT(GPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...                       num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32))
+    >>> prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    >>> new = generate(model, prompts, max_new_tokens=4)
+    >>> [len(tokens) for tokens in new]
+    [4, 4]
+    >>> new == [generate(model, [prompt], 4)[0] for prompt in prompts]  # as if each ran alone
+    True
+    >>> generate(model, [[1, 2, 3]], 4, eos_token_id=new[0][0]) == [new[0][:1]]  # stops at eos
+    True
+    >>> sample = lambda: generate(model, prompts, 4, temperature=0.8, top_k=10,
+    ...                           generator=torch.Generator().manual_seed(0))
+    >>> sample() == sample()  # the generator alone decides the draws
+    True
+    >>> generate(model, [[1, 2.5]], 4)
+    Traceback (most recent call last):
+    ...
+    TypeError: prompts must hold integer token ids, got float (2.5) in prompt 0
     """
     _check_sampling(temperature, top_k, top_p, max_new_tokens)
     if isinstance(prompts, Tensor) or not prompts or any(len(p) == 0 for p in prompts):
@@ -159,8 +229,41 @@ def generate(
 
 
 def generate_text(model: GPT, tokenizer, texts: Sequence[str], max_new_tokens: int, **sampling) -> list[str]:
-    """:func:`generate` on texts with a ``tokenizers.Tokenizer``; returns prompt + continuation.
-    An empty text starts from the model's ``bos_token_id``."""
+    """:func:`attnkit.models.generate.generate` on texts with a ``tokenizers.Tokenizer``; returns
+    prompt + continuation. An empty text starts from the model's ``bos_token_id``.
+
+    Args:
+        model: the :class:`attnkit.models.gpt.GPT`, its vocabulary the tokenizer's.
+        tokenizer: a ``tokenizers.Tokenizer`` (e.g. from ``attnkit.training.corpus.train_tokenizer``).
+        texts: the prompts.
+        max_new_tokens: the most tokens to add to each.
+        sampling: keywords of :func:`attnkit.models.generate.generate`; ``eos_token_id`` defaults
+            to the model's.
+
+    Returns:
+        One decoded ``str`` per text: the prompt's tokens and the new ones.
+
+    Raises:
+        ValueError: a text is empty and the model has no ``bos_token_id``; or as
+            :func:`attnkit.models.generate.generate`.
+
+    Example:
+
+    >>> import torch
+    >>> from attnkit.models.gpt import GPT, GPTConfig
+    >>> from attnkit.models.generate import generate_text
+    >>> from attnkit.training.corpus import train_tokenizer
+    >>> tokenizer = train_tokenizer(["the cat sat on the mat", "the dog sat on the log"], vocab_size=300)
+    >>> model = GPT(GPTConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
+    ...                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=64))
+    >>> texts = generate_text(model, tokenizer, ["the cat", "a dog sat"], max_new_tokens=5)
+    >>> [text.startswith(prompt) for text, prompt in zip(texts, ["the cat", "a dog sat"])]
+    [True, True]
+    >>> generate_text(model, tokenizer, [""], max_new_tokens=5)
+    Traceback (most recent call last):
+    ...
+    ValueError: an empty prompt needs a model with a bos_token_id
+    """
     _check_sampling(sampling.get("temperature", 0.0), sampling.get("top_k"), sampling.get("top_p"), max_new_tokens)
     prompts = []
     for text in texts:

@@ -6,10 +6,10 @@
 ``load_llama(directory)`` reads such a directory back into a GPT. Needs ``safetensors`` (and
 ``tokenizers`` for the tokenizer), never ``transformers``.
 
-The directory is untrusted input: :func:`gpt_config_from_hf` checks every key it reads (type and
-range, the head counts against the hidden size, the rotary settings), and :func:`load_llama`
-checks every tensor against the config (present, no extra, shape, floating dtype, finite) and
-the tokenizer's ids against ``vocab_size`` before a model is built; each failure is a
+The directory is untrusted input: :func:`attnkit.models.llama_export.gpt_config_from_hf` checks
+every key it reads (type and range, the head counts against the hidden size, the rotary settings),
+and :func:`attnkit.models.llama_export.load_llama` checks every tensor against the config
+(present, no extra, shape, floating dtype, finite) and the tokenizer's ids against ``vocab_size`` before a model is built; each failure is a
 ``ValueError`` naming the file and the key or tensor. ``save_llama`` stores a SHA-256 of the
 tensors in the safetensors metadata, so damage to the weights' bytes of a directory it wrote
 is refused too (see :mod:`attnkit.models.checkpoint`).
@@ -37,7 +37,31 @@ _SHARED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention
 
 def hf_config(config: GPTConfig) -> dict:
     """The ``config.json`` of ``LlamaForCausalLM`` for ``config``. Both spellings of the rotary
-    base are written: ``rope_parameters`` (transformers 5) and ``rope_theta`` (transformers 4)."""
+    base are written: ``rope_parameters`` (transformers 5) and ``rope_theta`` (transformers 4).
+
+    Args:
+        config: a :class:`attnkit.models.gpt.GPTConfig`.
+
+    Returns:
+        The JSON-serialisable ``dict``.
+
+    Raises:
+        ValueError: ``config.attention_only`` (no Llama equivalent).
+
+    Example:
+
+    >>> from attnkit.models.gpt import GPTConfig
+    >>> from attnkit.models.llama_export import hf_config
+    >>> config = GPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...                    num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32)
+    >>> raw = hf_config(config)
+    >>> raw["architectures"], raw["head_dim"], raw["rope_parameters"]
+    (['LlamaForCausalLM'], 8, {'rope_type': 'default', 'rope_theta': 10000.0})
+    >>> hf_config(GPTConfig(attention_only=True))
+    Traceback (most recent call last):
+    ...
+    ValueError: an attention-only GPT (no feed-forward) has no Llama equivalent; it cannot be exported
+    """
     if config.attention_only:
         raise ValueError("an attention-only GPT (no feed-forward) has no Llama equivalent; it cannot be exported")
     raw = {key: getattr(config, key) for key in _SHARED_KEYS}
@@ -51,14 +75,39 @@ def hf_config(config: GPTConfig) -> dict:
 
 
 def hf_name(name: str) -> str:
-    """Our parameter name -> ``LlamaForCausalLM``'s."""
+    """Our parameter name -> ``LlamaForCausalLM``'s (inverse of
+    :func:`attnkit.models.llama_export.attnkit_name`).
+
+    Example:
+
+    >>> from attnkit.models.llama_export import hf_name
+    >>> hf_name("layers.0.self_attn.out_proj.weight")
+    'model.layers.0.self_attn.o_proj.weight'
+    >>> hf_name("lm_head.weight")
+    'lm_head.weight'
+    """
     if name.startswith("lm_head."):
         return name
     return "model." + name.replace(".self_attn.out_proj.", ".self_attn.o_proj.")
 
 
 def attnkit_name(name: str) -> str:
-    """``LlamaForCausalLM``'s parameter name -> ours."""
+    """``LlamaForCausalLM``'s parameter name -> ours (inverse of
+    :func:`attnkit.models.llama_export.hf_name`).
+
+    Raises:
+        ValueError: ``name`` is neither ``lm_head.*`` nor ``model.*``.
+
+    Example:
+
+    >>> from attnkit.models.llama_export import attnkit_name
+    >>> attnkit_name("model.layers.0.self_attn.o_proj.weight")
+    'layers.0.self_attn.out_proj.weight'
+    >>> attnkit_name("transformer.wte.weight")
+    Traceback (most recent call last):
+    ...
+    ValueError: unexpected parameter 'transformer.wte.weight' in model.safetensors (not a LlamaForCausalLM weight)
+    """
     if name.startswith("lm_head."):
         return name
     if not name.startswith("model."):
@@ -67,7 +116,34 @@ def attnkit_name(name: str) -> str:
 
 
 def save_llama(model: GPT, directory: str | Path, tokenizer=None) -> Path:
-    """Write ``model`` (and a ``tokenizers.Tokenizer``) as a Hugging Face Llama directory."""
+    """Write ``model`` (and a ``tokenizers.Tokenizer``) as a Hugging Face Llama directory.
+
+    Writes ``config.json`` (:func:`attnkit.models.llama_export.hf_config`), ``model.safetensors``
+    (with a SHA-256 of the tensors in its metadata) and, with a tokenizer, ``tokenizer.json`` and
+    ``tokenizer_config.json``. The directory is created if needed; files in it are overwritten.
+
+    Args:
+        model: a :class:`attnkit.models.gpt.GPT` (not attention-only).
+        directory: where to write.
+        tokenizer: a ``tokenizers.Tokenizer``, or None to write no tokenizer.
+
+    Returns:
+        ``directory`` as a ``pathlib.Path``.
+
+    Raises:
+        ValueError: the model is attention-only.
+        ImportError: ``safetensors`` is not installed.
+
+    Example:
+
+    >>> from attnkit.models.gpt import GPT, GPTConfig
+    >>> from attnkit.models.llama_export import save_llama
+    >>> config = GPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...                    num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32)
+    >>> directory = save_llama(GPT(config), "tiny-llama")
+    >>> sorted(path.name for path in directory.iterdir())
+    ['config.json', 'model.safetensors']
+    """
     safetensors_torch = require("safetensors.torch", "saving model.safetensors", extra="models")
     directory = Path(directory)
     raw = hf_config(model.config)
@@ -105,8 +181,35 @@ def _is_number(value: object) -> bool:
 
 
 def gpt_config_from_hf(raw: dict, *, source: str = "config.json") -> GPTConfig:
-    """Check a Llama ``config.json`` for what :class:`GPT` implements and convert it. Every key read
-    is checked for type and range; an error names ``source`` and the key."""
+    """Check a Llama ``config.json`` for what :class:`attnkit.models.gpt.GPT` implements and convert
+    it. Every key read is checked for type and range; an error names ``source`` and the key.
+
+    Args:
+        raw: the parsed ``config.json``.
+        source: what the errors call it, usually the file's path.
+
+    Returns:
+        The :class:`attnkit.models.gpt.GPTConfig`.
+
+    Raises:
+        ValueError: ``raw`` is not a ``"llama"`` config attnkit implements (rotary scaling, an
+            activation other than SiLU, biases, a separate ``head_dim``), lacks a required key,
+            or holds a value of the wrong type or range.
+
+    Example:
+
+    >>> from attnkit.models.gpt import GPTConfig
+    >>> from attnkit.models.llama_export import gpt_config_from_hf, hf_config
+    >>> config = GPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...                    num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32)
+    >>> raw = hf_config(config)
+    >>> gpt_config_from_hf(raw) == config
+    True
+    >>> gpt_config_from_hf({**raw, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    Traceback (most recent call last):
+    ...
+    ValueError: config.json: rope_scaling.rope_type 'linear' is not implemented; attnkit's GPT implements the 'default' rotary embedding (no scaling)
+    """
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: expected a JSON object of settings, got {type(raw).__name__}")
     if raw.get("model_type") != "llama":
@@ -191,10 +294,33 @@ def _rope_theta(raw: dict, source: str) -> float:
 
 
 def written_by_save_llama(directory: str | Path) -> bool:
-    """Whether ``directory`` holds a GPT that :func:`save_llama` wrote (``attnkit train`` does): its
-    ``config.json`` is exactly the one :func:`hf_config` writes for the config it describes, and the
+    """Whether ``directory`` holds a GPT that :func:`attnkit.models.llama_export.save_llama` wrote
+    (``attnkit train`` does): its ``config.json`` is exactly the one
+    :func:`attnkit.models.llama_export.hf_config` writes for the config it describes, and the
     weights and tokenizer are there. A checkpoint transformers saved carries keys of its own
-    (``transformers_version``, ``dtype``, ...), so it is never mistaken for one."""
+    (``transformers_version``, ``dtype``, ...), so it is never mistaken for one.
+
+    Returns:
+        A ``bool``; never raises for a missing or damaged directory (it is then False).
+
+    Example:
+
+    >>> import json
+    >>> from pathlib import Path
+    >>> from attnkit.models.gpt import GPT, GPTConfig
+    >>> from attnkit.models.llama_export import save_llama, written_by_save_llama
+    >>> from attnkit.training.corpus import train_tokenizer
+    >>> tokenizer = train_tokenizer(["the cat sat on the mat"], vocab_size=280)
+    >>> model = GPT(GPTConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32, num_hidden_layers=1,
+    ...                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=64))
+    >>> directory = save_llama(model, "tiny-llama", tokenizer)
+    >>> written_by_save_llama(directory)
+    True
+    >>> raw = json.loads((directory / "config.json").read_text())
+    >>> _ = (directory / "config.json").write_text(json.dumps({**raw, "transformers_version": "4.57.0"}))
+    >>> written_by_save_llama(directory), written_by_save_llama("no/such/directory")
+    (False, False)
+    """
     directory = Path(directory)
     if not all((directory / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json")):
         return False
@@ -207,7 +333,37 @@ def written_by_save_llama(directory: str | Path) -> bool:
 
 def load_llama(directory: str | Path) -> tuple[GPT, object | None]:
     """Read a Llama directory into ``(GPT in eval mode, tokenizers.Tokenizer or None)``. Every file is
-    checked first (see the module docstring); a damaged one is a ValueError naming it."""
+    checked first (see :mod:`attnkit.models.llama_export`); a damaged one is a ValueError naming it.
+
+    Args:
+        directory: holds ``config.json`` and ``model.safetensors`` (``LlamaForCausalLM``), and
+            optionally ``tokenizer.json``.
+
+    Returns:
+        ``(model, tokenizer)``: a float32 :class:`attnkit.models.gpt.GPT`, and the tokenizer or
+        None when the directory has no ``tokenizer.json``.
+
+    Raises:
+        FileNotFoundError: the directory, its ``config.json`` or its ``model.safetensors`` is missing.
+        ValueError: a file is damaged or does not fit the config (the message names it).
+
+    Example:
+
+    >>> import torch
+    >>> from attnkit.models.gpt import GPT, GPTConfig
+    >>> from attnkit.models.llama_export import load_llama, save_llama
+    >>> config = GPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...                    num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32)
+    >>> model = GPT(config).eval()
+    >>> loaded, tokenizer = load_llama(save_llama(model, "tiny-llama"))
+    >>> tokens = torch.tensor([[1, 2, 3]])
+    >>> torch.equal(loaded(tokens), model(tokens)), loaded.training, tokenizer
+    (True, False, None)
+    >>> load_llama("no/such/directory")
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: model directory 'no/such/directory' does not exist
+    """
     directory = Path(directory)
     if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
         problem = "does not exist" if not directory.exists() else "has no config.json and model.safetensors"

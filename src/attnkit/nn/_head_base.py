@@ -27,7 +27,29 @@ class HeadLayer(AttentionSettings, nn.Module):
 
     def attend(self, queries: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None,
                need_weights: bool) -> Tensor | tuple[Tensor, Tensor]:
-        """``attnkit.attention`` with this layer's settings; dropout only in training mode."""
+        """:func:`attnkit.attention` with this layer's settings (``causal``, ``dropout``,
+        ``backend``); dropout only in training mode.
+
+        Args:
+            queries: ``[..., Lq, d_qk]``, already projected.
+            keys: ``[..., Lk, d_qk]``.
+            values: ``[..., Lk, d_v]``.
+            mask: as ``attnkit.attention(mask=)``, or ``None``.
+            need_weights: also return the weights ``[..., Lq, Lk]``.
+
+        Returns:
+            ``output [..., Lq, d_v]``, or ``(output, weights)`` with ``need_weights``.
+
+        Example:
+
+            >>> import torch
+            >>> import attnkit
+            >>> head = attnkit.nn.SelfAttention(d_in=3, d_qk=2, causal=True)
+            >>> g = torch.Generator().manual_seed(0)
+            >>> q, k, v = (torch.randn(4, 2, generator=g) for _ in range(3))
+            >>> torch.allclose(head.attend(q, k, v, None, False), attnkit.attention(q, k, v, causal=True))
+            True
+        """
         return attention(
             queries, keys, values,
             mask=mask, causal=self.causal, dropout=self.dropout if self.training else 0.0,

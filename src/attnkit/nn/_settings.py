@@ -16,7 +16,20 @@ class AttentionSettings:
 
     @property
     def causal(self) -> bool:
-        """Query ``i`` sees only keys ``j <= i + Lk - Lq`` unless a call says otherwise."""
+        """Query ``i`` sees only keys ``j <= i + Lk - Lq`` unless a call says otherwise.
+
+        Assigning anything but a bool raises TypeError.
+
+        Example:
+
+            >>> import attnkit
+            >>> layer = attnkit.nn.MultiHeadAttention(embed_dim=16, num_heads=4)
+            >>> layer.causal
+            False
+            >>> layer.causal = True
+            >>> layer.causal
+            True
+        """
         return self._causal
 
     @causal.setter
@@ -25,7 +38,23 @@ class AttentionSettings:
 
     @property
     def dropout(self) -> float:
-        """Dropout probability on the attention weights, in training mode only."""
+        """Dropout probability on the attention weights, in training mode only.
+
+        Assigning anything but a float in ``[0, 1)`` raises ValueError and keeps the old value.
+
+        Example:
+
+            >>> import attnkit
+            >>> layer = attnkit.nn.MultiHeadAttention(embed_dim=16, num_heads=4, dropout=0.1)
+            >>> layer.dropout
+            0.1
+            >>> layer.dropout = 1.5
+            Traceback (most recent call last):
+                ...
+            ValueError: dropout must be a float in [0, 1), got 1.5
+            >>> layer.dropout
+            0.1
+        """
         return self._dropout
 
     @dropout.setter
@@ -34,7 +63,22 @@ class AttentionSettings:
 
     @property
     def backend(self) -> str:
-        """The :func:`attnkit.attention` backend every call of the layer runs on."""
+        """The :func:`attnkit.attention` backend every call of the layer runs on.
+
+        One of :func:`attnkit.backends`; any other name raises ValueError on assignment.
+
+        Example:
+
+            >>> import attnkit
+            >>> head = attnkit.nn.SelfAttention(d_in=3, d_qk=2)
+            >>> head.backend
+            'auto'
+            >>> head.backend = "reference"
+            >>> head.backend = "nonsense"
+            Traceback (most recent call last):
+                ...
+            ValueError: unknown backend 'nonsense'; available: ('auto', 'reference', 'torch', 'tiled'...)
+        """
         return self._backend
 
     @backend.setter

@@ -1,4 +1,5 @@
-"""From per-head weights to the fused :class:`MultiHeadAttention`: the seed formulations are one layer.
+"""From per-head weights to the fused :class:`~attnkit.nn.MultiHeadAttention`: the seed formulations
+are one layer.
 
 The fused layer's ``q_proj.weight`` is ``[H * D, E]`` with head ``h`` in rows
 ``h * D : (h + 1) * D`` (the ``view(B, L, H, D)`` split of seeds 002 and 003). So each head's
@@ -6,7 +7,7 @@ own ``[D, E]`` matrix, from a list of heads or from a stacked ``[H, D, E]`` tens
 block of rows, and concatenating the heads' outputs is what the fused layer does before
 ``out_proj``. Nothing is approximated: the converted layer computes the same numbers.
 
-:class:`HeadConversions` is mixed into :class:`~attnkit.nn.MultiHeadAttention`: its
+:class:`~attnkit.nn.convert.HeadConversions` is mixed into :class:`~attnkit.nn.MultiHeadAttention`: its
 classmethods build ``cls``, so this module never imports the fused layer (no import cycle).
 """
 
@@ -32,16 +33,55 @@ def _copy_rows(linear: nn.Linear, weights: Sequence[Tensor], biases: Sequence[Te
 
 
 class HeadConversions:
-    """Alternate constructors of the fused layer from the seeds' other formulations."""
+    """Alternate constructors of the fused layer from the seeds' other formulations.
+
+    A mixin of :class:`attnkit.nn.MultiHeadAttention` (not made on its own): call its classmethods
+    there, ``MultiHeadAttention.from_heads(...)`` and ``MultiHeadAttention.from_stacked(...)``.
+
+    Example:
+
+        >>> import attnkit
+        >>> from attnkit.nn.convert import HeadConversions
+        >>> issubclass(attnkit.nn.MultiHeadAttention, HeadConversions)
+        True
+        >>> heads = [attnkit.nn.SelfAttention(d_in=8, d_qk=2) for _ in range(4)]
+        >>> attnkit.nn.MultiHeadAttention.from_heads(heads).num_heads
+        4
+    """
 
     @classmethod
     def from_heads(cls, heads: Sequence[SelfAttention] | HeadList, **kwargs: object) -> Self:
         """The fused layer computing ``cat([head(x, context) for head in heads], -1)``, then
-        ``heads.out_proj`` when ``heads`` is a :class:`HeadList` that has one.
+        ``heads.out_proj`` when ``heads`` is a :class:`~attnkit.nn.HeadList` that has one.
 
         All heads must agree on their sizes, ``causal`` and ``dropout``. The fused layer has biases
         if any head (or the output projection) has one; missing ones become zeros. ``kwargs`` go
         to the constructor (``backend``, ...).
+
+        Args:
+            heads: a :class:`attnkit.nn.HeadList`, or a non-empty sequence of
+                :class:`attnkit.nn.SelfAttention` heads.
+
+        Returns:
+            The fused layer (``cls``), on the heads' dtype and device: ``num_heads = len(heads)``,
+            ``head_dim = d_qk``, ``value_head_dim = d_v``, ``kdim = vdim = d_context``, and
+            without an output projection unless the :class:`attnkit.nn.HeadList` has one.
+
+        Raises:
+            TypeError: ``heads`` is not a HeadList or a non-empty sequence of SelfAttention.
+            ValueError: heads that differ in their sizes, ``causal`` or ``dropout``.
+
+        Example:
+
+            >>> import torch
+            >>> import attnkit
+            >>> heads = attnkit.nn.HeadList(d_in=8, d_qk=2, num_heads=4, out_dim=8, causal=True)
+            >>> fused = attnkit.nn.MultiHeadAttention.from_heads(heads)
+            >>> fused.num_heads, fused.head_dim, fused.causal
+            (4, 2, True)
+            >>> x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+            >>> torch.allclose(fused(x), heads(x), atol=1e-6)
+            True
         """
         out_proj = heads.out_proj if isinstance(heads, HeadList) else None
         try:
@@ -80,10 +120,35 @@ class HeadConversions:
     @classmethod
     def from_stacked(cls, w_query: Tensor, w_key: Tensor, w_value: Tensor, **kwargs: object) -> Self:
         """The fused layer for per-head matrices stacked as ``w_query [H, D, E]``, ``w_key [H, D, kdim]``,
-        ``w_value [H, Dv, vdim]`` and applied as ``W[h] @ x`` (seed 001; :class:`StackedHeads`).
+        ``w_value [H, Dv, vdim]`` and applied as ``W[h] @ x`` (seed 001; :class:`~attnkit.nn.StackedHeads`).
 
         No biases and no output projection: the output is the concatenated heads
         ``[B, L, H * Dv]``. ``kwargs`` go to the constructor (``causal``, ``dropout``, ``backend``, ...).
+
+        Args:
+            w_query: ``[H, D, E]``, each head's query projection.
+            w_key: ``[H, D, kdim]``.
+            w_value: ``[H, Dv, vdim]``.
+
+        Returns:
+            The fused layer (``cls``) on the weights' dtype and device.
+
+        Raises:
+            TypeError: a weight that is not a tensor.
+            ValueError: weights that are not 3-D or whose heads and sizes do not match.
+
+        Example:
+
+            >>> import torch
+            >>> import attnkit
+            >>> stacked = attnkit.nn.StackedHeads(d_in=8, d_qk=2, num_heads=3, d_v=4, causal=True)
+            >>> fused = attnkit.nn.MultiHeadAttention.from_stacked(
+            ...     stacked.w_query, stacked.w_key, stacked.w_value, causal=True)
+            >>> fused.num_heads, fused.head_dim, fused.value_head_dim, fused.out_dim
+            (3, 2, 4, 12)
+            >>> x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+            >>> torch.allclose(fused(x), stacked(x), atol=1e-6)
+            True
         """
         _checks.weight_tensors(w_query=w_query, w_key=w_key, w_value=w_value)
         if not (w_query.dim() == w_key.dim() == w_value.dim() == 3):

@@ -11,7 +11,27 @@ from .self_attention import SelfAttention
 
 
 def check_head_mask(mask: object, num_heads: int, batched: bool) -> None:
-    """A tensor mask must fit ``[B, H, Lq, Lk]`` (``[H, Lq, Lk]`` unbatched): its heads dim 1 or ``H``."""
+    """A tensor mask must fit ``[B, H, Lq, Lk]`` (``[H, Lq, Lk]`` unbatched): its heads dim 1 or ``H``.
+
+    Args:
+        mask: the mask a multi-head layer was given; anything but a tensor passes (``None``, a
+            structured mask, which is the same for every head, or a type the core will name).
+        num_heads: ``H``.
+        batched: whether the layer's input is batched (``[B, L, features]``).
+
+    Raises:
+        ValueError: a tensor mask with too many dims, or a heads dim other than 1 or ``H``.
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.nn.head_list import check_head_mask
+        >>> check_head_mask(torch.ones(2, 4, 5, 5, dtype=torch.bool), num_heads=4, batched=True)
+        >>> check_head_mask(torch.ones(2, 3, 5, 5, dtype=torch.bool), num_heads=4, batched=True)
+        Traceback (most recent call last):
+            ...
+        ValueError: mask's heads dim (dim -3 of [B, H, Lq, Lk]) must be 1 or num_heads = 4, got shape (2, 3, 5, 5)
+    """
     if not isinstance(mask, Tensor):
         return  # None, a structured mask (the same for every head), or a type the core names
     expected = "[B, H, Lq, Lk]" if batched else "[H, Lq, Lk] (unbatched x)"
@@ -25,26 +45,64 @@ def check_head_mask(mask: object, num_heads: int, batched: bool) -> None:
 
 def head_mask(mask: Tensor | StructuredMask | None, head: int) -> Tensor | StructuredMask | None:
     """The part of a ``[B, H, Lq, Lk]``-broadcastable mask that applies to one head (a structured
-    mask applies to every head as it is)."""
+    mask applies to every head as it is).
+
+    Args:
+        mask: a tensor broadcastable to ``[B, H, Lq, Lk]`` (its heads dim 1 or ``H``), a
+            structured mask, or ``None``.
+        head: the head's index.
+
+    Returns:
+        The mask without its heads dim (dim -3) for a tensor of 3 dims or more, which then
+        broadcasts to one head's ``[B, Lq, Lk]``; any other mask as it is.
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit import masks
+        >>> from attnkit.nn.head_list import head_mask
+        >>> per_head = torch.ones(2, 4, 5, 5, dtype=torch.bool)  # [B, H, Lq, Lk]
+        >>> head_mask(per_head, 1).shape
+        torch.Size([2, 5, 5])
+        >>> head_mask(masks.causal(), 1)
+        causal()
+    """
     if not isinstance(mask, Tensor) or mask.dim() < 3:
         return mask
     return mask.select(-3, head if mask.shape[-3] > 1 else 0)
 
 
 class HeadList(nn.Module):
-    r"""``num_heads`` independent :class:`SelfAttention` heads run one after another.
+    r"""``num_heads`` independent :class:`~attnkit.nn.SelfAttention` heads run one after another.
 
     Each head has its own projections; their outputs are concatenated along the features
     (``[B, L, num_heads * d_v]``) and, if ``out_dim`` is given, projected by ``out_proj``
     (seed 000's ``linear``). This is the most literal form of multi-head attention (and in
     :mod:`attnkit.trace` each head is a call of its own);
-    :meth:`MultiHeadAttention.from_heads` turns it into the fused layer that computes the same.
+    :meth:`MultiHeadAttention.from_heads <attnkit.nn.convert.HeadConversions.from_heads>` turns it
+    into the fused layer that computes the same.
 
     Args:
-        d_in, d_qk, d_v, qkv_bias, causal, dropout, d_context, backend: as :class:`SelfAttention`,
-            for every head.
+        d_in, d_qk, d_v, qkv_bias, causal, dropout, d_context, backend: as
+            :class:`attnkit.nn.SelfAttention`, for every head.
         num_heads: how many heads.
         out_dim: features of the output projection; ``None`` (default) for no projection.
+        device, dtype: where and in which dtype to create the parameters.
+
+    Raises:
+        TypeError or ValueError: as :class:`attnkit.nn.SelfAttention`, and a ``num_heads`` or
+            ``out_dim`` that is not a positive int (ValueError).
+
+    Example:
+
+        >>> import torch
+        >>> import attnkit
+        >>> heads = attnkit.nn.HeadList(d_in=3, d_qk=2, num_heads=4, out_dim=3)
+        >>> len(heads.heads), heads.out_proj
+        (4, Linear(in_features=8, out_features=3, bias=True))
+        >>> x = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(0))
+        >>> heads(x).shape
+        torch.Size([2, 5, 3])
     """
 
     def __init__(
@@ -90,12 +148,30 @@ class HeadList(nn.Module):
             x: ``[B, Lq, d_in]`` or ``[Lq, d_in]``.
             context: ``[B, Lk, d_context]`` or ``[Lk, d_context]``; default ``x``.
             mask: boolean (**True = may attend**) or additive float, broadcastable to
-                ``[B, H, Lq, Lk]`` (``[H, Lq, Lk]`` unbatched), as for :class:`MultiHeadAttention`;
+                ``[B, H, Lq, Lk]`` (``[H, Lq, Lk]`` unbatched), as for
+                :class:`attnkit.nn.MultiHeadAttention`;
                 or a structured mask from :mod:`attnkit.masks` (every head gets it).
             need_weights: also return every head's weights.
 
         Returns:
             ``output [B, Lq, out_dim or num_heads * d_v]``, or ``(output, weights [B, H, Lq, Lk])``.
+
+        Raises:
+            ValueError: a tensor mask whose heads dim is neither 1 nor ``num_heads``; and the errors of
+                :meth:`attnkit.nn.SelfAttention.forward`.
+
+        Example:
+
+            >>> import torch
+            >>> import attnkit
+            >>> heads = attnkit.nn.HeadList(d_in=3, d_qk=2, num_heads=4)  # no output projection
+            >>> x = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(0))
+            >>> output, weights = heads(x, mask=attnkit.masks.causal(), need_weights=True)
+            >>> output.shape, weights.shape
+            (torch.Size([2, 5, 8]), torch.Size([2, 4, 5, 5]))
+            >>> head_1 = heads.heads[1](x, mask=attnkit.masks.causal())
+            >>> torch.allclose(output[..., 2:4], head_1, atol=1e-6)  # head 1's 2 features
+            True
         """
         check_head_mask(mask, self.num_heads, batched=isinstance(x, Tensor) and x.dim() != 2)
         results = [head(x, context, mask=head_mask(mask, h), need_weights=need_weights)

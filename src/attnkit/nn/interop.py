@@ -1,4 +1,5 @@
-"""Weights both ways between attnkit's :class:`MultiHeadAttention` and ``torch.nn.MultiheadAttention``.
+"""Weights both ways between attnkit's :class:`~attnkit.nn.MultiHeadAttention` and
+``torch.nn.MultiheadAttention``.
 
 PyTorch packs the three input projections in ``in_proj_weight [3E, E]`` (or keeps them
 separate, ``q/k/v_proj_weight``, when ``kdim``/``vdim`` differ from ``E``), rows in the
@@ -12,7 +13,7 @@ masks in their own conventions::
 
 except on query rows with no key to attend (PyTorch: NaN, attnkit: zeros).
 
-:class:`TorchConversions` is mixed into :class:`~attnkit.nn.MultiHeadAttention`; it reads
+:class:`~attnkit.nn.interop.TorchConversions` is mixed into :class:`~attnkit.nn.MultiHeadAttention`; it reads
 the layer's sizes and projections through ``self`` and builds ``cls``, so this module never
 imports the fused layer (no import cycle).
 """
@@ -28,7 +29,23 @@ from .. import _torch_private
 
 
 class TorchConversions:
-    """Weights to and from ``torch.nn.MultiheadAttention`` (``from_torch``, ``to_torch``)."""
+    """Weights to and from ``torch.nn.MultiheadAttention`` (``from_torch``, ``to_torch``).
+
+    A mixin of :class:`attnkit.nn.MultiHeadAttention` (not made on its own): call
+    ``MultiHeadAttention.from_torch(module)`` and ``layer.to_torch()``.
+
+    Example:
+
+        >>> import torch
+        >>> import attnkit
+        >>> from attnkit.nn.interop import TorchConversions
+        >>> issubclass(attnkit.nn.MultiHeadAttention, TorchConversions)
+        True
+        >>> layer = attnkit.nn.MultiHeadAttention(embed_dim=16, num_heads=4)
+        >>> back = attnkit.nn.MultiHeadAttention.from_torch(layer.to_torch())
+        >>> all(torch.equal(a, b) for a, b in zip(layer.parameters(), back.parameters()))
+        True
+    """
 
     # The fused layer's attributes that to_torch reads.
     embed_dim: int
@@ -53,6 +70,27 @@ class TorchConversions:
         Ours is always batch-first, whatever ``module.batch_first`` says. ``bias_k``/``bias_v``
         (``add_bias_kv``) and ``add_zero_attn`` have no counterpart and are refused. ``kwargs``
         go to the constructor (``causal``, ``backend``, ...).
+
+        Args:
+            module: the ``torch.nn.MultiheadAttention`` to copy.
+
+        Returns:
+            A new :class:`attnkit.nn.MultiHeadAttention` with the module's weights.
+
+        Raises:
+            TypeError: ``module`` is not a ``torch.nn.MultiheadAttention``.
+            ValueError: it has ``add_bias_kv=True`` or ``add_zero_attn=True``.
+
+        Example:
+
+            >>> import torch
+            >>> import attnkit
+            >>> theirs = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+            >>> ours = attnkit.nn.MultiHeadAttention.from_torch(theirs)
+            >>> x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
+            >>> expected, _ = theirs(x, x, x)
+            >>> torch.allclose(ours(x), expected, atol=1e-6)
+            True
         """
         if not isinstance(module, nn.MultiheadAttention):
             raise TypeError(f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}")
@@ -87,6 +125,29 @@ class TorchConversions:
         ``head_dim != embed_dim // num_heads``, ``value_head_dim != head_dim``, no output
         projection or ``out_dim != embed_dim``. ``causal`` is not a module setting in PyTorch: pass
         ``is_causal``/``attn_mask`` to its forward (PyTorch's causal is top-left aligned).
+
+        Returns:
+            A new ``torch.nn.MultiheadAttention`` with this layer's weights, dtype, device and
+            training mode.
+
+        Raises:
+            ValueError: a layer PyTorch cannot express (see above), or one with ``softcap``,
+                ``alibi_slopes`` or ``sinks``.
+
+        Example:
+
+            A grouped-query layer (2 key/value heads for 4 query heads) converts exactly:
+
+            >>> import torch
+            >>> import attnkit
+            >>> layer = attnkit.nn.MultiHeadAttention(embed_dim=16, num_heads=4, num_kv_heads=2)
+            >>> theirs = layer.to_torch()
+            >>> theirs.batch_first, theirs.num_heads
+            (True, 4)
+            >>> x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
+            >>> expected, _ = theirs(x, x, x)
+            >>> torch.allclose(layer(x), expected, atol=1e-6)
+            True
         """
         if (self.head_dim * self.num_heads != self.embed_dim or self.value_head_dim != self.head_dim
                 or not isinstance(self.out_proj, nn.Linear) or self.out_dim != self.embed_dim):

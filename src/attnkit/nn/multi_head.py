@@ -36,7 +36,8 @@ class MultiHeadAttention(HeadConversions, TorchConversions, AttentionSettings, n
         num_kv_heads: key/value heads ``Hkv`` (dividing ``H``); default ``num_heads``.
         bias: give all four projections a bias.
         dropout: dropout on the attention weights, in training mode only.
-        causal: default for ``forward(causal=...)``; bottom-right aligned (see :class:`KVCache`).
+        causal: default for ``forward(causal=...)``; bottom-right aligned (see
+            :class:`~attnkit.nn.KVCache`).
         backend: the :func:`attnkit.attention` backend.
         head_dim: ``D``, the size of each head's queries and keys; default ``embed_dim // num_heads``.
         value_head_dim: ``Dv``; default ``head_dim``.
@@ -52,16 +53,50 @@ class MultiHeadAttention(HeadConversions, TorchConversions, AttentionSettings, n
 
     Projections are ``nn.Linear`` modules named ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``
     with PyTorch's default ``nn.Linear`` initialisation (``nn.MultiheadAttention`` uses
-    Xavier-uniform weights and zero biases; :meth:`from_torch` copies its values).
+    Xavier-uniform weights and zero biases;
+    :meth:`from_torch <attnkit.nn.interop.TorchConversions.from_torch>` copies its values).
 
-    Conversions: :meth:`from_heads` and :meth:`from_stacked` (the seeds' other formulations,
-    :mod:`attnkit.nn.convert`), :meth:`from_torch` and :meth:`to_torch` (:mod:`attnkit.nn.interop`).
+    Conversions: :meth:`from_heads <attnkit.nn.convert.HeadConversions.from_heads>` and
+    :meth:`from_stacked <attnkit.nn.convert.HeadConversions.from_stacked>` (the seeds' other
+    formulations, :mod:`attnkit.nn.convert`),
+    :meth:`from_torch <attnkit.nn.interop.TorchConversions.from_torch>` and
+    :meth:`to_torch <attnkit.nn.interop.TorchConversions.to_torch>` (:mod:`attnkit.nn.interop`).
     ``causal``, ``dropout`` and ``backend`` may be reassigned; a bad value is refused on assignment.
 
-    Differences from ``torch.nn.MultiheadAttention`` (see :meth:`forward`): one ``mask``
-    with **True = may attend** instead of ``key_padding_mask``/``attn_mask`` with True = ignore;
-    weights per head ``[B, H, Lq, Lk]``, never averaged; a query with no key to attend gives
-    zeros where PyTorch gives NaN; ``causal`` is bottom-right aligned when ``Lq != Lk``.
+    Differences from ``torch.nn.MultiheadAttention`` (see
+    :meth:`~attnkit.nn.MultiHeadAttention.forward`): one ``mask`` with **True = may attend**
+    instead of ``key_padding_mask``/``attn_mask`` with True = ignore; weights per head
+    ``[B, H, Lq, Lk]``, never averaged; a query with no key to attend gives zeros where PyTorch
+    gives NaN; ``causal`` is bottom-right aligned when ``Lq != Lk``.
+
+    Raises:
+        ValueError: a size that is not a positive int, ``num_heads`` not a multiple of ``num_kv_heads``,
+            ``embed_dim`` not divisible by ``num_heads`` without ``head_dim``, an ``out_dim`` without
+            the output projection that does not equal ``num_heads * value_head_dim``, a ``dropout``
+            outside ``[0, 1)``, an unknown ``backend``, a bad ``softcap`` or ``alibi_slopes`` of another
+            shape.
+        TypeError: a flag that is not a bool, or ``alibi_slopes`` that are not a floating tensor.
+
+    Example:
+
+        >>> import torch
+        >>> import attnkit
+        >>> layer = attnkit.nn.MultiHeadAttention(embed_dim=16, num_heads=4, num_kv_heads=2, causal=True)
+        >>> layer
+        MultiHeadAttention(
+          embed_dim=16, num_heads=4, num_kv_heads=2, head_dim=4, dropout=0.0, causal=True, backend='auto'
+          (q_proj): Linear(in_features=16, out_features=16, bias=True)
+          (k_proj): Linear(in_features=16, out_features=8, bias=True)
+          (v_proj): Linear(in_features=16, out_features=8, bias=True)
+          (out_proj): Linear(in_features=16, out_features=16, bias=True)
+        )
+        >>> x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0))  # [B, L, E]
+        >>> layer(x).shape
+        torch.Size([2, 6, 16])
+        >>> attnkit.nn.MultiHeadAttention(embed_dim=16, num_heads=3)
+        Traceback (most recent call last):
+            ...
+        ValueError: embed_dim (16) must be divisible by num_heads (3), or give head_dim explicitly
     """
 
     def __init__(
@@ -155,10 +190,10 @@ class MultiHeadAttention(HeadConversions, TorchConversions, AttentionSettings, n
                 decoding with a cache needs); intersected with ``mask``. Default: the layer's.
             need_weights: also return the weights. They come from a materialised ``[B, H, Lq, Lk]``
                 path; without them the fused kernel runs and never stores that matrix.
-            cache: a :class:`KVCache` from :meth:`new_cache` (self-attention only): the new
-                tokens' keys and values are appended to it and attention runs over all of them.
-                They are counted as stored only once the call succeeds: a call that fails
-                (a bad mask, say) leaves the cache as it was.
+            cache: a :class:`~attnkit.nn.KVCache` from :meth:`~attnkit.nn.MultiHeadAttention.new_cache`
+                (self-attention only): the new tokens' keys and values are appended to it and
+                attention runs over all of them. They are counted as stored only once the call
+                succeeds: a call that fails (a bad mask, say) leaves the cache as it was.
 
         Returns:
             ``output [B, Lq, out_dim]`` when ``need_weights=False``, else
@@ -166,6 +201,28 @@ class MultiHeadAttention(HeadConversions, TorchConversions, AttentionSettings, n
             A query row with no key it may attend gives zero heads (the output is then
             ``out_proj``'s bias) and zero weights, never NaN; ``nn.MultiheadAttention`` returns
             NaN there whenever it materialises the weights.
+
+        Raises:
+            TypeError or ValueError: inputs that are not floating tensors of the sizes above or batched
+                unlike each other, ``value`` without ``key``, a ``cache`` that is not a
+                :class:`~attnkit.nn.KVCache` or is given with ``key`` (or overflows), a mask that does
+                not broadcast (from :func:`attnkit.attention`).
+
+        Example:
+
+            Cross-attention to 4 tokens of another size, the second sequence's last two padded:
+
+            >>> import torch
+            >>> import attnkit
+            >>> g = torch.Generator().manual_seed(0)
+            >>> x, memory = torch.randn(2, 6, 16, generator=g), torch.randn(2, 4, 8, generator=g)
+            >>> layer = attnkit.nn.MultiHeadAttention(16, num_heads=4, kdim=8, vdim=8)
+            >>> mask = attnkit.masks.padding_mask(torch.tensor([4, 2]), 4)  # [B, 1, 1, Lk]
+            >>> output, weights = layer(x, memory, memory, mask=mask, need_weights=True)
+            >>> output.shape, weights.shape
+            (torch.Size([2, 6, 16]), torch.Size([2, 4, 6, 4]))
+            >>> bool((weights[1, ..., 2:] == 0).all())
+            True
         """
         key, value = self._key_and_value(query, key, value)
         if cache is not None and not isinstance(cache, KVCache):
@@ -237,8 +294,33 @@ class MultiHeadAttention(HeadConversions, TorchConversions, AttentionSettings, n
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> KVCache:
-        """An empty :class:`KVCache` for this layer (its ``num_kv_heads`` heads only), on the
-        layer's dtype and device unless told otherwise."""
+        """An empty :class:`~attnkit.nn.KVCache` for this layer (its ``num_kv_heads`` heads only), on
+        the layer's dtype and device unless told otherwise.
+
+        Args:
+            batch_size: ``B``, the sequences decoded together.
+            max_length: the most tokens the cache holds.
+            dtype, device: of the cache; default the layer's.
+
+        Raises:
+            ValueError: a size that is not a positive int.
+
+        Example:
+
+            >>> import torch
+            >>> import attnkit
+            >>> layer = attnkit.nn.MultiHeadAttention(embed_dim=16, num_heads=4, num_kv_heads=1, causal=True)
+            >>> cache = layer.new_cache(batch_size=2, max_length=32)
+            >>> cache.keys.shape  # [B, Hkv, max_length, head_dim]: one head (multi-query)
+            torch.Size([2, 1, 32, 4])
+            >>> g = torch.Generator().manual_seed(0)
+            >>> prompt, token = torch.randn(2, 5, 16, generator=g), torch.randn(2, 1, 16, generator=g)
+            >>> with torch.no_grad():
+            ...     _ = layer(prompt, cache=cache)  # the 5 prompt tokens' keys and values are stored
+            ...     out = layer(token, cache=cache)  # one new token attends all 6
+            >>> out.shape, len(cache)
+            (torch.Size([2, 1, 16]), 6)
+        """
         weight = self.k_proj.weight
         return KVCache(batch_size, max_length, self.num_kv_heads, self.head_dim, self.value_head_dim,
                        dtype=dtype or weight.dtype, device=device or weight.device)

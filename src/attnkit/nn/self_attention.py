@@ -31,6 +31,30 @@ class SelfAttention(HeadLayer):
     The projections are ``nn.Linear`` modules ``q_proj``, ``k_proj``, ``v_proj`` created in that
     order, so ``torch.manual_seed(123); SelfAttention(3, 2)`` starts from the same weights as
     seed 002's ``SelfAttention_v2(3, 2)``.
+
+    Raises:
+        ValueError: a size that is not a positive int, a ``dropout`` outside ``[0, 1)`` or an unknown
+            ``backend``.
+        TypeError: a ``causal`` or ``qkv_bias`` that is not a bool.
+
+    Example:
+
+        Seed 002's six tokens of three features ("Your journey starts with one step"):
+
+        >>> import torch
+        >>> import attnkit
+        >>> inputs = torch.tensor([[0.43, 0.15, 0.89], [0.55, 0.87, 0.66], [0.57, 0.85, 0.64],
+        ...                        [0.22, 0.58, 0.33], [0.77, 0.25, 0.10], [0.05, 0.80, 0.55]])
+        >>> head = attnkit.nn.SelfAttention(d_in=3, d_qk=2, causal=True)
+        >>> head
+        SelfAttention(
+          d_in=3, d_qk=2, d_v=2, causal=True, dropout=0.0, backend='auto'
+          (q_proj): Linear(in_features=3, out_features=2, bias=False)
+          (k_proj): Linear(in_features=3, out_features=2, bias=False)
+          (v_proj): Linear(in_features=3, out_features=2, bias=False)
+        )
+        >>> head(inputs).shape
+        torch.Size([6, 2])
     """
 
     def __init__(
@@ -61,6 +85,33 @@ class SelfAttention(HeadLayer):
         The matrices are in ``nn.Linear`` layout ``[d_out, d_in]``, applied as ``W @ x`` (seed 001).
         Seed 002 writes ``x @ W`` with ``W [d_in, d_out]``: pass ``W.T``. ``kwargs`` go to the
         constructor (``causal``, ``dropout``, ``backend``).
+
+        Args:
+            w_query: ``[d_qk, d_in]``.
+            w_key: ``[d_qk, d_context]``.
+            w_value: ``[d_v, d_context]``.
+
+        Returns:
+            A :class:`attnkit.nn.SelfAttention` on the weights' dtype and device.
+
+        Raises:
+            TypeError: a weight that is not a tensor.
+            ValueError: weights that are not 2-D or whose sizes do not fit together.
+
+        Example:
+
+            >>> import torch
+            >>> import attnkit
+            >>> g = torch.Generator().manual_seed(0)
+            >>> w_query, w_key, w_value = (torch.randn(2, 3, generator=g) for _ in range(3))
+            >>> head = attnkit.nn.SelfAttention.from_weights(w_query, w_key, w_value)
+            >>> head.d_in, head.d_qk, head.d_v
+            (3, 2, 2)
+            >>> x = torch.randn(6, 3, generator=g)
+            >>> queries, keys, values = x @ w_query.T, x @ w_key.T, x @ w_value.T
+            >>> expected = torch.softmax(queries @ keys.T / 2 ** 0.5, dim=-1) @ values
+            >>> torch.allclose(head(x), expected, atol=1e-6)
+            True
         """
         _checks.weight_tensors(w_query=w_query, w_key=w_key, w_value=w_value)
         if not (w_query.dim() == w_key.dim() == w_value.dim() == 2):
@@ -102,6 +153,26 @@ class SelfAttention(HeadLayer):
         Returns:
             ``output [B, Lq, d_v]``, or ``(output, weights [B, Lq, Lk])`` with ``need_weights``.
             A query with no key to attend gets zeros.
+
+        Raises:
+            TypeError or ValueError: ``x`` or ``context`` not a floating tensor of the sizes above,
+                batched unlike each other, or a mask that does not broadcast (from
+                :func:`attnkit.attention`).
+
+        Example:
+
+            Cross-attention from 5 tokens to 7 of another kind, with their weights:
+
+            >>> import torch
+            >>> import attnkit
+            >>> g = torch.Generator().manual_seed(0)
+            >>> x, context = torch.randn(2, 5, 3, generator=g), torch.randn(2, 7, 4, generator=g)
+            >>> cross = attnkit.nn.SelfAttention(3, 2, d_v=5, d_context=4)
+            >>> output, weights = cross(x, context, need_weights=True)
+            >>> output.shape, weights.shape
+            (torch.Size([2, 5, 5]), torch.Size([2, 5, 7]))
+            >>> torch.allclose(weights.sum(-1), torch.ones(2, 5))
+            True
         """
         context = _checks.inputs_with_context(x, context, self.d_in, self.d_context)
         queries, keys, values = self.q_proj(x), self.k_proj(context), self.v_proj(context)

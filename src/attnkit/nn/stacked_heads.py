@@ -19,15 +19,34 @@ class StackedHeads(HeadLayer):
     Seed 001 applies them with ``torch.bmm(W, x^T)``; here ``x @ W^T`` is broadcast over the
     head dim, which is the same product: ``queries[h] = x @ w_query[h]^T``. The heads' outputs
     are concatenated (``[B, L, num_heads * d_v]``); there is no output projection.
-    :meth:`MultiHeadAttention.from_stacked` turns these tensors into the fused layer.
+    :meth:`MultiHeadAttention.from_stacked <attnkit.nn.convert.HeadConversions.from_stacked>`
+    turns these tensors into the fused layer.
 
     Args:
-        d_in, d_qk, d_v, causal, dropout, d_context, backend: as :class:`SelfAttention`.
+        d_in, d_qk, d_v, causal, dropout, d_context, backend: as :class:`attnkit.nn.SelfAttention`.
         num_heads: how many heads.
+        device, dtype: where and in which dtype to create the parameters.
 
     Parameters ``w_query [H, d_qk, d_in]``, ``w_key [H, d_qk, d_context]``,
     ``w_value [H, d_v, d_context]`` start as ``nn.Linear`` weights do: uniform in
     ``±1/sqrt(fan_in)``.
+
+    Raises:
+        TypeError or ValueError: as :class:`attnkit.nn.SelfAttention`, and a ``num_heads`` that is not a
+            positive int (ValueError).
+
+    Example:
+
+        >>> import torch
+        >>> import attnkit
+        >>> layer = attnkit.nn.StackedHeads(d_in=4, d_qk=2, num_heads=3, d_v=5)
+        >>> layer
+        StackedHeads(num_heads=3, d_in=4, d_qk=2, d_v=5, causal=False, dropout=0.0, backend='auto')
+        >>> layer.w_query.shape, layer.w_key.shape, layer.w_value.shape
+        (torch.Size([3, 2, 4]), torch.Size([3, 2, 4]), torch.Size([3, 5, 4]))
+        >>> x = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(0))
+        >>> layer(x).shape  # the 3 heads' 5 features, concatenated
+        torch.Size([2, 6, 15])
     """
 
     def __init__(
@@ -53,6 +72,21 @@ class StackedHeads(HeadLayer):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Draw ``w_query``, ``w_key`` and ``w_value`` anew (in place, from the global RNG) as
+        ``nn.Linear`` draws its weights: uniform in ``±1/sqrt(fan_in)``, ``fan_in`` being each
+        matrix's last dim (``d_in`` or ``d_context``).
+
+        Example:
+
+            >>> import torch
+            >>> import attnkit
+            >>> layer = attnkit.nn.StackedHeads(d_in=4, d_qk=2, num_heads=3)
+            >>> with torch.no_grad():
+            ...     _ = layer.w_query.zero_()
+            >>> layer.reset_parameters()
+            >>> bool((layer.w_query != 0).all()), bool(layer.w_query.abs().max() <= 1 / 4 ** 0.5)
+            (True, True)
+        """
         for weight in (self.w_query, self.w_key, self.w_value):
             bound = 1.0 / math.sqrt(weight.shape[-1])
             nn.init.uniform_(weight, -bound, bound)
@@ -77,6 +111,24 @@ class StackedHeads(HeadLayer):
 
         Returns:
             ``output [B, Lq, num_heads * d_v]``, or ``(output, weights [B, H, Lq, Lk])``.
+
+        Raises:
+            TypeError or ValueError: ``x`` or ``context`` not a floating tensor of the sizes above,
+                batched unlike each other, or a mask that does not broadcast (from
+                :func:`attnkit.attention`).
+
+        Example:
+
+            >>> import torch
+            >>> import attnkit
+            >>> layer = attnkit.nn.StackedHeads(d_in=4, d_qk=2, num_heads=3, causal=True)
+            >>> x = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(0))
+            >>> output, weights = layer(x, need_weights=True)
+            >>> output.shape, weights.shape
+            (torch.Size([2, 6, 6]), torch.Size([2, 3, 6, 6]))
+            >>> queries = x @ layer.w_query[1].T  # head 1's own projection
+            >>> torch.allclose(queries, (x.unsqueeze(1) @ layer.w_query.transpose(-1, -2))[:, 1])
+            True
         """
         context = _checks.inputs_with_context(x, context, self.d_in, self.d_context)
         unbatched = x.dim() == 2

@@ -24,7 +24,7 @@ only then (4) removes older versions, leftover partial ones and temporary files.
 previous ``CURRENT`` still names the previous version, untouched; after it, the new one. The
 loader follows ``CURRENT``; if it is missing or damaged it takes the newest version whose manifest
 verifies, so a folder without a manifest (a save cut short) is never read. Every disk-changing
-call goes through :class:`_FileSystem`, one method per step, so the tests fail each in turn.
+call goes through ``_FileSystem``, one method per step, so the tests fail each in turn.
 
 Older layouts still load: a ``checkpoint/`` holding the three files directly (the first save in
 the new layout publishes beside them and removes them afterwards), and the ``checkpoint.old/``
@@ -99,7 +99,48 @@ _fs = _FileSystem()
 def save_checkpoint(directory: Path, *, model, optimizer, generator: torch.Generator, state: dict, tokenizer) -> Path:
     """Save into a new version folder under ``directory`` and publish it atomically (see the module
     docstring): interrupted at any point, ``directory`` still holds the previous checkpoint or the
-    new one. Returns ``directory``."""
+    new one. Returns ``directory``.
+
+    Args:
+        directory: the checkpoint folder (made if missing).
+        model: a :class:`attnkit.models.gpt.GPT` (a tied ``lm_head`` is not stored twice).
+        optimizer: its optimizer (AdamW in training); its state and ``param_groups`` are saved.
+        generator: the attention dropout's ``torch.Generator``; its state is saved.
+        state: what ``state.json`` holds besides the optimizer's ``param_groups``: ``step`` (an
+            int >= 0) and whatever else the caller keeps (the trainer: its configs, ``losses``
+            and ``evals``, which :func:`attnkit.training.checkpoint.read_state` checks).
+        tokenizer: a ``tokenizers.Tokenizer``, saved as ``tokenizer.json``.
+
+    Returns:
+        ``directory``, as a ``pathlib.Path``.
+
+    Raises:
+        ValueError: ``state['step']`` is not an int >= 0 (before anything is written).
+        NotADirectoryError: ``directory`` is a file.
+        OSError: the disk refuses (the previous checkpoint stays published).
+        ImportError: ``safetensors`` is not installed (naming the extra to install).
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.models.gpt import GPT, GPTConfig
+        >>> from attnkit.training.checkpoint import save_checkpoint
+        >>> from attnkit.training.corpus import train_tokenizer
+        >>> model = GPT(GPTConfig(vocab_size=260, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        ...                       num_key_value_heads=1, intermediate_size=32))
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> model(torch.tensor([[1, 2, 3]])).logsumexp(-1).mean().backward()
+        >>> optimizer.step()  # one step, so that AdamW has state to save
+        >>> state = {"step": 1, "train_config": {}, "losses": [[1, 5.5]], "evals": []}
+        >>> folder = save_checkpoint("checkpoint", model=model, optimizer=optimizer, generator=torch.Generator(),
+        ...                          state=state, tokenizer=train_tokenizer(["a tiny corpus"], 260))
+        >>> import os
+        >>> sorted(os.listdir(folder))  # the published version, and the pointer to it
+        ['CURRENT', 'v00000001-...']
+        >>> version = next(name for name in os.listdir(folder) if name.startswith("v"))
+        >>> sorted(os.listdir(folder / version))
+        ['MANIFEST.json', 'state.json', 'state.safetensors', 'tokenizer.json']
+    """
     safetensors_torch = require("safetensors.torch", "saving checkpoints", extra="models")
     directory = Path(directory)
     step = state.get("step")
@@ -214,7 +255,38 @@ def find_checkpoint(directory: Path) -> Path:
     missing or damaged, the newest complete version; else ``directory`` itself (the old flat
     layout) or the ``.old`` sibling an interrupted former save left. ``directory`` may also be a
     version folder. Raises ``FileNotFoundError`` when there is none, ``ValueError`` when the
-    published version's files do not match its manifest."""
+    published version's files do not match its manifest.
+
+    Returns:
+        The folder to read (``pathlib.Path``).
+
+    Raises:
+        FileNotFoundError: no checkpoint in or beside ``directory``.
+        ValueError: the published version is damaged (a file missing or differing from its
+            manifest).
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.models.gpt import GPT, GPTConfig
+        >>> from attnkit.training.checkpoint import save_checkpoint
+        >>> from attnkit.training.corpus import train_tokenizer
+        >>> model = GPT(GPTConfig(vocab_size=260, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        ...                       num_key_value_heads=1, intermediate_size=32))
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> model(torch.tensor([[1, 2, 3]])).logsumexp(-1).mean().backward()
+        >>> optimizer.step()  # one step, so that AdamW has state to save
+        >>> state = {"step": 1, "train_config": {}, "losses": [[1, 5.5]], "evals": []}
+        >>> folder = save_checkpoint("checkpoint", model=model, optimizer=optimizer, generator=torch.Generator(),
+        ...                          state=state, tokenizer=train_tokenizer(["a tiny corpus"], 260))
+        >>> from attnkit.training.checkpoint import find_checkpoint
+        >>> find_checkpoint("checkpoint").name
+        'v00000001-...'
+        >>> find_checkpoint("elsewhere")
+        Traceback (most recent call last):
+            ...
+        FileNotFoundError: no checkpoint to resume from: 'elsewhere' holds none
+    """
     directory = Path(directory)
     if (directory / MANIFEST).is_file():
         verify_version(directory)
@@ -260,7 +332,35 @@ def _versions_newest_first(directory: Path) -> list[Path]:
 
 def verify_version(version: Path) -> None:
     """Check every file of a version folder against its ``MANIFEST.json``; ``ValueError`` naming the
-    first file that is missing or differs."""
+    first file that is missing or differs.
+
+    Raises:
+        ValueError: an unreadable manifest, or a file missing or of another size or SHA-256.
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.models.gpt import GPT, GPTConfig
+        >>> from attnkit.training.checkpoint import save_checkpoint
+        >>> from attnkit.training.corpus import train_tokenizer
+        >>> model = GPT(GPTConfig(vocab_size=260, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        ...                       num_key_value_heads=1, intermediate_size=32))
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> model(torch.tensor([[1, 2, 3]])).logsumexp(-1).mean().backward()
+        >>> optimizer.step()  # one step, so that AdamW has state to save
+        >>> state = {"step": 1, "train_config": {}, "losses": [[1, 5.5]], "evals": []}
+        >>> folder = save_checkpoint("checkpoint", model=model, optimizer=optimizer, generator=torch.Generator(),
+        ...                          state=state, tokenizer=train_tokenizer(["a tiny corpus"], 260))
+        >>> from attnkit.training.checkpoint import find_checkpoint, verify_version
+        >>> version = find_checkpoint("checkpoint")
+        >>> verify_version(version)  # silent: every file matches
+        >>> with open(version / "state.json", "a") as file:
+        ...     _ = file.write(" ")
+        >>> verify_version(version)
+        Traceback (most recent call last):
+            ...
+        ValueError: '.../state.json': ... bytes, but the manifest says ...: the checkpoint is damaged
+    """
     path = version / MANIFEST
     try:
         manifest = json.loads(path.read_bytes().decode("utf-8"))
@@ -291,7 +391,40 @@ def verify_version(version: Path) -> None:
 def read_state(directory: Path, *, steps: int | None = None) -> dict:
     """``state.json`` of the checkpoint in ``directory``, checked: every key the trainer reads is
     present, of its type and in range (``step`` at most ``steps`` when given); else ``ValueError``
-    naming the file and the key. ``FileNotFoundError`` when there is no checkpoint."""
+    naming the file and the key. ``FileNotFoundError`` when there is no checkpoint.
+
+    Args:
+        directory: the checkpoint folder (found as :func:`attnkit.training.checkpoint.find_checkpoint`
+            does).
+        steps: the run's steps, or None.
+
+    Returns:
+        The ``state.json`` object (a dict): ``step``, ``train_config``, ``losses``, ``evals``,
+        ``param_groups`` and what else was saved.
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.models.gpt import GPT, GPTConfig
+        >>> from attnkit.training.checkpoint import save_checkpoint
+        >>> from attnkit.training.corpus import train_tokenizer
+        >>> model = GPT(GPTConfig(vocab_size=260, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        ...                       num_key_value_heads=1, intermediate_size=32))
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> model(torch.tensor([[1, 2, 3]])).logsumexp(-1).mean().backward()
+        >>> optimizer.step()  # one step, so that AdamW has state to save
+        >>> state = {"step": 1, "train_config": {}, "losses": [[1, 5.5]], "evals": []}
+        >>> folder = save_checkpoint("checkpoint", model=model, optimizer=optimizer, generator=torch.Generator(),
+        ...                          state=state, tokenizer=train_tokenizer(["a tiny corpus"], 260))
+        >>> from attnkit.training.checkpoint import read_state
+        >>> record = read_state("checkpoint")
+        >>> record["step"], record["losses"], sorted(record)
+        (1, [[1, 5.5]], ['evals', 'losses', 'param_groups', 'step', 'train_config'])
+        >>> read_state("checkpoint", steps=0)
+        Traceback (most recent call last):
+            ...
+        ValueError: '.../state.json': 'step' is 1, beyond the 0 steps configured
+    """
     path = find_checkpoint(directory) / "state.json"
     try:
         record = json.loads(path.read_bytes().decode("utf-8"))
@@ -363,8 +496,45 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 def load_checkpoint(directory: Path, *, model, optimizer, generator: torch.Generator,
                     steps: int | None = None) -> dict:
     """Restore ``model``, ``optimizer`` and ``generator`` in place from the checkpoint in
-    ``directory``; returns its checked ``state.json`` (see :func:`read_state`). A tensor missing,
-    extra, or of another shape or dtype than ``model``/``optimizer`` need: ``ValueError``."""
+    ``directory``; returns its checked ``state.json`` (see
+    :func:`attnkit.training.checkpoint.read_state`). A tensor missing, extra, or of another shape
+    or dtype than ``model``/``optimizer`` need: ``ValueError``.
+
+    Args:
+        directory: the checkpoint folder.
+        model, optimizer, generator: what :func:`attnkit.training.checkpoint.save_checkpoint`
+            saved, built alike (the same sizes, parameter groups and kind of optimizer).
+        steps: the run's steps, or None (see :func:`attnkit.training.checkpoint.read_state`).
+
+    Raises:
+        FileNotFoundError: no checkpoint.
+        ValueError: a damaged checkpoint, or one that does not fit ``model`` and ``optimizer``.
+        ImportError: ``safetensors`` is not installed (naming the extra to install).
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.models.gpt import GPT, GPTConfig
+        >>> from attnkit.training.checkpoint import save_checkpoint
+        >>> from attnkit.training.corpus import train_tokenizer
+        >>> model = GPT(GPTConfig(vocab_size=260, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        ...                       num_key_value_heads=1, intermediate_size=32))
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> model(torch.tensor([[1, 2, 3]])).logsumexp(-1).mean().backward()
+        >>> optimizer.step()  # one step, so that AdamW has state to save
+        >>> state = {"step": 1, "train_config": {}, "losses": [[1, 5.5]], "evals": []}
+        >>> folder = save_checkpoint("checkpoint", model=model, optimizer=optimizer, generator=torch.Generator(),
+        ...                          state=state, tokenizer=train_tokenizer(["a tiny corpus"], 260))
+        >>> from attnkit.training.checkpoint import load_checkpoint
+        >>> again = GPT(model.config)  # other random weights
+        >>> again_optimizer = torch.optim.AdamW(again.parameters())
+        >>> record = load_checkpoint("checkpoint", model=again, optimizer=again_optimizer,
+        ...                          generator=torch.Generator())
+        >>> record["step"], all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+        (1, True)
+        >>> again_optimizer.state_dict()["state"][0]["step"]
+        tensor(1.)
+    """
     folder = find_checkpoint(directory)
     record = read_state(folder, steps=steps)
     json_path, path = str(folder / "state.json"), folder / "state.safetensors"
@@ -440,7 +610,32 @@ def load_checkpoint(directory: Path, *, model, optimizer, generator: torch.Gener
 
 
 def read_tokenizer(directory: Path):
-    """The checkpoint's ``tokenizers.Tokenizer``; ``ValueError`` naming the file if unreadable."""
+    """The checkpoint's ``tokenizers.Tokenizer``; ``ValueError`` naming the file if unreadable.
+
+    Raises:
+        FileNotFoundError: no checkpoint in ``directory``.
+        ValueError: ``tokenizer.json`` is missing or unreadable.
+        ImportError: ``tokenizers`` is not installed (naming the extra to install).
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.models.gpt import GPT, GPTConfig
+        >>> from attnkit.training.checkpoint import save_checkpoint
+        >>> from attnkit.training.corpus import train_tokenizer
+        >>> model = GPT(GPTConfig(vocab_size=260, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        ...                       num_key_value_heads=1, intermediate_size=32))
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> model(torch.tensor([[1, 2, 3]])).logsumexp(-1).mean().backward()
+        >>> optimizer.step()  # one step, so that AdamW has state to save
+        >>> state = {"step": 1, "train_config": {}, "losses": [[1, 5.5]], "evals": []}
+        >>> folder = save_checkpoint("checkpoint", model=model, optimizer=optimizer, generator=torch.Generator(),
+        ...                          state=state, tokenizer=train_tokenizer(["a tiny corpus"], 260))
+        >>> from attnkit.training.checkpoint import read_tokenizer
+        >>> tokenizer = read_tokenizer("checkpoint")
+        >>> tokenizer.get_vocab_size(), tokenizer.decode(tokenizer.encode("a tiny corpus").ids)
+        (260, 'a tiny corpus')
+    """
     tokenizers = require("tokenizers", "resuming training", extra="models")
     path = find_checkpoint(directory) / "tokenizer.json"
     if not path.is_file():

@@ -38,7 +38,30 @@ from .packing import Rows, batch_order, pack_documents
 
 @dataclass
 class TrainConfig:
-    """What :func:`train` does; the defaults finish in a few minutes on 2 CPU cores."""
+    """What :func:`attnkit.training.train` does; the defaults finish in a few minutes on 2 CPU cores.
+
+    The run (``steps``, ``batch_size`` rows of ``seq_len`` tokens a step, ``seed``), the AdamW
+    schedule (:func:`attnkit.training.learning_rate`), evaluation and checkpoint intervals, the
+    tokenizer's ``vocab_size``, the model's sizes (:meth:`attnkit.training.TrainConfig.model_config`),
+    ``max_documents`` (only the first sections of the corpus) and ``sample_tokens`` (the sample's
+    length, 0: none).
+
+    Raises:
+        ValueError: a count that is not an int >= 1 (``warmup_steps`` and ``sample_tokens``:
+            >= 0), a learning rate or ``grad_clip`` that is not > 0, or a learning rate above the
+            command line's bound (``attnkit.cli.MAX_LEARNING_RATE``).
+
+    Example:
+
+        >>> from attnkit.training import TrainConfig
+        >>> config = TrainConfig(out="tiny-gpt", steps=2, seq_len=16, hidden_size=16, num_layers=1)
+        >>> config.batch_size, config.learning_rate, config.num_heads
+        (16, 0.003, 4)
+        >>> TrainConfig(steps=0)
+        Traceback (most recent call last):
+            ...
+        ValueError: steps must be an int >= 1, got 0
+    """
 
     out: str = "attnkit-gpt"
     steps: int = 300
@@ -77,6 +100,21 @@ class TrainConfig:
                 raise ValueError(f"{name} must be at most {MAX_LEARNING_RATE:g}, got {getattr(self, name)!r}")
 
     def model_config(self, vocab_size: int, eos: int) -> GPTConfig:
+        """The :class:`attnkit.models.gpt.GPTConfig` of the model to train: this config's sizes, the
+        tokenizer's ``vocab_size``, ``eos`` (the ``<|endoftext|>`` id) as the first and last token,
+        room for ``max(seq_len, 256)`` positions.
+
+        Raises:
+            ValueError: sizes the model refuses (see :class:`attnkit.models.gpt.GPTConfig`).
+
+        Example:
+
+            >>> from attnkit.training import TrainConfig
+            >>> config = TrainConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+            >>> model = config.model_config(vocab_size=300, eos=0)
+            >>> model.vocab_size, model.num_hidden_layers, model.head_dim, model.max_position_embeddings
+            (300, 1, 16, 256)
+        """
         return GPTConfig(vocab_size=vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
                          num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
                          intermediate_size=self.intermediate_size, max_position_embeddings=max(self.seq_len, 256),
@@ -85,6 +123,21 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
+    """What :func:`attnkit.training.train` returns: the trained ``model`` (eval mode) and its
+    ``tokenizer``, ``losses`` and ``evals`` (``(step, loss)`` pairs: the training loss of every step,
+    the validation loss every ``eval_interval`` steps and at the end), ``tokens_per_second`` (real
+    tokens over the time spent in steps), ``model_dir`` (the Hugging Face Llama export) and
+    ``sample`` (text generated from ``"The "``).
+
+    Example:
+
+        >>> from attnkit.models.gpt import GPT, GPTConfig
+        >>> from attnkit.training import TrainResult
+        >>> result = TrainResult(GPT(GPTConfig(hidden_size=16, num_hidden_layers=1)), tokenizer=None)
+        >>> result.losses, result.evals, result.model_dir, result.sample  # train fills them in
+        ([], [], None, '')
+    """
+
     model: GPT
     tokenizer: object
     losses: list[tuple[int, float]] = field(default_factory=list)       # (step, training loss)
@@ -100,7 +153,23 @@ _MAY_CHANGE = ("steps", "out", "eval_interval", "checkpoint_interval", "sample_t
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:
-    """Linear warm-up to ``learning_rate``, then a cosine down to ``min_learning_rate``."""
+    """Linear warm-up to ``learning_rate``, then a cosine down to ``min_learning_rate``.
+
+    Args:
+        step: the training step (0 first).
+        config: the :class:`attnkit.training.TrainConfig` (``learning_rate``,
+            ``min_learning_rate``, ``warmup_steps``, ``steps``).
+
+    Returns:
+        The step's learning rate, a float (``min_learning_rate`` from step ``steps`` on).
+
+    Example:
+
+        >>> from attnkit.training import TrainConfig, learning_rate
+        >>> config = TrainConfig(steps=100, warmup_steps=10, learning_rate=1e-3, min_learning_rate=1e-4)
+        >>> [round(learning_rate(step, config), 6) for step in (0, 9, 10, 55, 100)]
+        [0.0001, 0.001, 0.001, 0.00055, 0.0001]
+    """
     if step < config.warmup_steps:
         return config.learning_rate * (step + 1) / config.warmup_steps
     progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
@@ -109,7 +178,32 @@ def learning_rate(step: int, config: TrainConfig) -> float:
 
 
 def row_loss(model: GPT, rows: Rows, generator: torch.Generator | None = None):
-    """Mean next-token loss of packed rows (document mask, positions restarting per document)."""
+    """Mean next-token loss of packed rows (document mask, positions restarting per document).
+
+    Args:
+        model: a :class:`attnkit.models.gpt.GPT`.
+        rows: :class:`attnkit.training.Rows` ``[N, T]`` (from :func:`attnkit.training.pack_documents`).
+        generator: the attention dropout's generator (None: the global RNG).
+
+    Returns:
+        The loss, a scalar tensor (differentiable), over the targets that are not ``-100``.
+
+    Example:
+
+        An untrained model scores about ``ln(vocab_size)``:
+
+        >>> import math, torch
+        >>> from attnkit.models.gpt import GPT, GPTConfig
+        >>> from attnkit.training import pack_documents
+        >>> model = GPT(GPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        ...                       num_key_value_heads=1, intermediate_size=32))  # untrained
+        >>> documents = torch.randint(1, 64, (6, 10), generator=torch.Generator().manual_seed(0)).tolist()
+        >>> rows = pack_documents(documents, 16)
+        >>> from attnkit.training.trainer import row_loss
+        >>> loss = row_loss(model, rows)
+        >>> loss.shape, loss.requires_grad, abs(loss.item() - math.log(64)) < 0.1
+        (torch.Size([]), True, True)
+    """
     logits = model(rows.inputs, mask=document(ids=rows.doc_ids), positions=document_positions(rows.doc_ids),
                    generator=generator)
     return language_model_loss(logits, rows.targets)
@@ -117,7 +211,30 @@ def row_loss(model: GPT, rows: Rows, generator: torch.Generator | None = None):
 
 @torch.no_grad()
 def evaluate(model: GPT, rows: Rows, batch_size: int) -> float:
-    """Validation loss, weighted by each batch's real tokens."""
+    """Validation loss, weighted by each batch's real tokens.
+
+    Args:
+        model: a :class:`attnkit.models.gpt.GPT` (run in eval mode, its mode restored after).
+        rows: the validation :class:`attnkit.training.Rows`.
+        batch_size: rows a forward pass.
+
+    Returns:
+        The mean loss over every real token, a float (0.0 for no rows).
+
+    Example:
+
+        >>> import math, torch
+        >>> from attnkit.models.gpt import GPT, GPTConfig
+        >>> from attnkit.training import pack_documents
+        >>> model = GPT(GPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        ...                       num_key_value_heads=1, intermediate_size=32))  # untrained
+        >>> documents = torch.randint(1, 64, (6, 10), generator=torch.Generator().manual_seed(0)).tolist()
+        >>> rows = pack_documents(documents, 16)
+        >>> from attnkit.training import evaluate
+        >>> loss = evaluate(model, rows, batch_size=2)
+        >>> isinstance(loss, float), abs(loss - math.log(64)) < 0.1
+        (True, True)
+    """
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -130,7 +247,21 @@ def evaluate(model: GPT, rows: Rows, batch_size: int) -> float:
 
 
 class Progress:
-    """One status line on ``stream``: redrawn in place on a terminal, a line per report otherwise."""
+    """One status line on ``stream``: redrawn in place on a terminal, a line per report otherwise.
+
+    ``total``: the run's steps; ``stream``: a text stream, or None (nothing is written). The clock
+    starts at construction.
+
+    Example:
+
+        >>> import io
+        >>> from attnkit.training.trainer import Progress
+        >>> log = io.StringIO()  # not a terminal: only forced reports are written
+        >>> progress = Progress(10, log)
+        >>> progress.update(5, 2.5, 1234.0, force=True)
+        >>> print(log.getvalue(), end="")
+        step     5/10 [##########..........] loss 2.500 | 1,234 tok/s | ...s
+    """
 
     def __init__(self, total: int, stream: TextIO | None) -> None:
         self.total, self.stream = total, stream
@@ -138,6 +269,21 @@ class Progress:
         self.started = time.perf_counter()
 
     def update(self, step: int, loss: float, tokens_per_second: float, note: str = "", *, force: bool = False) -> None:
+        """Report ``step`` of ``total`` with its ``loss``, the speed and the time so far, then
+        ``note``. On a terminal the line is redrawn in place (``force``: and kept, a new line
+        after it); on another stream only forced reports are written, a line each.
+
+        Example:
+
+            >>> import io
+            >>> from attnkit.training.trainer import Progress
+            >>> log = io.StringIO()
+            >>> progress = Progress(4, log)
+            >>> progress.update(1, 3.0, 100.0)  # not forced: not written to a file
+            >>> progress.update(4, 2.0, 100.0, " | validation 2.100", force=True)
+            >>> print(log.getvalue(), end="")
+            step     4/4 [####################] loss 2.000 | 100 tok/s | ...s | validation 2.100
+        """
         if self.stream is None or not (self.tty or force):
             return
         filled = 20 * step // self.total
@@ -150,7 +296,26 @@ class Progress:
 
 
 def prepare_data(config: TrainConfig, tokenizer=None):
-    """``(tokenizer, train rows, validation rows)``; the tokenizer is trained unless given."""
+    """``(tokenizer, train rows, validation rows)``; the tokenizer is trained unless given.
+
+    The corpus's sections (the first ``max_documents``), split by
+    :func:`attnkit.training.corpus.split_documents`, encoded and packed into rows of ``seq_len``
+    (:func:`attnkit.training.pack_documents`); the validation rows are cut to ``eval_rows``.
+
+    Args:
+        config: the :class:`attnkit.training.TrainConfig`.
+        tokenizer: a ``tokenizers.Tokenizer`` (a resumed run's), or None to train one of
+            ``vocab_size`` tokens on the training documents.
+
+    Example:
+
+        >>> from attnkit.training import TrainConfig
+        >>> from attnkit.training.trainer import prepare_data
+        >>> config = TrainConfig(seq_len=16, vocab_size=260, max_documents=6, eval_rows=2)
+        >>> tokenizer, train_rows, validation_rows = prepare_data(config)
+        >>> tokenizer.get_vocab_size(), train_rows.inputs.shape[1], validation_rows.inputs.shape
+        (260, 16, torch.Size([2, 16]))
+    """
     sections = corpus.python_reference_sections()
     if config.max_documents is not None:
         sections = sections[: config.max_documents]
@@ -173,6 +338,38 @@ def train(config: TrainConfig, *, resume: bool = False, until: int | None = None
     ``until`` stops after that step (with a checkpoint) as if interrupted there: the schedule
     still runs to ``config.steps``, and ``resume=True`` later continues exactly. Progress goes to
     ``log`` (default stderr) unless ``quiet``.
+
+    Args:
+        config: the :class:`attnkit.training.TrainConfig`.
+        resume: continue from the checkpoint in ``out/checkpoint``.
+        until: stop after this step, or None (``config.steps``).
+        log: where progress goes (default stderr).
+        quiet: print nothing.
+
+    Returns:
+        A :class:`attnkit.training.TrainResult`.
+
+    Raises:
+        ValueError: ``out`` is a file; on ``resume``, a checkpoint trained with other settings
+            (only ``steps``, ``out``, ``eval_interval``, ``checkpoint_interval`` and
+            ``sample_tokens`` may change) or a damaged one.
+        FileNotFoundError: ``resume`` with no checkpoint in ``out/checkpoint``.
+
+    Example:
+
+        Two steps of a tiny model, interrupted after the first and resumed:
+
+        >>> import os
+        >>> from attnkit.training import TrainConfig, train
+        >>> config = TrainConfig(out="tiny-gpt", steps=2, batch_size=2, seq_len=16, warmup_steps=1,
+        ...                      vocab_size=260, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+        ...                      intermediate_size=32, max_documents=6, eval_rows=2, sample_tokens=0)
+        >>> first = train(config, until=1, quiet=True)
+        >>> result = train(config, resume=True, quiet=True)
+        >>> [step for step, _ in result.losses], [step for step, _ in result.evals]
+        ([1, 2], [2])
+        >>> sorted(os.listdir("tiny-gpt")), sorted(os.listdir("tiny-gpt/model"))
+        (['checkpoint', 'model'], ['config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json'])
     """
     log = None if quiet else (log or sys.stderr)
     out = Path(config.out)

@@ -67,6 +67,37 @@ def save_grid(
     The figure is ``max(4, 0.8 + heads * cell)`` x ``(0.9 + layers * cell)`` inches at ``dpi``.
     ``scale="head"`` colours each head from 0 to its own largest weight, ``"absolute"`` from 0
     to 1 for all.
+
+    Args:
+        record: the sentence (:class:`attnkit.viz.AttentionRecord`); its text and model name
+            make the title, its layer names label the rows.
+        path: a ``.png``, ``.svg`` or ``.pdf`` file; its directory is created if needed.
+        cell: the side of one head's heatmap, in inches (heads of more tokens than
+            ``cell * dpi`` pixels are max-pooled, so that narrow patterns stay visible).
+        dpi: pixels per inch.
+        scale: ``"head"`` or ``"absolute"``, as above.
+
+    Returns:
+        ``path``, as a ``pathlib.Path``.
+
+    Raises:
+        ValueError: an unknown suffix or ``scale``.
+        ImportError: matplotlib is not installed (the ``attnkit[viz]`` extra).
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.viz import AttentionRecord, save_grid
+        >>> record = AttentionRecord("the cat sat", ["the", "cat", "sat"], torch.full((2, 4, 3, 3), 1 / 3))
+        >>> save_grid(record, "grid.png", cell=0.5, dpi=50)       # 4 x 1.9 inches at 50 dpi
+        PosixPath('grid.png')
+        >>> from PIL import Image
+        >>> Image.open("grid.png").size                           # (width, height) in pixels
+        (200, 95)
+        >>> save_grid(record, "grid.jpg")
+        Traceback (most recent call last):
+            ...
+        ValueError: path: got suffix '.jpg' (grid.jpg), expected one of ['.pdf', '.png', '.svg']
     """
     Figure = require("matplotlib.figure", "image export").Figure
     path = Path(path)
@@ -112,6 +143,38 @@ def save_head(
     Queries run down, keys across. Up to 64 tokens every token is labelled, beyond that every
     n-th; up to 16 tokens each cell also prints its weight. ``size`` in inches defaults to a
     square growing with the number of tokens (5 to 20 inches).
+
+    Args:
+        record: the sentence (:class:`attnkit.viz.AttentionRecord`).
+        layer: the head's layer, ``0 <= layer < record.num_layers``.
+        head: the head, ``0 <= head < record.num_heads``.
+        path: a ``.png``, ``.svg`` or ``.pdf`` file; its directory is created if needed.
+        size: ``(width, height)`` in inches; default as above.
+        dpi: pixels per inch.
+        scale: ``"absolute"`` colours from 0 to 1, ``"head"`` from 0 to the head's largest weight.
+
+    Returns:
+        ``path``, as a ``pathlib.Path``.
+
+    Raises:
+        ValueError: an unknown suffix or ``scale``, or ``layer`` / ``head`` out of range.
+        ImportError: matplotlib is not installed (the ``attnkit[viz]`` extra).
+
+    Example:
+
+        >>> import attnkit
+        >>> from attnkit import toy
+        >>> from attnkit.viz import AttentionRecord, save_head
+        >>> x = toy.embeddings()
+        >>> _, weights = attnkit.attention(x, x, x, scale=1.0, causal=True, return_weights=True)
+        >>> record = AttentionRecord(" ".join(toy.TOKENS), toy.TOKENS, weights[None, None], model="toy")
+        >>> path = save_head(record, 0, 0, "images/causal.svg", size=(4, 3.5))
+        >>> path.exists(), path.read_text().count("<svg")
+        (True, 1)
+        >>> save_head(record, 0, 1, "images/head1.svg")
+        Traceback (most recent call last):
+            ...
+        ValueError: head: got 1, expected 0 <= head < 1
     """
     Figure = require("matplotlib.figure", "image export").Figure
     path = Path(path)

@@ -1,10 +1,12 @@
 """Attention views inline in Jupyter: ``head_view``, ``model_view``, ``heatmap``.
 
+For example::
+
     from attnkit import viz
     viz.head_view(attentions, tokens)         # displays in the output cell
 
-Each call returns an :class:`AttentionView`, which Jupyter displays through ``_repr_mimebundle_``
-(and ``_repr_html_``). The view is the report page (``report.render_report``, the same renderer
+Each call returns an :class:`attnkit.viz.AttentionView`, which Jupyter displays through ``_repr_mimebundle_``
+(and ``_repr_html_``). The view is the report page (:func:`attnkit.viz.render_report`, the same renderer
 and scripts) inside an ``<iframe srcdoc=...>``: one self-contained document per output, with its
 own script, style and weights. So it works wherever a notebook output may run a page
 (JupyterLab, VS Code, a static HTML export), needs no network and no script of the host page,
@@ -37,7 +39,27 @@ _TITLES = {"head": "head view", "model": "model view", "heatmap": "heatmap"}
 class AttentionView:
     """One inline view of attention weights; Jupyter displays it, ``html()`` gives the page.
 
-    Build it with :func:`head_view`, :func:`model_view` or :func:`heatmap`.
+    Build it with :func:`attnkit.viz.head_view`, :func:`attnkit.viz.model_view` or
+    :func:`attnkit.viz.heatmap`.
+
+    Args:
+        records: the sentences, one :class:`attnkit.viz.AttentionRecord` each (at least one; a
+            selector switches between them).
+        layout: the views offered and what they show first (:class:`attnkit.viz.Layout`; the
+            view functions set ``embedded=True``).
+        title: the frame's title (for screen readers) and the saved page's.
+        precision: how the weights are stored in the page (see :func:`attnkit.viz.write_report`).
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.viz import AttentionRecord, AttentionView, Layout
+        >>> record = AttentionRecord("the cat sat", ["the", "cat", "sat"], torch.full((2, 4, 3, 3), 1 / 3))
+        >>> view = AttentionView([record], Layout(views=("heatmap",), embedded=True), title="uniform")
+        >>> view                                                  # what a terminal shows
+        <attnkit heatmap: 3 tokens, 2 layers x 4 heads; displays in Jupyter, .save('view.html') writes a page>
+        >>> view.save("uniform.html").exists()
+        True
     """
 
     def __init__(self, records: Sequence[AttentionRecord], layout: Layout, *, title: str,
@@ -49,16 +71,53 @@ class AttentionView:
 
     @property
     def view(self) -> View:
-        """The view shown first: ``"head"``, ``"model"`` or ``"heatmap"``."""
+        """The view shown first: ``"head"``, ``"model"`` or ``"heatmap"``.
+
+        Example:
+
+            >>> import torch
+            >>> from attnkit import viz
+            >>> viz.model_view(torch.full((2, 4, 3, 3), 1 / 3), ["the", "cat", "sat"]).view
+            'model'
+        """
         return self.layout.views[0]
 
     def page(self) -> str:
-        """The view as one standalone HTML document (what the frame holds)."""
+        """The view as one standalone HTML document (what the frame holds).
+
+        Returns:
+            The page's HTML text, as :func:`attnkit.viz.render_report` writes it for this view's
+            records and layout.
+
+        Example:
+
+            >>> import torch
+            >>> from attnkit import viz
+            >>> page = viz.heatmap(torch.full((3, 3), 1 / 3), ["the", "cat", "sat"], title="uniform").page()
+            >>> page.startswith("<!DOCTYPE html>"), "<title>uniform</title>" in page
+            (True, True)
+        """
         return render_report(self.records, title=self.title, precision=self.precision, layout=self.layout,
                              progress=False)
 
     def html(self) -> str:
-        """The output cell's HTML: the frame holding :meth:`page`, and the script that fits its height."""
+        """The output cell's HTML: the frame holding :meth:`attnkit.viz.AttentionView.page`, and the
+        script that fits its height.
+
+        Returns:
+            An ``<iframe>`` (sandboxed, scripts only, the page in its ``srcdoc``, an id unique to
+            this call) followed by a ``<script>``. Jupyter shows this for the view.
+
+        Example:
+
+            >>> import torch
+            >>> from attnkit import viz
+            >>> cell = viz.heatmap(torch.full((3, 3), 1 / 3), ["the", "cat", "sat"]).html()
+            >>> cell.startswith('<iframe id="attnkit-view-'), 'sandbox="allow-scripts"' in cell
+            (True, True)
+            >>> cell.rstrip().endswith("</script>")
+            True
+        """
         # Unique in the notebook page, whose outputs may come from many kernels and sessions.
         frame_id = f"attnkit-view-{uuid.uuid4().hex[:16]}"
         height = estimated_height(self.records[0], self.layout)
@@ -70,7 +129,30 @@ class AttentionView:
         )
 
     def save(self, path: str | Path) -> Path:
-        """Write the view as a standalone ``.html`` file (it opens in any browser, offline)."""
+        """Write the view as a standalone ``.html`` file (it opens in any browser, offline).
+
+        Args:
+            path: a file name ending in ``.html`` (or ``.htm``); its directory is created if
+                needed, an existing file replaced.
+
+        Returns:
+            ``path``, as a ``pathlib.Path``.
+
+        Raises:
+            ValueError: ``path`` does not end in ``.html`` or ``.htm``.
+
+        Example:
+
+            >>> import torch
+            >>> from attnkit import viz
+            >>> view = viz.head_view(torch.full((2, 3, 3), 1 / 3), ["the", "cat", "sat"])
+            >>> view.save("views/cat.html")
+            PosixPath('views/cat.html')
+            >>> view.save("cat.png")
+            Traceback (most recent call last):
+                ...
+            ValueError: path: got 'cat.png', expected a file name ending in .html
+        """
         path = Path(path)
         if path.suffix.lower() not in (".html", ".htm"):
             raise ValueError(f"path: got {str(path)!r}, expected a file name ending in .html")
@@ -115,7 +197,27 @@ _FIT_SCRIPT = """(() => {
 
 def estimated_height(record: AttentionRecord, layout: Layout) -> int:
     """The frame's height (CSS pixels) before its page reports the real one: the first view's
-    drawing, as the page's scripts size it at ``_ASSUMED_WIDTH``, plus its controls."""
+    drawing, as the page's scripts size it at ``_ASSUMED_WIDTH``, plus its controls.
+
+    Args:
+        record: the sentence shown first (its tokens, layers and heads size the drawing).
+        layout: the views; the first one is sized.
+
+    Returns:
+        The height in CSS pixels (grows with the tokens in the head view and the heatmap, with
+        the layers in the model view).
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.viz import AttentionRecord, Layout
+        >>> from attnkit.viz.inline import estimated_height
+        >>> record = AttentionRecord("the cat sat", ["the", "cat", "sat"], torch.full((2, 4, 3, 3), 1 / 3))
+        >>> estimated_height(record, Layout(views=("head",)))
+        326
+        >>> estimated_height(record, Layout(views=("model", "heatmap")))   # 2 rows of thumbnails, and tabs
+        396
+    """
     view, tokens = layout.views[0], record.num_tokens
     chrome = 90 + (40 if len(layout.views) > 1 else 0)  # selectors, summary line, tabs
     if view == "head":
@@ -175,7 +277,38 @@ def head_view(
         title: the frame's title (for screen readers and the saved page).
 
     Returns:
-        An :class:`AttentionView`: Jupyter displays it; ``.save("view.html")`` writes the page.
+        An :class:`attnkit.viz.AttentionView`, which Jupyter displays; ``.save("view.html")``
+        writes the page.
+
+    Raises:
+        TypeError: ``attentions`` is of no form above, not floating, or ``tokens`` is missing
+            or not strings; ``layer`` or a head index is not an int, ``heads`` not a sequence,
+            ``text`` or ``title`` not a str.
+        ValueError: shapes that do not fit (weights not ``[..., T, T]``, a token count other
+            than ``T``, layers of different shapes, a batch with one token list), ``layer`` or
+            a head out of range, or weights that are not softmax rows (see
+            :class:`attnkit.viz.AttentionRecord`).
+
+    Example:
+
+        >>> import torch
+        >>> import attnkit
+        >>> from attnkit import toy, viz
+        >>> x = toy.embeddings()                                  # 6 tokens, [6, 3]
+        >>> _, weights = attnkit.attention(x, x, x, scale=1.0, return_weights=True)   # [T, T]
+        >>> viz.head_view(weights, toy.TOKENS)                    # in Jupyter: the drawing
+        <attnkit head view: 6 tokens, 1 layer x 1 head; displays in Jupyter, .save('view.html') writes a page>
+
+        transformers' ``output_attentions``, one ``[batch, heads, T, T]`` tensor per layer:
+
+        >>> layers = [torch.full((1, 4, 6, 6), 1 / 6) for _ in range(2)]
+        >>> view = viz.head_view(layers, toy.TOKENS, layer=1, heads=[0, 3])
+        >>> view
+        <attnkit head view: 6 tokens, 2 layers x 4 heads; displays in Jupyter, .save('view.html') writes a page>
+        >>> viz.head_view(layers, toy.TOKENS, layer=2)
+        Traceback (most recent call last):
+            ...
+        ValueError: layer: got 2, expected 0 <= layer < 2 (the weights have 2 layers)
     """
     records = to_records(attentions, tokens, text=text)
     _checked_index("layer", layer, records[0].num_layers, "layer")
@@ -196,8 +329,20 @@ def model_view(
 ) -> AttentionView:
     """Every layer (rows) x head (columns) as a small heatmap; click one to enlarge it.
 
-    ``attentions`` and ``tokens`` as for :func:`head_view`. Returns an :class:`AttentionView`
-    whose tabs are the model view and the heatmap of the head last clicked.
+    ``attentions`` and ``tokens`` as for :func:`attnkit.viz.head_view` (and the same errors).
+    Returns an :class:`attnkit.viz.AttentionView` whose tabs are the model view and the heatmap
+    of the head last clicked. ``text`` is shown above the drawing, ``title`` names the frame.
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit import viz
+        >>> weights = torch.full((6, 12, 4, 4), 0.25)              # [layers, heads, T, T]
+        >>> view = viz.model_view(weights, ["[CLS]", "hello", "world", "[SEP]"], text="hello world")
+        >>> view
+        <attnkit model view: 4 tokens, 6 layers x 12 heads; displays in Jupyter, .save('view.html') writes a page>
+        >>> view.layout.views
+        ('model', 'heatmap')
     """
     records = to_records(attentions, tokens, text=text)
     layout = Layout(views=("model", "heatmap"), embedded=True)
@@ -215,8 +360,27 @@ def heatmap(
 ) -> AttentionView:
     """The exact weights of one head, queries down and keys across (hover a cell for its value).
 
-    ``attentions`` and ``tokens`` as for :func:`head_view`; ``layer`` and ``head`` choose the
-    head shown first (selectors switch). Returns an :class:`AttentionView`.
+    ``attentions`` and ``tokens`` as for :func:`attnkit.viz.head_view` (and the same errors);
+    ``layer`` and ``head`` choose the head shown first (selectors switch; out of range: a
+    ``ValueError``). Returns an :class:`attnkit.viz.AttentionView`.
+
+    Example:
+
+        A batch of two sentences (one token list each; the shorter one's padding has zero
+        weight), layer 1, head 0 shown first:
+
+        >>> import torch
+        >>> import attnkit
+        >>> from attnkit import masks, viz
+        >>> x = torch.ones(2, 2, 3, 4)                            # [B, H, T, D]
+        >>> _, weights = attnkit.attention(x, x, x, mask=masks.padding_mask(torch.tensor([3, 2])),
+        ...                                return_weights=True)   # [B, H, T, T]
+        >>> view = viz.heatmap([weights, weights], [["the", "cat", "sat"], ["a", "dog"]], layer=1)
+        >>> view
+        <attnkit heatmap: 2 sentences, 3 tokens, 2 layers x 2 heads; displays in Jupyter,
+         .save('view.html') writes a page>
+        >>> [record.num_tokens for record in view.records]
+        [3, 2]
     """
     records = to_records(attentions, tokens, text=text)
     _checked_index("layer", layer, records[0].num_layers, "layer")

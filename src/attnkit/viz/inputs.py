@@ -9,7 +9,7 @@ reshaping by the user:
   ``output_attentions`` and attnkit's ``TextEncoder.encode(..., need_weights=True).attentions``;
 - an object with an ``attentions`` attribute holding either (a transformers model output, an
   attnkit ``Encoded``); its ``tokens`` are used when the call gives none;
-- :class:`AttentionRecord` objects, as they are.
+- :class:`attnkit.viz.AttentionRecord` objects, as they are.
 
 Every mistake is a ``TypeError`` / ``ValueError`` that names the argument and the shapes.
 """
@@ -29,12 +29,40 @@ _FORMS = ("a tensor [T, T], [heads, T, T] or [layers, heads, T, T], or a sequenc
 
 def to_records(attentions: object, tokens: object = None, *, text: str | Sequence[str] | None = None,
                model: str = "") -> list[AttentionRecord]:
-    """One :class:`AttentionRecord` per sentence of ``attentions`` (see the module docstring).
+    """One :class:`attnkit.viz.AttentionRecord` per sentence of ``attentions`` (see the module
+    docstring).
 
     ``tokens`` is one list of ``T`` strings, or one list per sentence of a batch (sentence ``b``
     may be shorter than ``T``: its padded keys must have zero weight, as
-    :func:`records_from_batch` checks). ``text`` is shown above the drawing: one str, or one per
-    sentence of a batch.
+    :func:`attnkit.viz.records_from_batch` checks). ``text`` is shown above the drawing: one str,
+    or one per sentence of a batch. ``model`` is the name each record carries.
+
+    Returns:
+        A list of ``B`` records (one for an unbatched input), each ``[layers, heads, T_b, T_b]``.
+
+    Raises:
+        TypeError: ``attentions`` is of no accepted form or not floating, ``tokens`` is missing
+            (and not carried by ``attentions``) or not lists of str, ``text`` is not str.
+        ValueError: the shapes disagree (non-square weights, per-layer shapes that differ, a
+            token count other than ``T``, a batch without one token list per sentence), a holder
+            without weights, tokens given with records, or invalid weights (see
+            :class:`attnkit.viz.AttentionRecord`).
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.viz.inputs import to_records
+        >>> tokens = ["the", "cat", "sat"]
+        >>> [r.attentions.shape for r in to_records(torch.full((3, 3), 1 / 3), tokens)]     # [T, T]
+        [torch.Size([1, 1, 3, 3])]
+        >>> per_layer = [torch.full((2, 4, 3, 3), 1 / 3)] * 6    # 6 x [batch, heads, T, T]
+        >>> records = to_records(per_layer, [tokens, ["a", "dog", "ran"]], text=["the cat sat", "a dog ran"])
+        >>> len(records), records[1].text, records[1].attentions.shape
+        (2, 'a dog ran', torch.Size([6, 4, 3, 3]))
+        >>> to_records(torch.full((3, 3), 1 / 3), ["the", "cat"])
+        Traceback (most recent call last):
+            ...
+        ValueError: tokens: got 2 tokens, expected T = 3, the size of the weights' last two dims
     """
     if text is not None and not isinstance(text, str) and not (
             isinstance(text, Sequence) and all(isinstance(t, str) for t in text)):

@@ -27,6 +27,31 @@ def progress(
     ``enabled=None`` shows the bar only when there are at least ``MANY`` items (``total`` or
     ``len(items)``). The line is redrawn in place (carriage return) at most ten times a second,
     and always for the last item, then ended with a newline.
+
+    Args:
+        items: any iterable; it is consumed lazily, as the caller's loop asks.
+        total: the number of items, for the bar and the count; default ``len(items)`` where it
+            has one (else only the count is drawn).
+        label: the text before the bar.
+        enabled: ``True`` / ``False`` to force the bar on or off; ``None`` decides as above.
+        stream: where to draw; default ``sys.stderr``.
+        width: the bar's width in characters.
+
+    Returns:
+        A generator yielding ``items`` unchanged.
+
+    Example:
+
+        >>> import io
+        >>> from attnkit.viz import progress
+        >>> stream = io.StringIO()
+        >>> [n * n for n in progress(range(5), label="squaring", stream=stream, width=10)]
+        [0, 1, 4, 9, 16]
+        >>> stream.getvalue().splitlines()[-1]      # the last drawing (each starts with a carriage return)
+        'squaring [##########] 5/5 ...s'
+        >>> quiet = io.StringIO()
+        >>> list(progress(range(3), stream=quiet)), quiet.getvalue()   # 3 < MANY: no bar
+        ([0, 1, 2], '')
     """
     if total is None:
         total = len(items) if hasattr(items, "__len__") else None  # type: ignore[arg-type]

@@ -1,7 +1,7 @@
 """What the report and the image exports draw: one sentence's attention, every layer and head.
 
 The renderer knows nothing about models. Whatever produced the weights (a real model, a trace,
-a direct call of :func:`attnkit.attention`) hands over an :class:`AttentionRecord` per sentence.
+a direct call of :func:`attnkit.attention`) hands over an :class:`attnkit.viz.AttentionRecord` per sentence.
 """
 
 from __future__ import annotations
@@ -30,6 +30,30 @@ class AttentionRecord:
             detached float32 CPU copy.
         model: a name shown in the report (``"minilm"``, ``"toy"``...).
         layer_names: one label per layer; defaults to ``"layer 0"``, ``"layer 1"``...
+
+    Raises:
+        TypeError: ``attentions`` is not a floating ``torch.Tensor``.
+        ValueError: ``attentions`` is not ``[layers, heads, T, T]`` with ``T = len(tokens)``
+            (and at least one of each), holds values outside ``[0, 1]`` or a row that sums
+            to neither 1 nor 0 (raw scores, or the wrong axis); ``layer_names`` is not one
+            per layer.
+
+    Example:
+
+        >>> import attnkit
+        >>> from attnkit import toy
+        >>> from attnkit.viz import AttentionRecord
+        >>> x = toy.embeddings()                                  # [6, 3]
+        >>> _, weights = attnkit.attention(x, x, x, scale=1.0, return_weights=True)
+        >>> record = AttentionRecord("Your journey starts with one step", toy.TOKENS,
+        ...                          weights[None, None], model="toy")   # [1, 1, 6, 6]
+        >>> record.tokens[:3], record.layer_names
+        (['Your', 'journey', 'starts'], ['layer 0'])
+        >>> AttentionRecord("keys as rows", toy.TOKENS, weights.T[None, None])   # the wrong axis
+        Traceback (most recent call last):
+            ...
+        ValueError: attentions: row (layer 0, head 0, query 0) sums to 0.92..., expected 1
+        (or 0 for a fully masked row); rows are queries, columns keys
     """
 
     text: str
@@ -53,18 +77,77 @@ class AttentionRecord:
 
     @property
     def num_layers(self) -> int:
+        """The number of layers, ``attentions.shape[0]``.
+
+        Example:
+
+            >>> import torch
+            >>> from attnkit.viz import AttentionRecord
+            >>> uniform = torch.full((4, 2, 3, 3), 1 / 3)         # [layers, heads, T, T]
+            >>> AttentionRecord("the cat sat", ["the", "cat", "sat"], uniform).num_layers
+            4
+        """
         return self.attentions.shape[0]
 
     @property
     def num_heads(self) -> int:
+        """The number of heads per layer, ``attentions.shape[1]``.
+
+        Example:
+
+            >>> import torch
+            >>> from attnkit.viz import AttentionRecord
+            >>> uniform = torch.full((4, 2, 3, 3), 1 / 3)         # [layers, heads, T, T]
+            >>> AttentionRecord("the cat sat", ["the", "cat", "sat"], uniform).num_heads
+            2
+        """
         return self.attentions.shape[1]
 
     @property
     def num_tokens(self) -> int:
+        """The number of tokens ``T`` (``len(tokens)``, ``attentions.shape[2]``).
+
+        Example:
+
+            >>> import torch
+            >>> from attnkit.viz import AttentionRecord
+            >>> uniform = torch.full((4, 2, 3, 3), 1 / 3)         # [layers, heads, T, T]
+            >>> AttentionRecord("the cat sat", ["the", "cat", "sat"], uniform).num_tokens
+            3
+        """
         return self.attentions.shape[2]
 
     def head(self, layer: int, head: int) -> Tensor:
-        """The ``[T, T]`` weights of one head, with a clear error for an index out of range."""
+        """The ``[T, T]`` weights of one head, with a clear error for an index out of range.
+
+        Args:
+            layer: ``0 <= layer < num_layers``.
+            head: ``0 <= head < num_heads``.
+
+        Returns:
+            ``attentions[layer, head]``, ``[T, T]`` float32, a view (queries are rows, keys
+            columns).
+
+        Raises:
+            ValueError: ``layer`` or ``head`` is out of range (negative indices included).
+
+        Example:
+
+            >>> import torch
+            >>> from attnkit import masks
+            >>> from attnkit.viz import AttentionRecord
+            >>> causal = masks.causal_mask(3).float()             # [T, T]
+            >>> weights = causal / causal.sum(-1, keepdim=True)   # each query: itself and before
+            >>> record = AttentionRecord("the cat sat", ["the", "cat", "sat"], weights[None, None])
+            >>> record.head(0, 0)
+            tensor([[1.0000, 0.0000, 0.0000],
+                    [0.5000, 0.5000, 0.0000],
+                    [0.3333, 0.3333, 0.3333]])
+            >>> record.head(0, 1)
+            Traceback (most recent call last):
+                ...
+            ValueError: head: got 1, expected 0 <= head < 1
+        """
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: got {layer}, expected 0 <= layer < {self.num_layers}")
         if not 0 <= head < self.num_heads:
@@ -115,9 +198,46 @@ def records_from_batch(
             followed by padding up to ``T`` (right padding, as BERT tokenizers do).
         attentions: one ``[B, H, T, T]`` tensor per layer (what a model returns per layer).
 
+        model: the name shown in the report, for every record.
+        layer_names: one label per layer, for every record (see
+            :class:`attnkit.viz.AttentionRecord`).
+
     Each record keeps the ``[T_b, T_b]`` block of real tokens. Padded keys must have received
     exactly zero weight from the real queries (else the padding was not masked, or was not on
     the right), so that dropping them loses nothing.
+
+    Returns:
+        ``B`` :class:`attnkit.viz.AttentionRecord` objects, in order, with
+        ``attentions [layers, H, T_b, T_b]``.
+
+    Raises:
+        ValueError: ``texts``, ``tokens`` and the batch dim disagree, no layers are given, a
+            sentence has more than ``T`` tokens or gives weight to its padded keys; or a record
+            is invalid (see :class:`attnkit.viz.AttentionRecord`).
+
+    Example:
+
+        A batch of two sentences, the second padded from 2 to 3 tokens and its padding masked:
+
+        >>> import torch
+        >>> import attnkit
+        >>> from attnkit import masks
+        >>> from attnkit.viz import records_from_batch
+        >>> x = torch.ones(2, 2, 3, 4)                            # [B, H, T, D]
+        >>> keep = masks.padding_mask(torch.tensor([3, 2]))       # [B, 1, 1, T]
+        >>> _, weights = attnkit.attention(x, x, x, mask=keep, return_weights=True)
+        >>> weights[1, 0]                                         # [T, T]: padded key 2 has 0
+        tensor([[0.5000, 0.5000, 0.0000],
+                [0.5000, 0.5000, 0.0000],
+                [0.5000, 0.5000, 0.0000]])
+        >>> records = records_from_batch(["the cat sat", "a dog"], [["the", "cat", "sat"], ["a", "dog"]],
+        ...                              [weights, weights])      # the same weights as two layers
+        >>> [tuple(r.attentions.shape) for r in records]          # [layers, H, T_b, T_b]
+        [(2, 2, 3, 3), (2, 2, 2, 2)]
+        >>> records_from_batch(["the cat sat", "a"], [["the", "cat", "sat"], ["a"]], [weights])
+        Traceback (most recent call last):
+            ...
+        ValueError: attentions: sentence 1 gives non-zero weight to padded keys (positions >= 1)
     """
     if len(texts) != len(tokens):
         raise ValueError(f"tokens: got {len(tokens)} token lists, expected one per text ({len(texts)})")

@@ -2,7 +2,7 @@
 
 Everything is inline (style, script, data) and nothing refers to any URL, so the file works
 offline and opened straight from disk (file://). The page draws on <canvas>, so inputs of 512
-tokens stay responsive; the weights are embedded as base64 bytes (see :mod:`.encode`).
+tokens stay responsive; the weights are embedded as base64 bytes (see :mod:`attnkit.viz.encode`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,21 @@ class Layout:
             frame can fit it.
 
     Indices beyond a sentence's layers or heads are clamped by the page; the notebook views
-    (:mod:`.inline`) check them first, with clear errors.
+    (:func:`attnkit.viz.head_view` and the others) check them first, with clear errors.
+
+    Raises:
+        ValueError: ``views`` is empty, repeats a view or names one that is not ``"head"``,
+            ``"model"`` or ``"heatmap"``.
+
+    Example:
+
+        >>> from attnkit.viz import Layout
+        >>> Layout(views=("heatmap", "head"), layer=1, head=2)
+        Layout(views=('heatmap', 'head'), layer=1, head=2, heads=None, embedded=False)
+        >>> Layout(views=("graph",))
+        Traceback (most recent call last):
+            ...
+        ValueError: views: got ('graph',), expected distinct names among ('head', 'model', 'heatmap')
     """
 
     views: Sequence[View] = VIEWS
@@ -65,6 +79,14 @@ class Layout:
             object.__setattr__(self, "heads", tuple(int(h) for h in self.heads))
 
     def as_json(self) -> dict:
+        """The layout as the page's script reads it: a dict of JSON types (lists, ints, bools).
+
+        Example:
+
+            >>> from attnkit.viz import Layout
+            >>> Layout(views=("head",), heads=(0, 2)).as_json()
+            {'views': ['head'], 'layer': 0, 'head': 0, 'heads': [0, 2], 'embedded': False}
+        """
         return {"views": list(self.views), "layer": int(self.layer), "head": int(self.head),
                 "heads": None if self.heads is None else list(self.heads), "embedded": bool(self.embedded)}
 
@@ -86,8 +108,36 @@ def render_report(
     progress: bool | None = None,
     layout: Layout | None = None,
 ) -> str:
-    """The report's HTML text; see :func:`write_report`. ``layout`` chooses the views offered
-    and what is shown first (default: every view, the head view first)."""
+    """The report's HTML text; see :func:`attnkit.viz.write_report`. ``layout`` chooses the views
+    offered and what is shown first (default: every view, the head view first).
+
+    Args:
+        records: one :class:`attnkit.viz.AttentionRecord`, or one per sentence.
+        title: the page's title and heading.
+        precision: how weights are stored (see :func:`attnkit.viz.write_report`).
+        progress: draw a progress bar on stderr while encoding (``None``: for many sentences).
+        layout: a :class:`attnkit.viz.Layout`; default ``Layout()``.
+
+    Returns:
+        One standalone HTML document (``str``) with style, script and weights inline, and no URL.
+
+    Raises:
+        TypeError: ``layout`` is not a :class:`attnkit.viz.Layout`, ``title`` not a str, or an
+            item of ``records`` not an :class:`attnkit.viz.AttentionRecord`.
+        ValueError: ``records`` is empty, or ``precision`` unknown.
+        ImportError: numpy is not installed (the ``attnkit[viz]`` extra).
+
+    Example:
+
+        >>> import torch
+        >>> from attnkit.viz import AttentionRecord, Layout, render_report
+        >>> record = AttentionRecord("the cat sat", ["the", "cat", "sat"], torch.full((2, 4, 3, 3), 1 / 3))
+        >>> page = render_report(record, title="Uniform attention", layout=Layout(views=("heatmap",)))
+        >>> page.startswith("<!DOCTYPE html>"), "<title>Uniform attention</title>" in page
+        (True, True)
+        >>> page.count('<script type="application/octet-stream"')   # one data block per sentence
+        1
+    """
     layout = Layout() if layout is None else layout
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
@@ -131,7 +181,7 @@ def write_report(
     """Write one standalone HTML report and return its path.
 
     Args:
-        records: one :class:`AttentionRecord` per sentence (a sentence selector switches
+        records: one :class:`attnkit.viz.AttentionRecord` per sentence (a sentence selector switches
             between them).
         out: a ``.html`` file path, or a directory (created if needed) that receives
             ``attention.html``; an existing file without the ``.html`` suffix is refused.
@@ -146,6 +196,30 @@ def write_report(
     attends, one colour per head, heads selectable, hover a token to isolate its lines), the
     model view (every layer x head as a small heatmap, click one to enlarge it) and the exact
     heatmap of one head (hover a cell for query, key and weight).
+
+    Returns:
+        The path of the page written (``out`` itself, or ``out / "attention.html"``).
+
+    Raises:
+        ValueError: ``out`` is an existing file without the ``.html`` suffix, ``records`` is
+            empty, or ``precision`` unknown.
+        TypeError: an item of ``records`` is not an :class:`attnkit.viz.AttentionRecord`.
+        ImportError: numpy is not installed (the ``attnkit[viz]`` extra).
+
+    Example:
+
+        >>> import torch
+        >>> import attnkit
+        >>> from attnkit import toy
+        >>> from attnkit.viz import AttentionRecord, write_report
+        >>> x = toy.embeddings()
+        >>> _, weights = attnkit.attention(x, x, x, scale=1.0, return_weights=True)   # [6, 6]
+        >>> record = AttentionRecord(" ".join(toy.TOKENS), toy.TOKENS, weights[None, None], model="toy")
+        >>> write_report(record, "report")                        # a directory
+        PosixPath('report/attention.html')
+        >>> path = write_report([record, record], "two.html", title="Twice the same")
+        >>> path.exists(), path.stat().st_size > 10_000
+        (True, True)
     """
     out = Path(out)
     is_page = out.suffix.lower() in (".html", ".htm")
