@@ -605,3 +605,20 @@ def test_write_report_refuses_a_file_that_is_not_a_page(tmp_path):
     assert target.read_text() == "keep me"
     with pytest.raises(TypeError, match=r"title must be a str, got int"):
         write_report([toy_record()], tmp_path, title=3)
+
+
+def test_render_without_a_weights_step_is_a_clear_value_error():
+    from attnkit.explain import render, toy_steps
+
+    steps = [step for step in toy_steps() if step.name != "weights"]
+    with pytest.raises(ValueError, match="one must be named 'weights'"):
+        render(steps)
+
+
+def test_pad_documents_without_a_document_of_two_tokens_is_a_clear_value_error():
+    from attnkit.training import pad_documents
+
+    with pytest.raises(ValueError, match="none of the 2 has two tokens"):
+        pad_documents([[1], []], 4)
+    with pytest.raises(ValueError, match="length must be at least 1"):
+        pad_documents([[1, 2, 3]], 0)

@@ -437,7 +437,7 @@ def render(steps: Sequence[Step]) -> str:
         weights (see :func:`attnkit.explain.reading`).
 
     Raises:
-        StopIteration: no step is named ``"weights"``.
+        ValueError: no step is named ``"weights"``.
 
     Example:
 
@@ -465,7 +465,9 @@ def render(steps: Sequence[Step]) -> str:
         body = format_matrix(step.tensor, step.rows, step.cols)
         out.append("\n".join("    " + line for line in body.splitlines()))
         out.append("")
-    weights = next(s for s in steps if s.name == "weights")
+    weights = next((s for s in steps if s.name == "weights"), None)
+    if weights is None:
+        raise ValueError(f"steps: one must be named 'weights' (its rows label the reading); got {[s.name for s in steps]}")
     out.append("Reading the weights:")
     out.extend("  " + line for line in reading(weights.tensor, weights.rows or []))
     return "\n".join(out)

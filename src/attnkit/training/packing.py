@@ -135,6 +135,9 @@ def pad_documents(documents: list[list[int]], length: int, *, pad_token_id: int 
     Returns:
         :class:`attnkit.training.Rows` ``[documents, longest]``.
 
+    Raises:
+        ValueError: no document has two tokens, or ``length`` is below 1.
+
     Example:
 
         >>> from attnkit.training import pad_documents
@@ -149,7 +152,11 @@ def pad_documents(documents: list[list[int]], length: int, *, pad_token_id: int 
         tensor([[0, 0, 0],
                 [0, 0, 1]])
     """
+    if length < 1:
+        raise ValueError(f"length must be at least 1 (input, target) pair, got {length}")
     pieces = [doc[: length + 1] for doc in documents if len(doc) >= 2]
+    if not pieces:
+        raise ValueError(f"documents: none of the {len(documents)} has two tokens (an input and its target)")
     width = max(len(piece) - 1 for piece in pieces)
     inputs = torch.full((len(pieces), width), pad_token_id)
     targets = torch.full((len(pieces), width), IGNORE)
