@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._meta import meta_state_dict
 from .bert import BertConfig, BertEncoder
 from .checkpoint import (BUILTIN_MODELS, check_layer_count, check_vocabulary, check_weights, model_directory, read_bert_weights,
                          read_tokenizer)
@@ -371,8 +372,8 @@ def load(
         raise ValueError(f"max_length must be in [1, {limit}] for this model, got {max_length}")
     weights, stored_names = read_bert_weights(directory)
     check_layer_count(directory / "model.safetensors", weights, directory / "config.json", config.num_hidden_layers)
-    with torch.device("meta"):  # shapes only: a damaged size in config.json must not allocate it
-        expected = BertEncoder(config, backend=backend).state_dict()
+    # shapes only: a damaged size in config.json must not allocate it
+    expected = meta_state_dict(lambda: BertEncoder(config, backend=backend))
     check_weights(directory / "model.safetensors", weights, expected, names=stored_names,
                   config_path=directory / "config.json")
     model = BertEncoder(config, backend=backend)

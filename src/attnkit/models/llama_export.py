@@ -27,6 +27,7 @@ from .._optional import require
 from .checkpoint import CHECKSUM_KEY, check_layer_count, check_vocabulary, check_weights, read_json, \
     read_safetensors, read_tokenizer_file, tensor_checksum, verify_checksum
 from .bert import MAX_SIZE
+from ._meta import meta_state_dict
 from .gpt import GPT, GPTConfig
 
 # Keys of config.json that map one to one onto GPTConfig.
@@ -386,8 +387,7 @@ def load_llama(directory: str | Path) -> tuple[GPT, object | None]:
     if config.tie_word_embeddings and "embed_tokens.weight" in weights:
         weights["lm_head.weight"] = weights["embed_tokens.weight"]
     check_layer_count(weights_path, weights, config_path, config.num_hidden_layers)
-    with torch.device("meta"):  # shapes only: a damaged size in config.json must not allocate it
-        expected = GPT(config).state_dict()
+    expected = meta_state_dict(lambda: GPT(config))  # shapes only: a damaged config must not allocate it
     check_weights(weights_path, weights, expected, names={name: hf_name(name) for name in {*weights, *expected}},
                   config_path=config_path)
     verify_checksum(weights_path, stored, metadata)
