@@ -20,7 +20,7 @@ The hash, in unsigned 32-bit arithmetic (``*`` and ``+`` modulo 2**32)::
 ``b`` and ``h`` index the call's ``[B, H, Lq, Lk]`` weights after its leading dims are folded into
 two (``[..., L, D]`` inputs: ``b`` is dim 0, ``h`` numbers the dims between; 2-D inputs have
 ``b = h = 0``); ``h`` is the query head under grouped-query attention. ``i`` and ``j`` are positions
-within the call. ``interval_attention.cpp`` implements the same function (``Dropout``); the tests
+within the call. The native kernel's ``csrc/dropout.h`` implements the same function (``Dropout``); the tests
 compare the two bit for bit.
 
 A piece of a larger call (one rank's shard in :mod:`attnkit.distributed`) draws the larger call's

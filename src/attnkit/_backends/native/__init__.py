@@ -1,4 +1,5 @@
-"""attnkit's own CPU kernel for interval masks (``interval_attention.cpp``).
+"""attnkit's own CPU kernel for interval masks (``csrc/``: one header per idea, compiled as one unit,
+``csrc/ops.cpp``).
 
 Attention where each query row attends one interval of keys ``[lo, hi)``, which is what every
 structured mask is: each block of rows runs over its rows' key span with register-tiled products

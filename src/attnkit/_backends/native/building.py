@@ -2,11 +2,12 @@
 
 Building is an install step (``attnkit build-kernel``, ``python -m attnkit.kernel``, run by
 ``make``), never a first-call cost: nothing is compiled implicitly. The system C++ compiler
-compiles ``interval_attention.cpp`` against the installed torch into a cache directory (default
+compiles the kernel's one translation unit, ``csrc/ops.cpp`` (which includes the other files of
+``csrc/``, one idea each), against the installed torch into a cache directory (default
 ``~/.cache/attnkit/native``; ``ATTNKIT_NATIVE_DIR`` moves it), under a name hashed from everything
-the binary depends on: the source, the torch build (version, git revision, C++ ABI, debug), the
-Python ABI tag and the flags. A changed source or torch is simply not found, and the tiled backend
-uses PyTorch's kernels until the next build.
+the binary depends on: every source file of ``csrc/`` (names and bytes), the torch build (version,
+git revision, C++ ABI, debug), the Python ABI tag and the flags. A changed header, unit or torch is
+simply not found, and the tiled backend uses PyTorch's kernels until the next build.
 
 Before a library is installed in the cache it is loaded in a **separate Python process**
 (:mod:`.probe`), which checks the ops it registers and runs them once against a float64 formula.
@@ -35,14 +36,39 @@ import torch
 
 from ... import _torch_private
 
-SOURCE = Path(__file__).with_name("interval_attention.cpp")
+#: The kernel's sources: headers and units, one idea each (see ``csrc/ops.cpp``).
+SOURCE_DIR = Path(__file__).with_name("csrc")
+#: The one translation unit compiled (it includes the headers; one unit keeps the build's time).
+UNIT = SOURCE_DIR / "ops.cpp"
+SOURCE_SUFFIXES = (".h", ".cpp")
+
+
+def sources() -> list[Path]:
+    """Every source file of the kernel (all headers and units, sorted): all of them name the build.
+    Empty when the sources are not installed (then :func:`build` says so; nothing is found to load)."""
+    if not SOURCE_DIR.is_dir():
+        return []
+    return sorted(path for path in SOURCE_DIR.iterdir() if path.suffix in SOURCE_SUFFIXES and path.is_file())
+
+
+def sources_digest() -> str:
+    """SHA-256 over every source file's name and bytes: a change to any header or unit (or a file
+    added, removed or renamed) is another build."""
+    digest = hashlib.sha256()
+    for path in sources():
+        data = path.read_bytes()
+        digest.update(f"{path.name}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()
+
 # -ffp-contract=off: GCC would otherwise fuse a * b - c into one FMA in C++ (its default there is
 # "fast"), skipping the rounding of a * b that the forward made: the backward's weights
 # exp(scale * s - lse) must round as the forward's did (huge scores make the difference 0 vs 1).
 # The kernel asks for FMA explicitly where it wants one.
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
-#: Where the CPU has AVX-512 (torch's own detection, the one that picks its kernels): the forward's
-#: products then run in 512-bit vectors (the source's ``__AVX512F__`` branch), with the same results.
+#: Where the CPU has AVX-512 (torch's own detection, the one that picks its kernels): the products
+#: and row loops then run in 512-bit vectors (the 16-lane traits of ``csrc/lanes.h``, chosen by
+#: ``__AVX512F__``, which ``csrc/tiles.h`` and ``csrc/softmax.h`` take), with the same results.
 #: The flags are part of the library's name, so a CPU without AVX-512 never finds such a build.
 AVX512_FLAGS = ["-mavx512f"]
 
@@ -76,7 +102,7 @@ def torch_build() -> str:
 def library_path() -> Path:
     """Where the built kernel for this source, torch build and flags lives."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch_build().encode(), " ".join(flags()).encode()):
+    for part in (sources_digest().encode(), torch_build().encode(), " ".join(flags()).encode()):
         digest.update(part)
     return cache_dir() / f"interval_attention-{digest.hexdigest()[:16]}.so"
 
@@ -142,7 +168,7 @@ def probe(library: Path) -> str:
 def write_record(library: Path, compiler_used: str, target: Path | None = None) -> None:
     """Write ``library``'s record (its digest is taken now), as ``target``'s record when given."""
     record = {"sha256": file_digest(library), "size": library.stat().st_size, "compiler": compiler_used,
-              "torch": torch_build(), "source_sha256": hashlib.sha256(SOURCE.read_bytes()).hexdigest()}
+              "torch": torch_build(), "source_sha256": sources_digest()}
     record_path(target or library).write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -154,6 +180,8 @@ def build(verbose: bool = False, force: bool = False) -> Path:
     why = cpu_supported()
     if why:
         raise RuntimeError(f"attnkit native kernel: {why}")
+    if not UNIT.is_file():
+        raise RuntimeError(f"attnkit native kernel: its sources are not installed ({UNIT} is missing)")
     command = compiler()
     if command is None:
         raise RuntimeError("attnkit native kernel: no C++ compiler found (install g++, or set CXX)")
@@ -170,7 +198,8 @@ def build(verbose: bool = False, force: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = Path(scratch) / target.name
         arguments = [command, *flags(), f"-D_GLIBCXX_USE_CXX11_ABI={int(_torch_private.cxx11_abi())}",
-                     *(f"-I{path}" for path in cpp_extension.include_paths()), str(SOURCE), "-o", str(partial),
+                     *(f"-I{path}" for path in cpp_extension.include_paths()), f"-I{SOURCE_DIR}", str(UNIT), "-o",
+                     str(partial),
                      f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]
         if verbose:
             print(" ".join(arguments))

@@ -1,5 +1,5 @@
 """The kernel's two raw ops, ``torch.ops.attnkit_native.interval_forward`` / ``interval_backward``
-(registered by the library, see ``interval_attention.cpp``), with their tile choices made here.
+(registered by the library, see ``csrc/ops.cpp``), with their tile choices made here.
 Callers check :func:`.loading.available` first; :mod:`attnkit._backends.interval_op` wraps these
 in the public custom op ``attnkit::interval_attention`` (autograd, fake tensors, vmap)."""
 

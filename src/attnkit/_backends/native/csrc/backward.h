@@ -1,0 +1,216 @@
+// The backward: gradients of the forward from its lse, FlashAttention's way, by query blocks.
+//
+// Per block and chunk of keys: P from the lse, dP = dO V^T, dS = scale * P * (f dP - delta) with
+// f the dropout factors (1 without dropout), dV += (f P)^T dO, dQ += dS K, dK += dS^T Q; the
+// scores from the forward's register tiles, the other four products on register tiles too
+// (tiles.h; dQ accumulated transposed, like Qt, and transposed out at the block's end); nothing of
+// size Lq x Lk is ever stored. Chunks where a zeroed score or dP held a non-finite value are
+// redone by their attended pairs (exact_backward_chunk).
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "dropout.h"
+#include "kept_memory.h"
+#include "lanes.h"
+#include "params.h"
+#include "score_mods.h"
+#include "softmax.h"
+#include "tiles.h"
+
+namespace attnkit_native {
+namespace {
+
+// One chunk's share of dQ, dK and dV by attended pairs only, from its P (with dropout f * P) and
+// dS: for a chunk whose zeroed scores or dP held a non-finite value, which the three products
+// would have multiplied by 0 into NaN. Within the attended pairs it is IEEE arithmetic like the
+// products (0 * inf is NaN). `row_lo`, `row_hi` as block_span gives them (empty for rows whose lse
+// is -inf). dQ goes into the block's transposed accumulator dQt[d][j] (row stride rs), zeroed
+// first when `zero_dq`.
+void exact_backward_chunk(int64_t rows, int64_t width, int64_t c0, const int64_t* row_lo, const int64_t* row_hi,
+                          const float* p, const float* ds, const float* q_block, int64_t q2s,
+                          const float* go_block, int64_t g2s, const float* k_head, int64_t k2s, float* dqt,
+                          int64_t rs, float* dk_head, int64_t dk2s, float* dv_head, int64_t dv2s, int64_t D,
+                          int64_t Dv, bool zero_dq) {
+  if (zero_dq) std::fill(dqt, dqt + D * rs, 0.0f);
+  for (int64_t j = 0; j < rows; ++j) {
+    const int64_t a = std::clamp<int64_t>(row_lo[j] - c0, 0, width), z = std::clamp<int64_t>(row_hi[j] - c0, 0, width);
+    const float* q_row = q_block + j * q2s;
+    const float* go_row = go_block + j * g2s;
+    for (int64_t t = a; t < z; ++t) {
+      const float g = ds[j * width + t];
+      const int64_t key = c0 + t;
+      const float* k_row = k_head + key * k2s;
+      for (int64_t d = 0; d < D; ++d) dqt[d * rs + j] = std::fma(g, k_row[d], dqt[d * rs + j]);
+      axpy(dk_head + key * dk2s, g, q_row, D);
+      axpy(dv_head + key * dv2s, p[j * width + t], go_row, Dv);
+    }
+  }
+}
+
+// Gradients of interval_forward: given grad_out [B, H, Lq, Dv], the forward's lse [B, H, Lq] and
+// delta [B, H, Lq] = rowsum(grad_out * out) - grad_lse, returns (dq, dk, dv) in float32, each in
+// the shape of its input, laid out as like_layout gives.
+// Blocks of different rows add into the same key rows, so a task owns whole (batch, kv head)
+// pairs; with fewer pairs than threads, each pair's rows are cut into `parts` that add into
+// their own copy of dK and dV, summed at the end (`parts` copies: still O(L) memory).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& lse_rows, const at::Tensor& delta_rows, const at::Tensor& lo_rows, const at::Tensor& hi_rows,
+    double scale, int64_t block, int64_t chunk, int64_t parts, double dropout_p, int64_t seed, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t dropout_head_start, int64_t dropout_row_start,
+    int64_t dropout_key_start) {
+  Params c("interval_backward", query, key, value, lo_rows, hi_rows, /*together=*/false);
+  const int64_t B = c.B, H = c.H, Lq = c.Lq, D = c.D, Hkv = c.Hkv, Lk = c.Lk, Dv = c.Dv;  // the lambdas capture these
+  TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == B && grad_out.size(1) == H && grad_out.size(2) == Lq &&
+                  grad_out.size(3) == Dv, "interval_backward: grad_out must be [B, H, Lq, Dv]");
+  TORCH_CHECK(grad_out.scalar_type() == at::kFloat && grad_out.device().is_cpu() && grad_out.stride(3) == 1,
+              "interval_backward: grad_out must be float32 CPU with a unit stride along the head dimension");
+  TORCH_CHECK(block > 0 && chunk > 0 && parts > 0, "interval_backward: block, chunk and parts must be positive");
+  c.modifiers(scale, dropout_p, seed, softcap, alibi_slopes, dropout_head_start, dropout_row_start, dropout_key_start);
+  const Dropout& dropout = c.dropout;
+  const at::Tensor lse = lse_rows.contiguous(), delta = delta_rows.contiguous();
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && delta.scalar_type() == at::kFloat &&
+                  lse.sizes() == at::IntArrayRef({B, H, Lq}) && delta.sizes() == lse.sizes(),
+              "interval_backward: lse and delta must be float32 [B, H, Lq]");
+
+  at::Tensor dq = like_layout(query, B, H, Lq, D);  // each block writes its rows
+  // [B, Hkv, parts, Lk, C]: each part's copy laid out like key (value), summed over parts at the end
+  at::Tensor dk = like_layout(key, B, Hkv, parts * Lk, D).view({B, Hkv, parts, Lk, D}).zero_();
+  at::Tensor dv = like_layout(value, B, Hkv, parts * Lk, Dv).view({B, Hkv, parts, Lk, Dv}).zero_();
+  const int64_t blocks = (Lq + block - 1) / block;
+  const int64_t blocks_per_part = (blocks + parts - 1) / parts;
+  if (dq.numel() > 0 && Lk > 0) {
+    const Strided<const float> go(grad_out);
+    const float* l = lse.data_ptr<float>();
+    const float* dl = delta.data_ptr<float>();
+    const Strided<float> dq_rows(dq), dk_rows(dk), dv_rows(dv);  // dk, dv: [b][kv][part], rows s3 apart
+    const bool capped = c.capped();  // the cap's derivative is stored then
+    using L = RowLanes;
+    const WeightsRows<L> weights = pick_weights_rows<L>(c.plain());  // one per call
+    const ScoreGradsRows<L> score_grads = pick_score_grads_rows<L>(dropout.active, capped);
+
+    at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
+      // The scores come from the forward's register tiles, bit for bit the forward's: the weights
+      // recomputed from its lse must round alike (a score one ulp lower under a huge scale would
+      // weigh 0 here where the forward gave it 1). P (in place of the scores), dP, dS and the cap's
+      // derivative stay key-major with the rows as lanes, as the tiles give them, and the other
+      // four products read them so (a transpose of each chunk's scores into rows took 6-9% of a
+      // causal backward).
+      const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
+      std::vector<float> qt(D * padded, 0.0f), scores(chunk * padded), grads(chunk * padded, 0.0f);
+      std::vector<float> got(Dv * padded), dqt(D * padded);  // dO^T and dQ^T: rows as lanes, like Qt
+      std::vector<Start> dq_start(padded / kGroup);
+      const std::vector<float> no_rescale(padded);
+      std::vector<float> cap_grads(capped ? chunk * padded : 0);
+      std::vector<float> weights_rows, grads_rows;  // [rows][width] copies for the exact path
+      std::vector<int64_t> row_lo(padded), row_hi(padded);
+      std::vector<DropoutRow> row_keys(padded);
+      BlockRows r(padded);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / (Hkv * parts), kv = (task / parts) % Hkv, part = task % parts;
+        const float* k_head = c.k.at(b, kv, 0);
+        const float* v_head = c.v.at(b, kv, 0);
+        float* dk_head = dk_rows.at(b, kv, part);
+        float* dv_head = dv_rows.at(b, kv, part);
+        const int64_t block_end = std::min(blocks, (part + 1) * blocks_per_part);
+        for (int64_t h = kv * c.group; h < (kv + 1) * c.group; ++h) {
+          const ScoreMods mods = c.mods(b, h);
+          for (int64_t index = part * blocks_per_part; index < block_end; ++index) {
+            const int64_t first = index * block, rows = std::min(block, Lq - first);
+            const float* l_block = l + (b * H + h) * Lq + first;
+            const auto [span_lo, span_hi] = block_span(c.lo_of(b, first), c.hi_of(b, first), rows, Lk, l_block,
+                                                       row_lo.data(), row_hi.data());
+            for (int64_t j = 0; j < rows && dropout.active; ++j) {
+              row_keys[j] = dropout_row(dropout, b, h, first + j);
+            }
+            float* dq_block = dq_rows.at(b, h, first);
+            if (span_lo >= span_hi) {  // no row of the block attends any key
+              zero_rows(dq_block, rows, dq_rows.s2, D);
+              continue;
+            }
+            const float* q_block = c.q.at(b, h, first);
+            const float* go_block = go.at(b, h, first);
+            const int64_t rs = (rows + kGroup - 1) / kGroup * kGroup;
+            transpose(q_block, c.q.s2, rows, D, qt.data(), rs);  // Qt[d][r], padding rows 0
+            for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
+            transpose(go_block, go.s2, rows, Dv, got.data(), rs);  // dOt[dv][r], padding rows 0
+            for (int64_t d = 0; d < Dv; ++d) std::fill(got.data() + d * rs + rows, got.data() + (d + 1) * rs, 0.0f);
+            bool dq_started = false;  // dQt holds this block's sum so far
+            const float* delta_block = dl + (b * H + h) * Lq + first;
+            // The rows' lanes; padding rows (up to a whole group) attend nothing
+            for (int64_t j = 0; j < rs; ++j) {
+              const bool real = j < rows, dropped = real && dropout.active;
+              r.lo[j] = real ? static_cast<int32_t>(row_lo[j]) : 0, r.hi[j] = real ? static_cast<int32_t>(row_hi[j]) : 0;
+              r.drop_a[j] = dropped ? static_cast<int32_t>(row_keys[j].a) : 0;
+              r.drop_c[j] = dropped ? static_cast<int32_t>(row_keys[j].c) : 0;
+              r.lse[j] = real ? l_block[j] : 0.0f, r.delta[j] = real ? delta_block[j] : 0.0f;
+            }
+            for (int64_t j = 0; j < rs; j += L::kWidth) {
+              const int64_t whole = std::min(rows, j + L::kWidth);
+              int64_t& all_lo = r.all_lo[j / L::kWidth];
+              int64_t& all_hi = r.all_hi[j / L::kWidth];
+              all_lo = 0, all_hi = whole - j < L::kWidth ? 0 : Lk;  // padding rows attend nothing
+              for (int64_t i = j; i < whole; ++i) all_lo = std::max(all_lo, row_lo[i]), all_hi = std::min(all_hi, row_hi[i]);
+            }
+            for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
+              const int64_t width = std::min(chunk, span_hi - c0);
+              float* p = scores.data();  // S, then P in its place: [t][r], row stride rs
+              float* ds = grads.data();  // dP, then dS in its place, the same layout
+              float* cap = cap_grads.empty() ? nullptr : cap_grads.data();
+              L::F bad = L::zero();
+              block_scores(k_head + c0 * c.k.s2, c.k.s2, width, D, qt.data(), rs, p);
+              for (int64_t j = 0; j < rs; j += L::kWidth) {
+                weights(p + j, rs, width, c0, r, j, mods, first + j, cap ? cap + j : nullptr, bad);
+              }
+              // dP[t][r] = sum_dv V[t][dv] dOt[dv][r]: the scores' tiles (padding rows of dOt are 0)
+              block_scores(v_head + c0 * c.v.s2, c.v.s2, width, Dv, got.data(), rs, ds);
+              // lanes past the block's rows: 0 (0 times an infinite value there would read as a
+              // masked non-finite value below)
+              for (int64_t t = 0; t < width && rows < rs; ++t) std::fill(ds + t * rs + rows, ds + (t + 1) * rs, 0.0f);
+              for (int64_t j = 0; j < rs; j += L::kWidth) {  // with dropout, also turns P into the weights the output used
+                score_grads(p + j, ds + j, rs, width, c0, r, j, static_cast<float>(scale), cap ? cap + j : nullptr, bad,
+                            dropout);
+              }
+              if (L::any_bits(bad)) {
+                weights_rows.resize(rows * width), grads_rows.resize(rows * width);
+                transpose(p, rs, width, rows, weights_rows.data(), width);
+                transpose(ds, rs, width, rows, grads_rows.data(), width);
+                exact_backward_chunk(rows, width, c0, row_lo.data(), row_hi.data(), weights_rows.data(),
+                                     grads_rows.data(), q_block, c.q.s2, go_block, go.s2, k_head, c.k.s2, dqt.data(), rs,
+                                     dk_head, dk_rows.s3, dv_head, dv_rows.s3, D, Dv, !dq_started);
+                dq_started = true;
+                continue;
+              }
+              // dV_chunk += (f P)^T dO, dQt (+)= K_chunk^T dS^T, dK_chunk += dS^T Q
+              block_rows_product(p, rs, width, rows, go_block, go.s2, Dv, dv_head + c0 * dv_rows.s3, dv_rows.s3);
+              std::fill(dq_start.begin(), dq_start.end(), dq_started ? Start::kKeep : Start::kZero);
+              block_values(k_head + c0 * c.k.s2, c.k.s2, width, D, ds, rs, dqt.data(), dq_start.data(), no_rescale.data());
+              dq_started = true;
+              block_rows_product(ds, rs, width, rows, q_block, c.q.s2, D, dk_head + c0 * dk_rows.s3, dk_rows.s3);
+            }
+            transpose(dqt.data(), rs, D, rows, dq_block, dq_rows.s2);  // dq[r][d] = dQt[d][r]
+          }
+        }
+      }
+    });
+  }
+  const auto summed = [&](const at::Tensor& copies, const at::Tensor& like) {
+    if (parts == 1) return copies.squeeze(2);
+    at::Tensor total = like_layout(like, B, Hkv, Lk, copies.size(4));
+    return at::sum_out(total, copies, {2});
+  };
+  return {dq, summed(dk, key), summed(dv, value)};
+}
+
+}  // namespace
+}  // namespace attnkit_native

@@ -1,0 +1,232 @@
+// The forward: output and log-sum-exp of attention where each query row attends one interval of
+// keys, block by block with a flash-style running softmax over chunks of keys.
+//
+// A block of rows computes scores only over the span of its rows' intervals (tiles.h: register
+// tiles, no BLAS), masks each row to its own interval while taking the softmax (softmax.h: no mask
+// tensor), and multiplies by the values. Compared with PyTorch's fused CPU kernel on the same
+// blocks it avoids the kernel's fixed 512-key chunks (a 512 window's 543-key span would run as
+// 512 + 31), the additive mask pass, and partial outputs merged in Python. Rows where the block's
+// products met a non-finite value are redone by their attended pairs (exact_forward_row).
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <cpuid.h>
+#include <immintrin.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "dropout.h"
+#include "kept_memory.h"
+#include "lanes.h"
+#include "params.h"
+#include "score_mods.h"
+#include "softmax.h"
+#include "tiles.h"
+
+namespace attnkit_native {
+namespace {
+
+// One query row by its attended pairs only, for rows where the block's products met a non-finite
+// value: scores s_t = scale q . k_t for t in [lo, hi), weights exp(s_t - max) / sum, output
+// sum_t w_t f_t v_t in IEEE arithmetic (a weight of 0 times an infinite value is NaN), lse. A NaN
+// or +inf score makes the row NaN; all scores -inf (or none) make it zeros with lse -inf. `s` is
+// scratch for the row's scores.
+void exact_forward_row(const float* q_row, const float* k_head, int64_t k2s, const float* v_head, int64_t v2s,
+                       int64_t D, int64_t Dv, int64_t lo, int64_t hi, const ScoreMods& mods, int64_t row,
+                       const Dropout& dropout, DropoutRow dropout_keys, std::vector<float>& s, float* out,
+                       float* lse) {
+  float row_max = kNegInf;
+  bool nan_row = false;
+  if (static_cast<int64_t>(s.size()) < hi - lo) s.resize(hi - lo);
+  for (int64_t t = lo; t < hi; ++t) {
+    const float x = mods.apply(dot(q_row, k_head + t * k2s, D), row, t, nullptr);
+    s[t - lo] = x;
+    nan_row = nan_row || std::isnan(x) || x == std::numeric_limits<float>::infinity();
+    row_max = std::max(row_max, x);
+  }
+  if (nan_row) {
+    std::fill(out, out + Dv, std::numeric_limits<float>::quiet_NaN());
+    *lse = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  std::fill(out, out + Dv, 0.0f);
+  if (row_max == kNegInf) {
+    *lse = kNegInf;
+    return;
+  }
+  float sum = 0.0f;
+  for (int64_t t = lo; t < hi; ++t) {
+    const float e = exp_nonpositive(s[t - lo] - row_max);
+    sum += e;
+    axpy(out, dropout.active ? e * dropout_factor(dropout, dropout_keys, t) : e, v_head + t * v2s, Dv);
+  }
+  const float inverse = 1.0f / sum;
+  for (int64_t d = 0; d < Dv; ++d) out[d] *= inverse;
+  *lse = row_max + std::log(sum);
+}
+
+// Cache hints for the rows a block reads or writes once: its query rows and its output rows, 8 KiB
+// each of a 32 MiB tensor for a 32-row block, far from anything the hardware prefetchers follow.
+// The next block's query rows into L2 as a block starts, its own output rows into L1 for writing
+// (PREFETCHW where the CPU has it, a read hint elsewhere) as its last chunk starts. Window,
+// L = 16384: the forward 141-143 -> 136-141 ms on one thread, 74-75 -> 71-73 ms on two (4
+// alternating rounds; with every block reading and writing one block's rows, timing only,
+// 132-134 ms: the bound); documents level.
+bool has_prefetchw() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(0x80000001u, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 8)) != 0;  // PRFCHW
+}
+
+inline void prefetch_rows(const float* first, int64_t rows, int64_t stride, int64_t width, bool for_writing) {
+  static const bool prefetchw = has_prefetchw();  // asked of the CPU: the build flags do not imply it
+  for_writing = for_writing && prefetchw;
+  for (int64_t j = 0; j < rows; ++j) {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(first + j * stride);
+    const uintptr_t end = begin + static_cast<uintptr_t>(width) * sizeof(float);
+    for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64) {
+      const char* at = reinterpret_cast<const char*>(line);
+      if (for_writing) {
+        asm volatile("prefetchw %0" : : "m"(*at));
+      } else {
+        _mm_prefetch(at, _MM_HINT_T1);
+      }
+    }
+  }
+}
+
+// Output [B, H, Lq, Dv] (laid out as the query: see like_layout) and the natural-log sum-exp
+// [B, H, Lq] (before dropout) of attention over the intervals [lo, hi) (params.h has the layout);
+// a row with no key gives zeros and -inf. Optional dropout on the weights, from a seed (dropout.h).
+std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, const at::Tensor& key,
+                                                    const at::Tensor& value, const at::Tensor& lo_rows,
+                                                    const at::Tensor& hi_rows, double scale, int64_t block,
+                                                    int64_t chunk, double dropout_p, int64_t seed, double softcap,
+                                                    const std::optional<at::Tensor>& alibi_slopes,
+                                                    int64_t dropout_head_start, int64_t dropout_row_start,
+                                                    int64_t dropout_key_start) {
+  Params c("interval_forward", query, key, value, lo_rows, hi_rows, /*together=*/true);
+  TORCH_CHECK(block > 0 && chunk > 0, "interval_forward: block and chunk must be positive");
+  TORCH_CHECK(c.Lk < (int64_t{1} << 31), "interval_forward: at most 2^31 - 1 keys");
+  c.modifiers(scale, dropout_p, seed, softcap, alibi_slopes, dropout_head_start, dropout_row_start, dropout_key_start);
+  const int64_t B = c.B, H = c.H, Lq = c.Lq, D = c.D, Lk = c.Lk, Dv = c.Dv;  // the lambdas capture these
+  const Dropout& dropout = c.dropout;
+
+  at::Tensor out = like_layout(query, B, H, Lq, Dv);
+  at::Tensor lse = at::empty({B, H, Lq}, query.options());
+  if (lse.numel() == 0) return {out, lse};
+  const int64_t blocks = (Lq + block - 1) / block;
+  const Strided<float> o(out);
+  float* l = lse.data_ptr<float>();
+  using L = RowLanes;
+  const SoftmaxRows<L> softmax = pick_softmax_rows<L>(c.plain(), dropout.active);  // one per call
+
+  const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
+  // Tasks are (batch, head, block) in order, and threads claim runs of `claim` consecutive ones as
+  // they go (consecutive blocks share most keys): a range split in halves waits for the slower
+  // thread, and on a shared machine one core often is (window, L = 16384, 2 threads: 84-87 or
+  // 136-143 ms a call split in halves, 83-98 ms claimed; 167-178 ms on one thread). Runs are short
+  // enough that the last one leaves little to wait for where blocks differ in cost: a causal head's
+  // last blocks are its heaviest (causal, L = 8192, 8 heads, 2 threads: 322-325 ms with runs of 64
+  // blocks, 307-309 with 16; window and documents unchanged).
+  const int64_t tasks = B * H * blocks;
+  const int64_t claim = std::clamp<int64_t>(tasks / (32 * at::get_num_threads()), 1, 64);
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> qt(D * padded), scores(chunk * padded), ot(Dv * padded);
+    BlockRows r(padded);
+    std::vector<Start> start(padded / kGroup);
+    std::vector<int64_t> row_lo(padded), row_hi(padded);
+    std::vector<DropoutRow> row_keys(padded);
+    std::vector<float> exact_scores;
+    for (int64_t begin; (begin = next_task.fetch_add(claim)) < tasks;) {
+      const int64_t end = std::min(tasks, begin + claim);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / (H * blocks), h = (task / blocks) % H, first = (task % blocks) * block;
+        const ScoreMods mods = c.mods(b, h);
+        const int64_t rows = std::min(block, Lq - first), rs = (rows + kGroup - 1) / kGroup * kGroup;
+        const auto [span_lo, span_hi] =
+            block_span(c.lo_of(b, first), c.hi_of(b, first), rows, Lk, nullptr, row_lo.data(), row_hi.data());
+        const float* q_block = c.q.at(b, h, first);
+        const float* k_head = c.k.at(b, h / c.group, 0);
+        const float* v_head = c.v.at(b, h / c.group, 0);
+        float* o_block = o.at(b, h, first);
+        float* l_block = l + (b * H + h) * Lq + first;
+        if (task + 1 < tasks) {
+          const int64_t next_b = (task + 1) / (H * blocks), next_h = ((task + 1) / blocks) % H;
+          const int64_t next_first = ((task + 1) % blocks) * block;
+          prefetch_rows(c.q.at(next_b, next_h, next_first), std::min(block, Lq - next_first), c.q.s2, D, false);
+        }
+        if (span_lo >= span_hi) {  // no row of the block attends any key
+          zero_rows(o_block, rows, o.s2, Dv);
+          std::fill(l_block, l_block + rows, kNegInf);
+          continue;
+        }
+        // Rows past the block's last (padding up to a whole group, queries 0) attend the whole span, so
+        // that they do not narrow the keys all rows of their vector attend; their results are dropped.
+        for (int64_t j = rows; j < rs; ++j) row_lo[j] = span_lo, row_hi[j] = span_hi;
+        for (int64_t j = 0; j < rs; ++j) {
+          if (dropout.active) row_keys[j] = j < rows ? dropout_row(dropout, b, h, first + j) : DropoutRow{};
+          r.lo[j] = static_cast<int32_t>(row_lo[j]), r.hi[j] = static_cast<int32_t>(row_hi[j]);
+          r.drop_a[j] = static_cast<int32_t>(row_keys[j].a), r.drop_c[j] = static_cast<int32_t>(row_keys[j].c);
+          r.max[j] = kNegInf, r.sum[j] = 0.0f;
+        }
+        for (int64_t j = 0; j < rs; j += L::kWidth) {
+          const auto lo_j = row_lo.begin() + j, hi_j = row_hi.begin() + j;
+          r.all_lo[j / L::kWidth] = std::max<int64_t>(0, *std::max_element(lo_j, lo_j + L::kWidth));
+          r.all_hi[j / L::kWidth] = std::min<int64_t>(Lk, *std::min_element(hi_j, hi_j + L::kWidth));
+        }
+        // Qt[d][r] = q_r[d], padding rows 0
+        transpose(q_block, c.q.s2, rows, D, qt.data(), rs);
+        for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
+        for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
+          const int64_t width = std::min(chunk, span_hi - c0);
+          if (c0 + chunk >= span_hi) prefetch_rows(o_block, rows, o.s2, Dv, true);  // written next
+          float* s = scores.data();
+          block_scores(k_head + c0 * c.k.s2, c.k.s2, width, D, qt.data(), rs, s);
+          for (int64_t j = 0; j < rs; j += L::kWidth) softmax(s + j, rs, width, c0, r, j, mods, first + j, dropout);
+          for (int64_t g = 0; g < rs / kGroup; ++g) {
+            const float* rescale = r.rescale.data() + g * kGroup;
+            const bool ones = std::all_of(rescale, rescale + kGroup, [](float x) { return x == 1.0f; });
+            start[g] = c0 == span_lo ? Start::kZero : ones ? Start::kKeep : Start::kRescale;
+          }
+          block_values(v_head + c0 * c.v.s2, c.v.s2, width, Dv, s, rs, ot.data(), start.data(), r.rescale.data());
+        }
+        transpose(ot.data(), rs, Dv, rows, o_block, o.s2);  // out[r][dv] = Ot[dv][r], normalised below
+        // A non-finite value in an accumulator came from a value the block multiplied by a weight:
+        // a masked key's (weight 0, which must not count) or an attended one's, where the running
+        // rescaling may have turned a weight into 0 early; such rows are redone by attended pairs.
+        for (int64_t j = 0; j < rows; ++j) {
+          float* acc = o_block + j * o.s2;
+          const float sum = r.sum[j];
+          if (std::isnan(sum)) {  // a NaN or +inf score among the attended ones
+            std::fill(acc, acc + Dv, std::numeric_limits<float>::quiet_NaN());
+            l_block[j] = std::numeric_limits<float>::quiet_NaN();
+          } else if (sum > 0.0f) {
+            if (scale_and_check(acc, Dv, 1.0f / sum)) {
+              l_block[j] = r.max[j] + std::log(sum);
+            } else {
+              exact_forward_row(q_block + j * c.q.s2, k_head, c.k.s2, v_head, c.v.s2, D, Dv, row_lo[j], row_hi[j],
+                                mods, first + j, dropout, row_keys[j], exact_scores, acc, l_block + j);
+            }
+          } else {  // no key, or only scores of -inf
+            std::fill(acc, acc + Dv, 0.0f);
+            l_block[j] = kNegInf;
+          }
+        }
+      }
+    }
+  });
+  return {out, lse};
+}
+
+}  // namespace
+}  // namespace attnkit_native

@@ -1,0 +1,286 @@
+// Register tiles: the kernel's seven products on its own tiles (no BLAS), and its transposes.
+//
+// A block's rows are padded to groups of 32 and everything it computes is laid out key-major (or
+// feature-major) with the rows as the vector dimension: scores S[t][r], the scaled queries
+// Qt[d][r], the output accumulator Ot[dv][r], each row of length `rs` (the padded row count). The
+// forward's two products then broadcast one element of K or V, which are read in place (rows of D
+// or Dv floats), against the row vectors: S[t][.] += K[t][d] Qt[d][.] (block_scores) and
+// Ot[dv][.] += V[t][dv] P[t][.] (block_values). Nothing is packed per call (MKL's sgemm spent a
+// fifth of its time copying the key span of every block), the softmax runs on whole vectors of
+// rows (softmax.h: no horizontal max, masks by integer compares), and the running rescale is
+// applied as the accumulators load.
+//
+// The backward's products over rows: dV += (f P)^T dO and dK += dS^T Q sum over a block's rows:
+// out[t][c] += sum_r w[t][r] x[r][c] (block_rows_product), with w key-major (rows as lanes, as
+// the scores' tiles leave P and dS) and x the rows of dO or Q as given. With these, dP = dO V^T
+// (block_scores) and dQ^T += K^T dS^T (block_values), the backward calls no BLAS: MKL's sgemm on
+// these shapes (a 32-row block: an inner dimension of 32) ran at ~40% of the FMA rate of the
+// scores' tiles on an AMD Zen 5 (61% of a window backward's time, for 4 of its 5 products: the
+// backward now takes half the time); the 256-bit build, level with MKL's 256-bit code there, took
+// 0.89-0.99x its time with sgemm (L = 16384, 2 threads) and was level at GPT training shapes.
+//
+// Each tile is one template over the lane traits (lanes.h): 256-bit vectors, a group's 32 rows as
+// 4 vectors of 8 and 2 keys (or features) at once, or 512-bit ones where the build targets
+// AVX-512 (2 vectors of 16, 6 at once: the 256-bit tiles reached half such a CPU's FMA rate, the
+// forward at 36-39% of a same-run matmul that MKL ran in 512-bit vectors). Every row's sum runs
+// over the same terms in the same order from the same start, one FMA per term, so both builds
+// give the same bits.
+
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "lanes.h"
+
+namespace attnkit_native {
+namespace {
+
+constexpr int64_t kGroup = 32;  // rows per register tile
+
+// How the output accumulators start a chunk: zero, as they are, or rescaled row by row.
+enum class Start { kZero, kKeep, kRescale };
+
+// Vectors of a group's rows.
+template <class L>
+constexpr int kRowVectors = static_cast<int>(kGroup) / L::kWidth;
+
+// tile(std::integral_constant<int, N>{}) for N = n where 0 < n < M: the last, partial step of a
+// loop over keys (or features) M at a time.
+template <int M, class Tile>
+__attribute__((always_inline)) inline void partial_tile(int64_t n, Tile tile) {
+  if constexpr (M > 1) {
+    if (n == M - 1) {
+      tile(std::integral_constant<int, M - 1>{});
+    } else {
+      partial_tile<M - 1>(n, tile);
+    }
+  }
+}
+
+// Both forward products: a[i][.] += sum_j src[i * item + j * step] rows[j][.] for i < N over a
+// group's 32 rows (row stride rs), j = 0 .. count - 1 in order. The loops over i and v are
+// unrolled by pragma: GCC then keeps a[N][V] in registers (left to itself it passed the
+// accumulators through the stack at every tile's start and end: 72 spills in the library), and, in
+// 512-bit tiles (L::kUnrollTiles), the loop over j by 4: a quarter of its branches (documents
+// forward, one thread, 620-629 -> 609-614 ms; window 157-160 -> 154-156; the same FMAs in the same
+// order; the 256-bit tiles, 16 registers, ran slower so). The asm keeps the row
+// vectors in registers: folded into each FMA as a memory operand (GCC's choice otherwise) they are
+// loaded once per key, 10 loads per 8 FMA instead of 6, and the loop becomes load-bound.
+template <class L, int N>
+__attribute__((always_inline)) inline void accumulate(typename L::F (&a)[N][kRowVectors<L>], const float* src,
+                                                      int64_t item, int64_t step, int64_t count, const float* rows,
+                                                      int64_t rs) {
+  constexpr int V = kRowVectors<L>;
+  static_assert(V == 2 || V == 4, "a group's rows are 2 or 4 vectors");
+  const auto term = [&](int64_t j) __attribute__((always_inline)) {
+    // named vectors, not an array: GCC kept a copy of an array of them on the stack, 4 stores
+    // per key in the values' tiles (the window forward ran ~40% slower)
+    const float* row = rows + j * rs;
+    typename L::F r0 = L::load(row), r1 = L::load(row + L::kWidth), r2 = r0, r3 = r1;
+    if constexpr (V == 4) {
+      r2 = L::load(row + 2 * L::kWidth), r3 = L::load(row + 3 * L::kWidth);
+      if constexpr (N > 1) asm("" : "+v"(r0), "+v"(r1), "+v"(r2), "+v"(r3));
+    } else if constexpr (N > 1) {
+      asm("" : "+v"(r0), "+v"(r1));
+    }
+    _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
+      const typename L::F x = L::broadcast(src + i * item + j * step);
+      _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) {
+        a[i][v] = fmadd(x, v == 0 ? r0 : v == 1 ? r1 : v == 2 ? r2 : r3, a[i][v]);
+      }
+    }
+  };
+  if constexpr (L::kUnrollTiles) {
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < count; ++j) term(j);
+  } else {
+    for (int64_t j = 0; j < count; ++j) term(j);
+  }
+}
+
+// s[i * ss][.] = sum_d k[i * k2s + d] qt[d][.] for i < N, over a group's 32 rows.
+template <class L, int N>
+__attribute__((always_inline)) inline void scores_tile(const float* k, int64_t k2s, int64_t D, const float* qt,
+                                                       int64_t rs, float* s, int64_t ss) {
+  constexpr int V = kRowVectors<L>;
+  typename L::F a[N][V];
+  _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
+    _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) a[i][v] = L::zero();
+  }
+  accumulate<L, N>(a, k, k2s, 1, D, qt, rs);
+  _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
+    _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) L::store(s + i * ss + L::kWidth * v, a[i][v]);
+  }
+}
+
+// S[t][r] = sum_d K[t][d] Qt[d][r] for the W keys from k (row stride k2s), all `rs` rows.
+void block_scores(const float* k, int64_t k2s, int64_t W, int64_t D, const float* qt, int64_t rs, float* s) {
+  using L = RowLanes;
+  constexpr int N = L::kKeysPerTile;
+  for (int64_t g = 0; g < rs; g += kGroup) {
+    int64_t t = 0;
+    for (; t + N <= W; t += N) scores_tile<L, N>(k + t * k2s, k2s, D, qt + g, rs, s + t * rs + g, rs);
+    partial_tile<N>(W - t, [&](auto n) {
+      scores_tile<L, decltype(n)::value>(k + t * k2s, k2s, D, qt + g, rs, s + t * rs + g, rs);
+    });
+  }
+}
+
+// ot[i * rs][.] (features v + i, i < N) (+)= sum_t V[t][.] P[t][.] over a group's 32 rows; the
+// accumulators start as `start` says (`rescale`: the rows' factors).
+template <class L, int N>
+__attribute__((always_inline)) inline void values_tile(const float* v, int64_t v2s, int64_t W, const float* p,
+                                                       int64_t rs, float* ot, Start start, const float* rescale) {
+  constexpr int V = kRowVectors<L>;
+  typename L::F a[N][V];
+  if (start == Start::kZero) {
+    _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
+      _Pragma("GCC unroll 4") for (int u = 0; u < V; ++u) a[i][u] = L::zero();
+    }
+  } else {
+    _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
+      _Pragma("GCC unroll 4") for (int u = 0; u < V; ++u) a[i][u] = L::load(ot + i * rs + L::kWidth * u);
+    }
+    if (start == Start::kRescale) {
+      typename L::F factor[V];
+      _Pragma("GCC unroll 4") for (int u = 0; u < V; ++u) factor[u] = L::load(rescale + L::kWidth * u);
+      _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
+        _Pragma("GCC unroll 4") for (int u = 0; u < V; ++u) a[i][u] = mul(a[i][u], factor[u]);
+      }
+    }
+  }
+  accumulate<L, N>(a, v, 1, v2s, W, p, rs);
+  _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
+    _Pragma("GCC unroll 4") for (int u = 0; u < V; ++u) L::store(ot + i * rs + L::kWidth * u, a[i][u]);
+  }
+}
+
+// Ot[dv][r] (+)= sum_t V[t][dv] P[t][r] for the W keys from v (row stride v2s), all `rs` rows;
+// `start[g / kGroup]` and `rescale + g` say how the accumulators of rows g .. g + 31 begin.
+void block_values(const float* v, int64_t v2s, int64_t W, int64_t Dv, const float* p, int64_t rs, float* ot,
+                  const Start* start, const float* rescale) {
+  using L = RowLanes;
+  constexpr int N = L::kKeysPerTile;
+  for (int64_t g = 0; g < rs; g += kGroup) {
+    const Start s = start[g / kGroup];
+    const float* r = rescale + g;
+    int64_t d = 0;
+    for (; d + N <= Dv; d += N) values_tile<L, N>(v + d, v2s, W, p + g, rs, ot + d * rs + g, s, r);
+    partial_tile<N>(Dv - d, [&](auto n) {
+      values_tile<L, decltype(n)::value>(v + d, v2s, W, p + g, rs, ot + d * rs + g, s, r);
+    });
+  }
+}
+
+// ---- The backward's products over rows ----------------------------------------------------------
+//
+// out[i * os + c] += sum_{r < rows} w[i * rs + r] x[r * xs + c] for i < N, c < L::kWidth V (the
+// last vector's lanes by `last` when `Partial`: a masked load or store is slow on some CPUs, whole
+// vectors take plain ones), in row order from the value in `out`. Per row, V vector loads of x
+// and N broadcasts of w for N V FMA.
+template <class L, int N, int V, bool Partial>
+__attribute__((always_inline)) inline void rows_tile(const float* w, int64_t rs, int64_t rows, const float* x,
+                                                     int64_t xs, float* out, int64_t os, typename L::Tail last) {
+  const auto load = [&](const float* from, int v) {
+    return Partial && v == V - 1 ? L::load_tail(from, last) : L::load(from);
+  };
+  typename L::F a[N][V];
+  _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
+    _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) a[i][v] = load(out + i * os + L::kWidth * v, v);
+  }
+#pragma GCC unroll 2
+  for (int64_t r = 0; r < rows; ++r) {
+    typename L::F row[V];
+    _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) row[v] = load(x + r * xs + L::kWidth * v, v);
+    _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
+      const typename L::F c = L::broadcast(w + i * rs + r);
+      _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) a[i][v] = fmadd(c, row[v], a[i][v]);
+    }
+  }
+  _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
+    _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) {
+      float* to = out + i * os + L::kWidth * v;
+      if (Partial && v == V - 1) {
+        L::store_tail(to, last, a[i][v]);
+      } else {
+        L::store(to, a[i][v]);
+      }
+    }
+  }
+}
+
+template <int V, bool Partial>
+void rows_tiles(const float* w, int64_t rs, int64_t W, int64_t rows, const float* x, int64_t xs, float* out,
+                int64_t os, RowLanes::Tail last) {
+  using L = RowLanes;
+  constexpr int N = L::kKeysPerTile;
+  int64_t t = 0;
+  for (; t + N <= W; t += N) rows_tile<L, N, V, Partial>(w + t * rs, rs, rows, x, xs, out + t * os, os, last);
+  partial_tile<N>(W - t, [&](auto n) {
+    rows_tile<L, decltype(n)::value, V, Partial>(w + t * rs, rs, rows, x, xs, out + t * os, os, last);
+  });
+}
+
+// Out[t][c] += sum_{r < rows} W[t][r] X[r][c] for the W keys of a chunk (w row stride rs, x row
+// stride xs, out row stride os), C features, up to 4 vectors of them at a time.
+void block_rows_product(const float* w, int64_t rs, int64_t W, int64_t rows, const float* x, int64_t xs, int64_t C,
+                        float* out, int64_t os) {
+  using L = RowLanes;
+  constexpr int64_t kFeatures = 4 * L::kWidth;
+  for (int64_t c0 = 0; c0 < C; c0 += kFeatures) {
+    const int64_t left = std::min<int64_t>(C - c0, kFeatures), vectors = (left + L::kWidth - 1) / L::kWidth;
+    const int64_t tail = left - L::kWidth * (vectors - 1);
+    const L::Tail last = L::first_lanes(tail);
+    const float* xc = x + c0;
+    float* oc = out + c0;
+    switch (vectors * 2 + (tail < L::kWidth)) {
+      case 8: rows_tiles<4, false>(w, rs, W, rows, xc, xs, oc, os, last); break;
+      case 9: rows_tiles<4, true>(w, rs, W, rows, xc, xs, oc, os, last); break;
+      case 6: rows_tiles<3, false>(w, rs, W, rows, xc, xs, oc, os, last); break;
+      case 7: rows_tiles<3, true>(w, rs, W, rows, xc, xs, oc, os, last); break;
+      case 4: rows_tiles<2, false>(w, rs, W, rows, xc, xs, oc, os, last); break;
+      case 5: rows_tiles<2, true>(w, rs, W, rows, xc, xs, oc, os, last); break;
+      case 2: rows_tiles<1, false>(w, rs, W, rows, xc, xs, oc, os, last); break;
+      default: rows_tiles<1, true>(w, rs, W, rows, xc, xs, oc, os, last); break;
+    }
+  }
+}
+
+// dst[c][r] = src[r][c] for r < rows, c < cols (src row stride ss, dst row stride ds),
+// by 8 x 8 tiles in registers where whole, element by element at the edges.
+void transpose(const float* src, int64_t ss, int64_t rows, int64_t cols, float* dst, int64_t ds) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) {
+    int64_t c = 0;
+    for (; c + 8 <= cols; c += 8) {
+      __m256 x[8];
+      for (int i = 0; i < 8; ++i) x[i] = _mm256_loadu_ps(src + (r + i) * ss + c);
+      const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(x[4], x[5]), t5 = _mm256_unpackhi_ps(x[4], x[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(x[6], x[7]), t7 = _mm256_unpackhi_ps(x[6], x[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      const __m256 y[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+                           _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+                           _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+                           _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + (c + i) * ds + r, y[i]);
+    }
+    for (; c < cols; ++c) {
+      for (int64_t i = r; i < r + 8; ++i) dst[c * ds + i] = src[i * ss + c];
+    }
+  }
+  for (; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) dst[c * ds + r] = src[r * ss + c];
+  }
+}
+
+}  // namespace
+}  // namespace attnkit_native
