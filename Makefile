@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # The CPU build of this exact release is served locally; any other spec pulls a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test install bench clean browser native
+.PHONY: demo test install bench clean browser native docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
-	$(BIN)/pip install --quiet $(TORCH) -e '.[test,viz,models,transformers]'
+	$(BIN)/pip install --quiet $(TORCH) -e '.[test,viz,models,transformers,docs]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -51,6 +51,14 @@ native: $(VENV)/.installed
 test: $(VENV)/.installed-test browser native
 	$(BIN)/python -m pytest -q
 
+# The documentation site (docs/, Sphinx + furo + MyST): the API reference is generated from the
+# docstrings and the example notebooks are executed, at build time. Offline, warnings are errors;
+# open docs/_build/html/index.html (it works from file://). -E reads every page each time (an
+# incremental build would not repeat the warnings of pages it skips); executed notebooks are kept
+# while neither they nor attnkit's sources change.
+docs: $(VENV)/.installed-test
+	$(BIN)/python -m sphinx -E -W --keep-going -n -q -b html docs docs/_build/html
+
 bench: $(VENV)/.installed native
 	for b in sdpa layers masks models train; do $(BIN)/python benchmarks/$$b.py || exit 1; done
 
@@ -58,3 +66,4 @@ bench: $(VENV)/.installed native
 clean:
 	rm -rf "$${ATTNKIT_NATIVE_DIR:-$${XDG_CACHE_HOME:-$$HOME/.cache}/attnkit/native}"
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis
+	rm -rf docs/_build docs/reference docs/notebooks

@@ -59,8 +59,8 @@ class Piece:
 
     @property
     def local(self) -> int:
-        """Where the piece starts in its owner's shard (an int): the position along the shard's
-        sequence dimension of key ``start``.
+        """Where the piece starts in its owner's shard (an int), that is the position along the
+        shard's sequence dimension of key ``start``.
 
         Example:
 

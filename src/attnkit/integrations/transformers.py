@@ -378,7 +378,13 @@ def attnkit_attention_forward(module: torch.nn.Module, query: Tensor, key: Tenso
         attention_mask: what :func:`attnkit.integrations.transformers.attnkit_mask` built, a 4-D
             tensor (boolean, or an additive float mask), or None (then the module's ``is_causal``,
             as transformers' SDPA path reads it).
-        dropout, scaling, softcap, s_aux / sinks, position_bias, alibi_slopes: as models pass them.
+        dropout: as models pass it (applied in training only).
+        scaling: the score scale models pass (None: ``1 / sqrt(D)``).
+        softcap: Gemma 2's soft cap of the scores, or None.
+        s_aux: GPT-OSS's per-head sink logits ``[H]``, or None (then ``sinks``, then ``module.sinks``).
+        sinks: the same, under the other name models use.
+        position_bias: an additive bias where a model passes one, or None.
+        alibi_slopes: ALiBi slopes ``[H]``, or None.
 
     Returns:
         ``(output [B, Lq, H, Dv], weights [B, H, Lq, Lk] or None)``: the weights with

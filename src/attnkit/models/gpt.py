@@ -109,7 +109,7 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        """The size of each head's features: ``hidden_size // num_attention_heads`` (an ``int``).
+        """The size of each head's features, ``hidden_size // num_attention_heads`` (an ``int``).
 
         Example:
 

@@ -71,7 +71,7 @@ class AttentionView:
 
     @property
     def view(self) -> View:
-        """The view shown first: ``"head"``, ``"model"`` or ``"heatmap"``.
+        """The view shown first, ``"head"``, ``"model"`` or ``"heatmap"``.
 
         Example:
 
