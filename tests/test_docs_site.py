@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+import executed_notebooks
 from browser import Browser, unavailable_reason
 from public_api import importable, public_modules, public_objects
 
@@ -86,6 +88,7 @@ def site(tmp_path_factory) -> Site:
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html",
          "-d", str(out / "doctrees"), str(DOCS), str(out / "html")], out / "build.log")
     print(f"docs built in {wall:.1f} s: {own:.1f} CPU seconds in Sphinx, {kernels:.1f} in the notebook kernels")
+    executed_notebooks.directory = out / "doctrees" / "executed-notebooks"  # test_notebooks.py reuses them
     return Site(out / "html", code, (out / "build.log").read_text(), wall, own, kernels)
 
 

@@ -17,6 +17,7 @@ import re
 import sys
 from pathlib import Path
 
+import executed_notebooks
 import pytest
 from browser import Browser, unavailable_reason
 from notebook_seed_numbers import EXPECTED, Bounded, Lines, Numbers
@@ -88,6 +89,9 @@ async def _execute_all(notebooks: dict, specs) -> dict[str, BaseException | None
 
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
+    shared = executed_notebooks.cached(NOTEBOOKS)  # this session's docs build ran the same kernels
+    if shared is not None:
+        return {name: nbformat.reads(text, as_version=4) for name, text in shared.items()}, dict.fromkeys(NOTEBOOKS)
     notebooks = {name: nbformat.read(EXAMPLES / f"{name}.ipynb", as_version=4) for name in NOTEBOOKS}
     errors = asyncio.run(_execute_all(notebooks, _kernel_spec_manager(tmp_path_factory.mktemp("jupyter"))))
     return notebooks, errors

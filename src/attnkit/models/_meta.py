@@ -3,7 +3,7 @@
 The loaders check a checkpoint's tensors against the shapes its config implies before building the
 model for real (a damaged size in config.json must not allocate it), by building it on the meta
 device. Initialising meta tensors is no work, but torch 2.13 routes ``normal_`` and ``uniform_`` on
-meta through its Python references, whose wrapper imports ``torch._dynamo``: 3-5 s added to the
+meta through its Python references, whose wrapper imports Dynamo (torch's compiler): 3-5 s added to the
 first load of every process (measured on the 2-core CI machine). The random fills are skipped here:
 on the meta device they fill nothing.
 """
