@@ -33,6 +33,19 @@ def median_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int
     return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
+def cuda_median(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` on the current CUDA stream (CUDA events)."""
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop) / 1000)
+    return statistics.median(times)
+
+
 def square_matmul(dtype: torch.dtype = torch.float32) -> tuple[float, Callable[[], object]]:
     """Flops and a callable of a 2048^3 matrix product in ``dtype``: PyTorch's own matmul rate on
     this machine. In fp32, near the cores' FMA peak where the BLAS uses their widest vectors (MKL on

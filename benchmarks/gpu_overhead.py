@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import statistics
 import sys
 import time
@@ -20,17 +21,12 @@ import attnkit
 from attnkit import masks
 from attnkit._backends import tiled_plan
 
+sys.path.insert(0, os.path.dirname(__file__))
+from common import cuda_median  # noqa: E402
+
 
 def gpu_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    return 1e3 * cuda_median(fn, repeats)
 
 
 def host_ms(fn, repeats: int) -> float:

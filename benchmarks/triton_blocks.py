@@ -13,13 +13,16 @@ over ``--repeats`` calls after one warm-up (the warm-up compiles; its time is pr
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
 import sys
 import time
 
 import torch
 
 from attnkit import masks
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import cuda_median  # noqa: E402
 
 FORWARD = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 64, 8, 3), (64, 32, 4, 3), (128, 64, 8, 3),
            (64, 128, 8, 3), (128, 128, 8, 2)]
@@ -34,15 +37,7 @@ def timed(fn, repeats: int) -> tuple[float, float]:
     fn()
     torch.cuda.synchronize()
     first = time.perf_counter() - began
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) / 1000)
-    return first, statistics.median(times)
+    return first, cuda_median(fn, repeats)
 
 
 def main() -> None:

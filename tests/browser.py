@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 FLAGS = (
@@ -39,6 +41,18 @@ def unavailable_reason() -> str | None:
     except ImportError:
         return "selenium is not installed (the attnkit[test] extra)"
     return None
+
+
+@pytest.fixture(scope="module", name="browser")
+def browser_fixture():
+    """One :class:`Browser` for a test module (``from browser import browser_fixture``: the
+    fixture is ``browser``); its tests skip, with the reason, where there is none."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    session = Browser()
+    yield session
+    session.close()
 
 
 class Browser:

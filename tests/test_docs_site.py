@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import executed_notebooks
-from browser import Browser, unavailable_reason
+from browser import Browser, browser_fixture, unavailable_reason  # noqa: F401 (the browser fixture)
 from public_api import importable, public_modules, public_objects
 
 pytest.importorskip("sphinx")
@@ -186,14 +186,6 @@ def test_the_landing_page_leads_to_guides_notebooks_and_the_reference(site):
 
 
 # --- in a browser, from file:// ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def browser():
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    session = Browser()
-    yield session
-    session.close()
 
 
 def test_searching_finds_a_reference_entry_offline(browser, site):

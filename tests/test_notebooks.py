@@ -19,7 +19,7 @@ from pathlib import Path
 
 import executed_notebooks
 import pytest
-from browser import Browser, unavailable_reason
+from browser import Browser, browser_fixture, unavailable_reason  # noqa: F401 (the browser fixture)
 from notebook_seed_numbers import EXPECTED, Bounded, Lines, Numbers
 
 nbformat = pytest.importorskip("nbformat")
@@ -220,14 +220,6 @@ def exported(executed, tmp_path_factory):
     return pages
 
 
-@pytest.fixture(scope="module")
-def browser():
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    session = Browser()
-    yield session
-    session.close()
 
 
 def views_in(notebook) -> int:
