@@ -98,7 +98,7 @@ def tiled_gradients(call: AttentionCall, out: Tensor, lse: Tensor, grad_out: Ten
     bias or of sinks are not returned."""
     inputs = interval_inputs(call)
     if inputs.kernel == "flex":  # FlexAttention's backward needs its forward's graph: the op's kernels
-        inputs = inputs.replace(kernel="triton" if GpuEngines.find().triton and inputs.query.is_cuda else "blocks")
+        inputs = _instead_of_flex(inputs)
     rows = inputs.query.shape[:2]
     grads = interval_op.gradients(
         layout.fold(grad_out), None if grad_lse is None else grad_lse.reshape(*rows, -1), layout.fold(out),
@@ -160,11 +160,16 @@ def _flex(call: AttentionCall, inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
             backend="inductor" if torch.compiler.is_compiling() else tiled_plan.settings().flex_backend)
     except flex.FlexUnavailable as error:  # never FlexAttention unfused: the op's interval kernels instead
         _warn_once(f"{error}: running attnkit's interval kernels instead")
-        fallback = "triton" if GpuEngines.find().triton and inputs.query.is_cuda else "blocks"
-        return interval_op.run(inputs.replace(kernel=fallback))
+        return interval_op.run(_instead_of_flex(inputs))
     return blockwise.pairwise_if_not_finite(out, lse, inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi,
                                             None, inputs.scale, 0.0, None, softcap=inputs.softcap,
                                             alibi=inputs.alibi_slopes, sinks=inputs.sinks)
+
+
+def _instead_of_flex(inputs: IntervalInputs) -> IntervalInputs:
+    """The record on the op's interval kernel that stands in for FlexAttention: Triton on a GPU
+    that has it, else PyTorch's kernels block by block."""
+    return inputs.replace(kernel="triton" if GpuEngines.find().triton and inputs.query.is_cuda else "blocks")
 
 
 @functools.cache
