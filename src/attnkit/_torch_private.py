@@ -15,6 +15,8 @@ the test suite runs on.
   ``torch._dynamo.exc.FailOnRecompileLimitHit``: the compiled FlexAttention engine keeps more
   versions than dynamo's default 8 and, past that, fails loudly instead of running FlexAttention
   unfused (an ``Lq x Lk`` score matrix) (:func:`recompile_limit`, :func:`recompile_limit_hit`).
+- ``torch.cpu._is_amx_tile_supported``, ``_is_amx_fp16_supported``, ``_is_avx512_bf16_supported``:
+  whether the CPU multiplies half precision in hardware (:func:`cpu_multiplies_half_precision`).
 - ``nn.MultiheadAttention._qkv_same_embed_dim``: whether a module packs its in-projections
   (``in_proj_weight``) or keeps three (``attnkit.nn.interop``).
 - ``torch._C._functorch.is_functorch_wrapped_tensor``, ``torch._subclasses``' fake and functional
@@ -133,3 +135,10 @@ def eager_first_call(op) -> None:
             return _fn(*args, **kwargs)
 
         setattr(fn, "__dynamo_disable", until_dynamo_loads)
+
+
+def cpu_multiplies_half_precision() -> bool:
+    """Whether this CPU has half-precision matrix or dot-product instructions (AMX-BF16, AMX-FP16,
+    AVX512-BF16), which PyTorch's own bf16/fp16 CPU kernels use; False where torch cannot say."""
+    probes = ("_is_amx_tile_supported", "_is_amx_fp16_supported", "_is_avx512_bf16_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)

@@ -79,26 +79,39 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
+def _in_float32(ranges: int, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """Half-precision tensors as float32 where the rows have several ranges: each range's result is
+    merged with the others (outputs by their lse, gradients summed) before the one rounding to the
+    call's dtype. With one range the kernel reads half precision itself (``csrc/half.h``)."""
+    if ranges == 1 or tensors[0].dtype == torch.float32:
+        return tensors
+    return tuple(t.float() for t in tensors)
+
+
 def _native_forward(inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
     """The native kernel over each of the rows' ranges (one call each), merged."""
     seed_value, offsets = _seed_value(inputs.seed)
-    return _merge([native.interval_forward(inputs.query, inputs.key, inputs.value, inputs.lo[:, r], inputs.hi[:, r],
-                                           inputs.scale, dropout=inputs.dropout, seed=seed_value,
-                                           dropout_start=offsets, softcap=inputs.softcap,
-                                           alibi_slopes=inputs.alibi_slopes)
-                   for r in range(inputs.lo.shape[1])])
+    ranges = inputs.lo.shape[1]
+    query, key, value = _in_float32(ranges, inputs.query, inputs.key, inputs.value)
+    out, lse = _merge([native.interval_forward(query, key, value, inputs.lo[:, r], inputs.hi[:, r], inputs.scale,
+                                               dropout=inputs.dropout, seed=seed_value, dropout_start=offsets,
+                                               softcap=inputs.softcap, alibi_slopes=inputs.alibi_slopes)
+                       for r in range(ranges)])
+    return out.to(inputs.query.dtype), lse
 
 
 def _native_backward(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Tensor,
                      inputs: IntervalInputs) -> tuple[Tensor, Tensor, Tensor]:
     """Its gradients: each range's, from the merged output and lse (split-key), summed."""
     seed_value, offsets = _seed_value(inputs.seed)
-    grads = [native.interval_backward(grad_out, inputs.query, inputs.key, inputs.value, out, lse, inputs.lo[:, r],
-                                      inputs.hi[:, r], inputs.scale, grad_lse, dropout=inputs.dropout,
-                                      seed=seed_value, dropout_start=offsets, softcap=inputs.softcap,
+    ranges = inputs.lo.shape[1]
+    grad_out, out, query, key, value = _in_float32(ranges, grad_out, out, inputs.query, inputs.key, inputs.value)
+    grads = [native.interval_backward(grad_out, query, key, value, out, lse, inputs.lo[:, r], inputs.hi[:, r],
+                                      inputs.scale, grad_lse, dropout=inputs.dropout, seed=seed_value,
+                                      dropout_start=offsets, softcap=inputs.softcap,
                                       alibi_slopes=inputs.alibi_slopes)
-             for r in range(inputs.lo.shape[1])]
-    return tuple(sum(parts[1:], parts[0]) for parts in zip(*grads))
+             for r in range(ranges)]
+    return tuple(sum(parts[1:], parts[0]).to(inputs.query.dtype) for parts in zip(*grads))
 
 
 def _forward(inputs: IntervalInputs) -> tuple[Tensor, Tensor, str]:

@@ -16,7 +16,7 @@ size, the compiler that built it and the torch build. :mod:`.loading` loads noth
 not match its record, so a truncated, corrupted or foreign file never reaches this process. The
 record's compiler is part of the key: a build with another compiler (``CXX``) is not a no-op.
 
-Requirements: x86-64 with AVX2 and FMA (the flags below; AVX-512 is used where the CPU has it); the
+Requirements: x86-64 with AVX2, FMA and F16C (the flags below; AVX-512 is used where the CPU has it); the
 kernel computes its products itself (no BLAS).
 """
 
@@ -65,7 +65,7 @@ def sources_digest() -> str:
 # "fast"), skipping the rounding of a * b that the forward made: the backward's weights
 # exp(scale * s - lse) must round as the forward's did (huge scores make the difference 0 vs 1).
 # The kernel asks for FMA explicitly where it wants one.
-FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 #: Where the CPU has AVX-512 (torch's own detection, the one that picks its kernels): the products
 #: and row loops then run in 512-bit vectors (the 16-lane traits of ``csrc/lanes.h``, chosen by
 #: ``__AVX512F__``, which ``csrc/tiles.h`` and ``csrc/softmax.h`` take), with the same results.

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "dropout.h"
+#include "half.h"
 #include "kept_memory.h"
 #include "lanes.h"
 #include "params.h"
@@ -58,8 +59,9 @@ void exact_backward_chunk(int64_t rows, int64_t width, int64_t c0, const int64_t
 }
 
 // Gradients of interval_forward: given grad_out [B, H, Lq, Dv], the forward's lse [B, H, Lq] and
-// delta [B, H, Lq] = rowsum(grad_out * out) - grad_lse, returns (dq, dk, dv) in float32, each in
-// the shape of its input, laid out as like_layout gives.
+// delta [B, H, Lq] = rowsum(grad_out * out) - grad_lse (both float32), returns (dq, dk, dv) in the
+// inputs' dtype, each in the shape of its input, laid out as like_layout gives. Half-precision
+// inputs are read as float32 (half.h), and dk, dv summed in float32 before their one rounding.
 // Blocks of different rows add into the same key rows, so a task owns whole (batch, kv head)
 // pairs; with fewer pairs than threads, each pair's rows are cut into `parts` that add into
 // their own copy of dK and dV, summed at the end (`parts` copies: still O(L) memory).
@@ -73,8 +75,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
   const int64_t B = c.B, H = c.H, Lq = c.Lq, D = c.D, Hkv = c.Hkv, Lk = c.Lk, Dv = c.Dv;  // the lambdas capture these
   TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == B && grad_out.size(1) == H && grad_out.size(2) == Lq &&
                   grad_out.size(3) == Dv, "interval_backward: grad_out must be [B, H, Lq, Dv]");
-  TORCH_CHECK(grad_out.scalar_type() == at::kFloat && grad_out.device().is_cpu() && grad_out.stride(3) == 1,
-              "interval_backward: grad_out must be float32 CPU with a unit stride along the head dimension");
+  TORCH_CHECK(grad_out.scalar_type() == c.dtype && grad_out.device().is_cpu() && grad_out.stride(3) == 1,
+              "interval_backward: grad_out must be CPU, of the inputs' dtype, with a unit stride along the head "
+              "dimension");
   TORCH_CHECK(block > 0 && chunk > 0 && parts > 0, "interval_backward: block, chunk and parts must be positive");
   c.modifiers(scale, dropout_p, seed, softcap, alibi_slopes, dropout_head_start, dropout_row_start, dropout_key_start);
   const Dropout& dropout = c.dropout;
@@ -83,17 +86,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                   lse.sizes() == at::IntArrayRef({B, H, Lq}) && delta.sizes() == lse.sizes(),
               "interval_backward: lse and delta must be float32 [B, H, Lq]");
 
-  at::Tensor dq = like_layout(query, B, H, Lq, D);  // each block writes its rows
+  at::Tensor dq = like_layout(query, B, H, Lq, D, c.dtype);  // each block writes its rows
   // [B, Hkv, parts, Lk, C]: each part's copy laid out like key (value), summed over parts at the end
   at::Tensor dk = like_layout(key, B, Hkv, parts * Lk, D).view({B, Hkv, parts, Lk, D}).zero_();
   at::Tensor dv = like_layout(value, B, Hkv, parts * Lk, Dv).view({B, Hkv, parts, Lk, Dv}).zero_();
   const int64_t blocks = (Lq + block - 1) / block;
   const int64_t blocks_per_part = (blocks + parts - 1) / parts;
   if (dq.numel() > 0 && Lk > 0) {
-    const Strided<const float> go(grad_out);
+    const Rows go(grad_out);
     const float* l = lse.data_ptr<float>();
     const float* dl = delta.data_ptr<float>();
-    const Strided<float> dq_rows(dq), dk_rows(dk), dv_rows(dv);  // dk, dv: [b][kv][part], rows s3 apart
+    const Rows dq_rows(dq), dk_rows(dk), dv_rows(dv);  // dk, dv: float32 [b][kv][part], rows s3 apart
     const bool capped = c.capped();  // the cap's derivative is stored then
     using L = RowLanes;
     const WeightsRows<L> weights = pick_weights_rows<L>(c.plain());  // one per call
@@ -116,12 +119,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       std::vector<int64_t> row_lo(padded), row_hi(padded);
       std::vector<DropoutRow> row_keys(padded);
       BlockRows r(padded);
+      FloatRows queries(c.q), keys(c.k), values(c.v), grads_given(go);  // as float32 (half.h)
+      OutputRows dq_out(dq_rows);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / (Hkv * parts), kv = (task / parts) % Hkv, part = task % parts;
-        const float* k_head = c.k.at(b, kv, 0);
-        const float* v_head = c.v.at(b, kv, 0);
-        float* dk_head = dk_rows.at(b, kv, part);
-        float* dv_head = dv_rows.at(b, kv, part);
+        float* dk_head = dk_rows.mutable_floats(b, kv, part);
+        float* dv_head = dv_rows.mutable_floats(b, kv, part);
         const int64_t block_end = std::min(blocks, (part + 1) * blocks_per_part);
         for (int64_t h = kv * c.group; h < (kv + 1) * c.group; ++h) {
           const ScoreMods mods = c.mods(b, h);
@@ -133,17 +136,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
             for (int64_t j = 0; j < rows && dropout.active; ++j) {
               row_keys[j] = dropout_row(dropout, b, h, first + j);
             }
-            float* dq_block = dq_rows.at(b, h, first);
+            const auto [dq_block, dq2s] = dq_out.block(b, h, first, rows);
             if (span_lo >= span_hi) {  // no row of the block attends any key
-              zero_rows(dq_block, rows, dq_rows.s2, D);
+              zero_rows(dq_block, rows, dq2s, D);
+              dq_out.store();
               continue;
             }
-            const float* q_block = c.q.at(b, h, first);
-            const float* go_block = go.at(b, h, first);
+            const auto [q_head, q2s] = queries.head(b, h, first, first + rows);
+            const auto [go_head, g2s] = grads_given.head(b, h, first, first + rows);
+            const auto [k_head, k2s] = keys.head(b, kv, span_lo, span_hi);
+            const auto [v_head, v2s] = values.head(b, kv, span_lo, span_hi);
+            const float* q_block = q_head + first * q2s;
+            const float* go_block = go_head + first * g2s;
             const int64_t rs = (rows + kGroup - 1) / kGroup * kGroup;
-            transpose(q_block, c.q.s2, rows, D, qt.data(), rs);  // Qt[d][r], padding rows 0
+            transpose(q_block, q2s, rows, D, qt.data(), rs);  // Qt[d][r], padding rows 0
             for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
-            transpose(go_block, go.s2, rows, Dv, got.data(), rs);  // dOt[dv][r], padding rows 0
+            transpose(go_block, g2s, rows, Dv, got.data(), rs);  // dOt[dv][r], padding rows 0
             for (int64_t d = 0; d < Dv; ++d) std::fill(got.data() + d * rs + rows, got.data() + (d + 1) * rs, 0.0f);
             bool dq_started = false;  // dQt holds this block's sum so far
             const float* delta_block = dl + (b * H + h) * Lq + first;
@@ -168,12 +176,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               float* ds = grads.data();  // dP, then dS in its place, the same layout
               float* cap = cap_grads.empty() ? nullptr : cap_grads.data();
               L::F bad = L::zero();
-              block_scores(k_head + c0 * c.k.s2, c.k.s2, width, D, qt.data(), rs, p);
+              block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, p);
               for (int64_t j = 0; j < rs; j += L::kWidth) {
                 weights(p + j, rs, width, c0, r, j, mods, first + j, cap ? cap + j : nullptr, bad);
               }
               // dP[t][r] = sum_dv V[t][dv] dOt[dv][r]: the scores' tiles (padding rows of dOt are 0)
-              block_scores(v_head + c0 * c.v.s2, c.v.s2, width, Dv, got.data(), rs, ds);
+              block_scores(v_head + c0 * v2s, v2s, width, Dv, got.data(), rs, ds);
               // lanes past the block's rows: 0 (0 times an infinite value there would read as a
               // masked non-finite value below)
               for (int64_t t = 0; t < width && rows < rs; ++t) std::fill(ds + t * rs + rows, ds + (t + 1) * rs, 0.0f);
@@ -186,28 +194,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 transpose(p, rs, width, rows, weights_rows.data(), width);
                 transpose(ds, rs, width, rows, grads_rows.data(), width);
                 exact_backward_chunk(rows, width, c0, row_lo.data(), row_hi.data(), weights_rows.data(),
-                                     grads_rows.data(), q_block, c.q.s2, go_block, go.s2, k_head, c.k.s2, dqt.data(), rs,
+                                     grads_rows.data(), q_block, q2s, go_block, g2s, k_head, k2s, dqt.data(), rs,
                                      dk_head, dk_rows.s3, dv_head, dv_rows.s3, D, Dv, !dq_started);
                 dq_started = true;
                 continue;
               }
               // dV_chunk += (f P)^T dO, dQt (+)= K_chunk^T dS^T, dK_chunk += dS^T Q
-              block_rows_product(p, rs, width, rows, go_block, go.s2, Dv, dv_head + c0 * dv_rows.s3, dv_rows.s3);
+              block_rows_product(p, rs, width, rows, go_block, g2s, Dv, dv_head + c0 * dv_rows.s3, dv_rows.s3);
               std::fill(dq_start.begin(), dq_start.end(), dq_started ? Start::kKeep : Start::kZero);
-              block_values(k_head + c0 * c.k.s2, c.k.s2, width, D, ds, rs, dqt.data(), dq_start.data(), no_rescale.data());
+              block_values(k_head + c0 * k2s, k2s, width, D, ds, rs, dqt.data(), dq_start.data(), no_rescale.data());
               dq_started = true;
-              block_rows_product(ds, rs, width, rows, q_block, c.q.s2, D, dk_head + c0 * dk_rows.s3, dk_rows.s3);
+              block_rows_product(ds, rs, width, rows, q_block, q2s, D, dk_head + c0 * dk_rows.s3, dk_rows.s3);
             }
-            transpose(dqt.data(), rs, D, rows, dq_block, dq_rows.s2);  // dq[r][d] = dQt[d][r]
+            transpose(dqt.data(), rs, D, rows, dq_block, dq2s);  // dq[r][d] = dQt[d][r]
+            dq_out.store();
           }
         }
       }
     });
   }
   const auto summed = [&](const at::Tensor& copies, const at::Tensor& like) {
-    if (parts == 1) return copies.squeeze(2);
-    at::Tensor total = like_layout(like, B, Hkv, Lk, copies.size(4));
-    return at::sum_out(total, copies, {2});
+    at::Tensor total = copies.squeeze(2);
+    if (parts > 1) {
+      total = like_layout(like, B, Hkv, Lk, copies.size(4));
+      at::sum_out(total, copies, {2});
+    }
+    if (c.dtype == at::kFloat) return total;
+    return like_layout(like, B, Hkv, Lk, copies.size(4), c.dtype).copy_(total);  // rounded once
   };
   return {dq, summed(dk, key), summed(dv, value)};
 }

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "dropout.h"
+#include "half.h"
 #include "kept_memory.h"
 #include "lanes.h"
 #include "params.h"
@@ -86,12 +87,13 @@ bool has_prefetchw() {
   return __get_cpuid(0x80000001u, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 8)) != 0;  // PRFCHW
 }
 
-inline void prefetch_rows(const float* first, int64_t rows, int64_t stride, int64_t width, bool for_writing) {
+// `first`: the first row's bytes; `stride`, `width`: in bytes.
+inline void prefetch_rows(const char* first, int64_t rows, int64_t stride, int64_t width, bool for_writing) {
   static const bool prefetchw = has_prefetchw();  // asked of the CPU: the build flags do not imply it
   for_writing = for_writing && prefetchw;
   for (int64_t j = 0; j < rows; ++j) {
     const uintptr_t begin = reinterpret_cast<uintptr_t>(first + j * stride);
-    const uintptr_t end = begin + static_cast<uintptr_t>(width) * sizeof(float);
+    const uintptr_t end = begin + static_cast<uintptr_t>(width);
     for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64) {
       const char* at = reinterpret_cast<const char*>(line);
       if (for_writing) {
@@ -103,8 +105,8 @@ inline void prefetch_rows(const float* first, int64_t rows, int64_t stride, int6
   }
 }
 
-// Output [B, H, Lq, Dv] (laid out as the query: see like_layout) and the natural-log sum-exp
-// [B, H, Lq] (before dropout) of attention over the intervals [lo, hi) (params.h has the layout);
+// Output [B, H, Lq, Dv] (the inputs' dtype, laid out as the query: see like_layout) and the
+// natural-log sum-exp [B, H, Lq] (float32, before dropout) of attention over the intervals [lo, hi) (params.h has the layout);
 // a row with no key gives zeros and -inf. Optional dropout on the weights, from a seed (dropout.h).
 std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, const at::Tensor& key,
                                                     const at::Tensor& value, const at::Tensor& lo_rows,
@@ -120,11 +122,11 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   const int64_t B = c.B, H = c.H, Lq = c.Lq, D = c.D, Lk = c.Lk, Dv = c.Dv;  // the lambdas capture these
   const Dropout& dropout = c.dropout;
 
-  at::Tensor out = like_layout(query, B, H, Lq, Dv);
-  at::Tensor lse = at::empty({B, H, Lq}, query.options());
+  at::Tensor out = like_layout(query, B, H, Lq, Dv, c.dtype);
+  at::Tensor lse = at::empty({B, H, Lq}, query.options().dtype(at::kFloat));
   if (lse.numel() == 0) return {out, lse};
   const int64_t blocks = (Lq + block - 1) / block;
-  const Strided<float> o(out);
+  const Rows o(out);
   float* l = lse.data_ptr<float>();
   using L = RowLanes;
   const SoftmaxRows<L> softmax = pick_softmax_rows<L>(c.plain(), dropout.active);  // one per call
@@ -147,6 +149,8 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
     std::vector<int64_t> row_lo(padded), row_hi(padded);
     std::vector<DropoutRow> row_keys(padded);
     std::vector<float> exact_scores;
+    FloatRows queries(c.q), keys(c.k), values(c.v);  // as float32 (half.h)
+    OutputRows outputs(o);
     for (int64_t begin; (begin = next_task.fetch_add(claim)) < tasks;) {
       const int64_t end = std::min(tasks, begin + claim);
       for (int64_t task = begin; task < end; ++task) {
@@ -155,18 +159,21 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
         const int64_t rows = std::min(block, Lq - first), rs = (rows + kGroup - 1) / kGroup * kGroup;
         const auto [span_lo, span_hi] =
             block_span(c.lo_of(b, first), c.hi_of(b, first), rows, Lk, nullptr, row_lo.data(), row_hi.data());
-        const float* q_block = c.q.at(b, h, first);
-        const float* k_head = c.k.at(b, h / c.group, 0);
-        const float* v_head = c.v.at(b, h / c.group, 0);
-        float* o_block = o.at(b, h, first);
+        const auto [q_head, q2s] = queries.head(b, h, first, first + rows);
+        const auto [k_head, k2s] = keys.head(b, h / c.group, span_lo, span_hi);
+        const auto [v_head, v2s] = values.head(b, h / c.group, span_lo, span_hi);
+        const float* q_block = q_head + first * q2s;
+        const auto [o_block, o2s] = outputs.block(b, h, first, rows);
         float* l_block = l + (b * H + h) * Lq + first;
         if (task + 1 < tasks) {
           const int64_t next_b = (task + 1) / (H * blocks), next_h = ((task + 1) / blocks) % H;
           const int64_t next_first = ((task + 1) % blocks) * block;
-          prefetch_rows(c.q.at(next_b, next_h, next_first), std::min(block, Lq - next_first), c.q.s2, D, false);
+          prefetch_rows(c.q.at(next_b, next_h, next_first), std::min(block, Lq - next_first), c.q.s2 * c.q.bytes,
+                        D * c.q.bytes, false);
         }
         if (span_lo >= span_hi) {  // no row of the block attends any key
-          zero_rows(o_block, rows, o.s2, Dv);
+          zero_rows(o_block, rows, o2s, Dv);
+          outputs.store();
           std::fill(l_block, l_block + rows, kNegInf);
           continue;
         }
@@ -185,27 +192,29 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           r.all_hi[j / L::kWidth] = std::min<int64_t>(Lk, *std::min_element(hi_j, hi_j + L::kWidth));
         }
         // Qt[d][r] = q_r[d], padding rows 0
-        transpose(q_block, c.q.s2, rows, D, qt.data(), rs);
+        transpose(q_block, q2s, rows, D, qt.data(), rs);
         for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
         for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
           const int64_t width = std::min(chunk, span_hi - c0);
-          if (c0 + chunk >= span_hi) prefetch_rows(o_block, rows, o.s2, Dv, true);  // written next
+          if (c0 + chunk >= span_hi) {  // written next
+            prefetch_rows(o.at(b, h, first), rows, o.s2 * o.bytes, Dv * o.bytes, true);
+          }
           float* s = scores.data();
-          block_scores(k_head + c0 * c.k.s2, c.k.s2, width, D, qt.data(), rs, s);
+          block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s);
           for (int64_t j = 0; j < rs; j += L::kWidth) softmax(s + j, rs, width, c0, r, j, mods, first + j, dropout);
           for (int64_t g = 0; g < rs / kGroup; ++g) {
             const float* rescale = r.rescale.data() + g * kGroup;
             const bool ones = std::all_of(rescale, rescale + kGroup, [](float x) { return x == 1.0f; });
             start[g] = c0 == span_lo ? Start::kZero : ones ? Start::kKeep : Start::kRescale;
           }
-          block_values(v_head + c0 * c.v.s2, c.v.s2, width, Dv, s, rs, ot.data(), start.data(), r.rescale.data());
+          block_values(v_head + c0 * v2s, v2s, width, Dv, s, rs, ot.data(), start.data(), r.rescale.data());
         }
-        transpose(ot.data(), rs, Dv, rows, o_block, o.s2);  // out[r][dv] = Ot[dv][r], normalised below
+        transpose(ot.data(), rs, Dv, rows, o_block, o2s);  // out[r][dv] = Ot[dv][r], normalised below
         // A non-finite value in an accumulator came from a value the block multiplied by a weight:
         // a masked key's (weight 0, which must not count) or an attended one's, where the running
         // rescaling may have turned a weight into 0 early; such rows are redone by attended pairs.
         for (int64_t j = 0; j < rows; ++j) {
-          float* acc = o_block + j * o.s2;
+          float* acc = o_block + j * o2s;
           const float sum = r.sum[j];
           if (std::isnan(sum)) {  // a NaN or +inf score among the attended ones
             std::fill(acc, acc + Dv, std::numeric_limits<float>::quiet_NaN());
@@ -214,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
             if (scale_and_check(acc, Dv, 1.0f / sum)) {
               l_block[j] = r.max[j] + std::log(sum);
             } else {
-              exact_forward_row(q_block + j * c.q.s2, k_head, c.k.s2, v_head, c.v.s2, D, Dv, row_lo[j], row_hi[j],
+              exact_forward_row(q_block + j * q2s, k_head, k2s, v_head, v2s, D, Dv, row_lo[j], row_hi[j],
                                 mods, first + j, dropout, row_keys[j], exact_scores, acc, l_block + j);
             }
           } else {  // no key, or only scores of -inf
@@ -222,6 +231,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
             l_block[j] = kNegInf;
           }
         }
+        outputs.store();
       }
     }
   });

@@ -142,11 +142,13 @@ int64_t release_kept_memory() { return KeptMappings::instance().release(); }
 // A fresh [B, heads, L, C] tensor (C the last dim), with its rows outer to its heads where `like`
 // has them so ([B, L, H, D] in memory, as a model's projections viewed as heads give): then the
 // caller's view back to [B, L, H * C] needs no copy, as with SDPA's outputs and gradients.
-at::Tensor like_layout(const at::Tensor& like, int64_t B, int64_t heads, int64_t L, int64_t C) {
+// Its dtype is `dtype` (float32 unless given).
+at::Tensor like_layout(const at::Tensor& like, int64_t B, int64_t heads, int64_t L, int64_t C,
+                       at::ScalarType dtype = at::kFloat) {
   const bool rows_outer = like.size(1) > 1 && like.size(2) > 1 && like.stride(1) < like.stride(2);
-  const auto empty = [](std::initializer_list<int64_t> sizes) {
+  const auto empty = [dtype](std::initializer_list<int64_t> sizes) {
     return at::Tensor(at::detail::empty_generic(sizes, &KeptMappings::instance(), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                                at::kFloat, std::nullopt));
+                                                dtype, std::nullopt));
   };
   return rows_outer ? empty({B, L, heads, C}).transpose(1, 2) : empty({B, heads, L, C});
 }

@@ -9,6 +9,7 @@
 //   score_mods.h   scale, soft-capping, ALiBi
 //   dropout.h      the dropout hash
 //   kept_memory.h  the allocator that keeps large outputs' mappings; the outputs' layout
+//   half.h         bfloat16 and float16 inputs read as float32 rows, outputs rounded once
 //   params.h       the call's checked inputs, pointers, strides and sizes (Params)
 //   softmax.h      the row loops: running softmax, the backward's weights and score gradients
 //   tiles.h        register tiles, one template over the lane traits for both ISAs
@@ -20,7 +21,7 @@
 // build's time and the compiler's view of the whole kernel (what it inlines) as when this was one
 // file. The headers keep internal linkage (an anonymous namespace) for that reason.
 //
-// Built by attnkit/_backends/native/building.py with -O3 -mavx2 -mfma (and -mavx512f on a CPU with
+// Built by attnkit/_backends/native/building.py with -O3 -mavx2 -mfma -mf16c (and -mavx512f on a CPU with
 // AVX-512), -ffp-contract=off (no FMA the source does not ask for: the backward's weights must
 // round as the forward's did) and no -ffast-math (which would let the compiler assume there are
 // no infinities).

@@ -5,8 +5,8 @@
 // once replaces the two ops' pointer-and-stride preambles (24 lines each, a place for one of them
 // to drift from the other).
 //
-// Layout: query [B, H, Lq, D], key [B, Hkv, Lk, D], value [B, Hkv, Lk, Dv], float32, any strides
-// with a unit last-dim stride; lo, hi int64 [S, Lq] with S = 1 (shared) or B. H % Hkv == 0 (GQA:
+// Layout: query [B, H, Lq, D], key [B, Hkv, Lk, D], value [B, Hkv, Lk, Dv], one dtype of float32,
+// bfloat16 and float16 (half.h), any strides with a unit last-dim stride; lo, hi int64 [S, Lq] with S = 1 (shared) or B. H % Hkv == 0 (GQA:
 // query head h reads key/value head h / (H / Hkv)).
 
 #pragma once
@@ -19,24 +19,12 @@
 #include <utility>
 
 #include "dropout.h"
+#include "half.h"
 #include "lanes.h"
 #include "score_mods.h"
 
 namespace attnkit_native {
 namespace {
-
-// A float32 tensor's data and its first strides: at(b, h, i) is element [b][h][i][0] (for the
-// backward's [B, Hkv, parts, Lk, C] gradient copies: [b][h][part], rows `s3` apart).
-template <class T>
-struct Strided {
-  T* data = nullptr;
-  int64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-
-  Strided() = default;
-  explicit Strided(const at::Tensor& t)
-      : data(t.data_ptr<float>()), s0(t.stride(0)), s1(t.stride(1)), s2(t.stride(2)), s3(t.dim() > 4 ? t.stride(3) : 1) {}
-  T* at(int64_t b, int64_t h, int64_t i) const { return data + b * s0 + h * s1 + i * s2; }
-};
 
 // Keys and values for the register tiles: as given, or copied into [B, Hkv, Lk, C] when a head's
 // rows are not adjacent in memory (a model's projections give [B, L, Hkv, C], Hkv * C floats apart)
@@ -51,22 +39,25 @@ struct Params {
   const char* op;
   int64_t B, H, Lq, D, Hkv, Lk, Dv, group;  // group: query heads per kv head
   at::Tensor key, value, lo_rows, hi_rows, slopes;  // what the pointers below point into, kept alive
-  Strided<const float> q, k, v;
+  at::ScalarType dtype = at::kFloat;  // the inputs' and outputs' (half.h)
+  Rows q, k, v;
   const int64_t* lo = nullptr;
   const int64_t* hi = nullptr;
   bool shared_rows = false;  // one row of intervals for every sequence
   double scale = 1.0, softcap = 0.0;
   Dropout dropout;
 
-  // Checks query, key, value, lo, hi (float32 CPU with a unit last-dim stride; lo, hi int64
+  // Checks query, key, value, lo, hi (one kernel dtype, CPU, a unit last-dim stride; lo, hi int64
   // [1 or B, Lq]) and takes their pointers; `together`: keys and values by rows_together.
   Params(const char* op_name, const at::Tensor& query, const at::Tensor& key_given, const at::Tensor& value_given,
          const at::Tensor& lo_given, const at::Tensor& hi_given, bool together)
       : op(op_name) {
     TORCH_CHECK(query.dim() == 4 && key_given.dim() == 4 && value_given.dim() == 4, op, ": 4-D inputs");
+    dtype = query.scalar_type();
     for (const at::Tensor* t : {&query, &key_given, &value_given}) {
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->stride(3) == 1, op,
-                  ": float32 CPU inputs with a unit stride along the head dimension");
+      TORCH_CHECK(kernel_dtype(dtype) && t->scalar_type() == dtype && t->device().is_cpu() && t->stride(3) == 1, op,
+                  ": CPU inputs of one dtype (float32, bfloat16 or float16) with a unit stride along the head "
+                  "dimension");
     }
     B = query.size(0), H = query.size(1), Lq = query.size(2), D = query.size(3);
     Hkv = key_given.size(1), Lk = key_given.size(2), Dv = value_given.size(3);
@@ -82,7 +73,7 @@ struct Params {
     group = H / Hkv;
     key = together ? rows_together(key_given, Lq) : key_given;
     value = together ? rows_together(value_given, Lq) : value_given;
-    q = Strided<const float>(query), k = Strided<const float>(key), v = Strided<const float>(value);
+    q = Rows(query), k = Rows(key), v = Rows(value);
     lo = lo_rows.data_ptr<int64_t>(), hi = hi_rows.data_ptr<int64_t>();
     shared_rows = lo_rows.size(0) == 1;
   }

@@ -1,0 +1,176 @@
+// Half-precision inputs and outputs (bfloat16, float16): the kernel computes in float32 on rows it
+// converts as it reads them, and rounds its outputs once, as it writes them.
+//
+// This is the float32-convert path: products accumulate and the softmax runs in float32 from the
+// exact float32 values of the half-precision inputs (every bf16 and fp16 value is a float32), so a
+// result differs from the float32 kernel's on the same (upcast) inputs only by its final rounding.
+// Each thread converts the rows of one (sequence, head) it is working on into its own buffer, and
+// extends that buffer as its blocks move along the keys: consecutive blocks share most of their
+// key span, so each key row is converted about once per thread and read back from cache. Converting
+// whole tensors up front with ATen took 20 ms per 8.4M elements into fresh memory (page faults) and
+// 3.7 ms into memory already mapped: a tenth and more of a window forward's time (L = 16384, H = 8,
+// D = 64, 2 threads, AVX2), where the rows converted here are read again while still in L2.
+//
+// F16C (every AVX2 CPU has it) converts float16; bfloat16 is the upper half of a float32, and
+// rounds to nearest even as c10::BFloat16 does (NaN to 0x7FC0), so outputs equal torch's `.to()`.
+
+#pragma once
+
+#include <immintrin.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+namespace attnkit_native {
+namespace {
+
+// The dtypes the kernel takes; the call's inputs share one.
+inline bool kernel_dtype(at::ScalarType type) {
+  return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf;
+}
+
+// n elements of `type` (bfloat16 or float16) from src, as float32 into dst.
+inline void to_float(const void* src, at::ScalarType type, int64_t n, float* dst) {
+  const auto* in = static_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  if (type == at::kBFloat16) {
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(c10::BFloat16(in[i], c10::BFloat16::from_bits()));
+  } else {
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(c10::Half(in[i], c10::Half::from_bits()));
+  }
+}
+
+// n float32 values from src rounded to nearest even into `type` (bfloat16 or float16) at dst.
+inline void from_float(const float* src, int64_t n, at::ScalarType type, void* dst) {
+  auto* out = static_cast<uint16_t*>(dst);
+  int64_t i = 0;
+  if (type == at::kBFloat16) {
+    const __m256i one = _mm256_set1_epi32(1), half_ulp = _mm256_set1_epi32(0x7FFF), nan = _mm256_set1_epi32(0x7FC0);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 x = _mm256_loadu_ps(src + i);
+      const __m256i u = _mm256_castps_si256(x);
+      const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), one), half_ulp);
+      __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+      r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(nan),
+                                               _mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+      // packus works within 128-bit halves: [0-3 0-3 | 4-7 4-7]; the permute brings 0-7 together
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
+    }
+    for (; i < n; ++i) out[i] = c10::BFloat16(src[i]).x;
+  } else {
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+    }
+    for (; i < n; ++i) out[i] = c10::Half(src[i]).x;
+  }
+}
+
+// One [B, heads, L, C] tensor of any kernel dtype: its bytes and element strides.
+struct Rows {
+  const char* data = nullptr;
+  int64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;  // s3: the backward's [B, Hkv, parts, Lk, C] copies
+  int64_t width = 0;                       // C
+  int64_t bytes = 4;                       // per element
+  at::ScalarType type = at::kFloat;
+
+  Rows() = default;
+  explicit Rows(const at::Tensor& t)
+      : data(static_cast<const char*>(t.data_ptr())), s0(t.stride(0)), s1(t.stride(1)), s2(t.stride(2)),
+        s3(t.dim() > 4 ? t.stride(3) : 1), width(t.size(-1)), bytes(t.element_size()), type(t.scalar_type()) {}
+  bool is_float() const { return type == at::kFloat; }
+  const char* at(int64_t b, int64_t h, int64_t i) const { return data + (b * s0 + h * s1 + i * s2) * bytes; }
+  // For float32 tensors only: element [b][h][i][0] (for the copies: [b][h][part], rows s3 apart).
+  const float* floats(int64_t b, int64_t h, int64_t i) const { return reinterpret_cast<const float*>(at(b, h, i)); }
+  float* mutable_floats(int64_t b, int64_t h, int64_t i) const { return const_cast<float*>(floats(b, h, i)); }
+};
+
+// One input's rows as float32 for one thread: a float32 tensor's own rows, or a half-precision
+// tensor's converted into a buffer that holds the rows [lo_, hi_) of the (sequence, head) last
+// asked for. Blocks move forward along the rows, so a request that starts inside the held rows
+// keeps them, converts only the rows past hi_, and drops the rows before its start when the buffer
+// is full; any other request starts over. The buffer holds about two requests' rows, not the
+// head's (a buffer of whole heads, zeroed as it grew, cost 3-4% of a window forward in page
+// faults and copies).
+class FloatRows {
+ public:
+  explicit FloatRows(const Rows& rows) : in_(rows) {}
+
+  // A pointer p with row i of (b, h) at p + i * stride for rows [first, last), and the stride.
+  // (For half precision p lies before the buffer when rows before `first` were dropped; only rows
+  // in [first, last) are read through it.)
+  std::pair<const float*, int64_t> head(int64_t b, int64_t h, int64_t first, int64_t last) {
+    if (in_.is_float()) return {in_.floats(b, h, 0), in_.s2};
+    const int64_t w = in_.width;
+    if (b != b_ || h != h_ || first < lo_ || first > hi_) b_ = b, h_ = h, base_ = lo_ = hi_ = first;
+    if (last > hi_) {
+      if (last - base_ > capacity_) {
+        // keep rows [first, hi_) at the buffer's start; grow it if that is still too small
+        const int64_t kept = hi_ - first, needed = last - first;
+        if (needed > capacity_) {
+          const int64_t grown = std::max<int64_t>(2 * needed, 64);
+          std::unique_ptr<float[]> larger(new float[grown * w]);  // no zeroing: every row read is written first
+          std::memcpy(larger.get(), buffer_.get() + (first - base_) * w, kept * w * sizeof(float));
+          buffer_ = std::move(larger), capacity_ = grown;
+        } else {
+          std::memmove(buffer_.get(), buffer_.get() + (first - base_) * w, kept * w * sizeof(float));
+        }
+        base_ = lo_ = first;
+      }
+      for (int64_t i = hi_; i < last; ++i) to_float(in_.at(b_, h_, i), in_.type, w, buffer_.get() + (i - base_) * w);
+      hi_ = last;
+    }
+    return {reinterpret_cast<const float*>(reinterpret_cast<uintptr_t>(buffer_.get()) -
+                                           static_cast<uintptr_t>(base_ * w * sizeof(float))),
+            w};
+  }
+
+ private:
+  Rows in_;
+  std::unique_ptr<float[]> buffer_;
+  int64_t capacity_ = 0;  // rows
+  int64_t b_ = -1, h_ = -1, base_ = 0, lo_ = 0, hi_ = 0;  // buffer row 0 is row base_; rows [lo_, hi_) held
+};
+
+// Where a block's float32 results go before the output: the output's own rows (float32), or a
+// thread's buffer of `rows` x C floats rounded into the output's rows by `store`.
+class OutputRows {
+ public:
+  explicit OutputRows(const Rows& out) : out_(out) {}
+
+  // Rows [first, first + rows) of (b, h): a float32 destination and its row stride.
+  std::pair<float*, int64_t> block(int64_t b, int64_t h, int64_t first, int64_t rows) {
+    b_ = b, h_ = h, first_ = first, rows_ = rows;
+    if (out_.is_float()) return {out_.mutable_floats(b, h, first), out_.s2};
+    if (static_cast<int64_t>(buffer_.size()) < rows * out_.width) buffer_.resize(rows * out_.width);
+    return {buffer_.data(), out_.width};
+  }
+
+  // The block's results into a half-precision output (nothing to do for float32).
+  void store() {
+    if (out_.is_float()) return;
+    for (int64_t j = 0; j < rows_; ++j) {
+      from_float(buffer_.data() + j * out_.width, out_.width, out_.type, const_cast<char*>(out_.at(b_, h_, first_ + j)));
+    }
+  }
+
+ private:
+  Rows out_;
+  std::vector<float> buffer_;
+  int64_t b_ = 0, h_ = 0, first_ = 0, rows_ = 0;
+};
+
+}  // namespace
+}  // namespace attnkit_native

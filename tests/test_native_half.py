@@ -1,0 +1,177 @@
+"""The native kernel in bfloat16 and float16 (``csrc/half.h``): inputs and outputs in the call's
+dtype, everything between in float32.
+
+Two references:
+- the float64 oracle, against which the kernel's error is at most twice the error of PyTorch's
+  own kernel in that dtype (FlashAttention's rule), outputs and gradients, for each mask kind;
+- the float32 kernel (itself held to the oracle by test_native.py) on the same values upcast:
+  a half-precision call computes exactly that and rounds once, so the two agree bit for bit,
+  whatever the features (GQA, dropout, soft-capping, ALiBi, lse, layouts, empty rows, NaN).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import masks
+from attnkit._backends import auto_runs, native
+from attnkit._call import make_call
+from oracle import oracle_attention
+from test_native import interval_cases
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.why_unavailable()}")
+
+HALF = [torch.bfloat16, torch.float16]
+
+
+def _same(got, want):
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(c=interval_cases(), dtype=st.sampled_from(HALF), dropout=st.sampled_from([0.0, 0.3]),
+       softcap=st.sampled_from([None, 2.0]), alibi=st.booleans(), with_nan=st.booleans())
+def test_half_precision_is_the_float32_kernel_rounded_once(c, dtype, dropout, softcap, alibi, with_nan):
+    q, k, v = (c[name].to(dtype) for name in ("query", "key", "value"))
+    if with_nan:  # NaN and inf follow the float32 kernel's rules (test_native's IEEE tests)
+        k = k.clone()
+        k.view(-1)[0] = float("nan")
+        v = v.clone()
+        v.view(-1)[-1] = float("inf")
+    slopes = torch.rand(q.shape[1]) if alibi else None
+    options = dict(block=c["block"], chunk=c["chunk"], dropout=dropout, seed=7, softcap=softcap, alibi_slopes=slopes)
+    out, lse = native.interval_forward(q, k, v, c["lo"], c["hi"], c["scale"], **options)
+    out32, lse32 = native.interval_forward(q.float(), k.float(), v.float(), c["lo"], c["hi"], c["scale"], **options)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == out32.shape
+    _same(out, out32.to(dtype))
+    _same(lse, lse32)
+
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    grads = native.interval_backward(grad_out, q, k, v, out, lse, c["lo"], c["hi"], c["scale"], block=c["block"],
+                                     chunk=c["chunk"], dropout=dropout, seed=7, softcap=softcap, alibi_slopes=slopes)
+    # the float32 backward given the same output (rounded to the dtype, as the half call's is)
+    grads32 = native.interval_backward(grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse,
+                                       c["lo"], c["hi"], c["scale"], block=c["block"], chunk=c["chunk"],
+                                       dropout=dropout, seed=7, softcap=softcap, alibi_slopes=slopes)
+    for got, want, given_input in zip(grads, grads32, (q, k, v)):
+        assert got.dtype == dtype and got.shape == given_input.shape
+        _same(got, want.to(dtype))
+
+
+def _cases():
+    """(name, lo, hi) row intervals of the structured masks the issue measures, L = 192."""
+    length = 192
+    made = {
+        "window": masks.sliding_window(48),
+        "documents": masks.document([40, 72, 80]) & masks.causal(),
+        "causal+padding": masks.causal() & masks.padding([150]),
+    }
+    return [(name, mask, length) for name, mask in made.items()]
+
+
+def _call(q, k, v, mask=None, causal=False):
+    return make_call(q, k, v, mask=mask, causal=causal, scale=None, dropout=0.0, generator=None,
+                     return_weights=False)
+
+
+def _max_error(got, want):
+    return (got.double() - want).abs().max().item()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name,mask,length", _cases())
+def test_within_twice_pytorchs_error_against_float64(dtype, name, mask, length):
+    """Outputs and the three gradients against float64, beside SDPA in the same dtype over the
+    same dense mask (GQA: 4 query heads on 2 key/value heads, the keys repeated for SDPA)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, length, 64, generator=g)
+    k, v = (torch.randn(1, 2, length, 64, generator=g) for _ in range(2))
+    grad_out = torch.randn(1, 4, length, 64, generator=g)
+    allowed = mask.dense(length, length, ndim=4)
+    allowed = allowed if allowed.dim() == 4 else allowed[None, None]
+    assert allowed.any(-1).all(), "every row attends a key (SDPA gives NaN for rows with none)"
+
+    def gradients(fn, dt):
+        inputs = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        out = fn(*inputs)
+        out.backward(grad_out.to(dt))
+        return [out.detach()] + [t.grad for t in inputs]
+
+    expected = gradients(lambda a, b, c: oracle_attention(a, b, c, mask=allowed)[0], torch.float64)
+    pytorch = gradients(lambda a, b, c: F.scaled_dot_product_attention(
+        a, b.repeat_interleave(2, 1), c.repeat_interleave(2, 1), attn_mask=allowed), dtype)
+    assert auto_runs(_call(q.to(dtype), k.to(dtype), v.to(dtype), mask=mask)) == "tiled:native"
+    ours = gradients(lambda a, b, c: attnkit.attention(a, b, c, mask=mask), dtype)
+    for what, got, theirs, want in zip(("output", "dq", "dk", "dv"), ours, pytorch, expected):
+        assert got.dtype == dtype
+        bound = 2 * _max_error(theirs, want)
+        assert _max_error(got, want) <= bound, (what, _max_error(got, want), bound)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", HALF)
+def test_auto_sends_half_precision_structured_calls_to_the_native_kernel(dtype):
+    q = torch.randn(1, 2, 512, 32, dtype=dtype)
+    for mask in (masks.sliding_window(64), masks.document([200, 312]), masks.causal() & masks.padding([400])):
+        assert auto_runs(_call(q, q, q, mask=mask)) == "tiled:native"
+    for grad in (False, True):  # plain causal too, with or without a backward to run (see the policy)
+        assert auto_runs(_call(q, q.requires_grad_(grad), q, causal=True)) == "tiled:native"
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", HALF)
+def test_a_model_layout_keeps_its_layout_and_dtype(dtype):
+    """Projections viewed as heads ([B, L, H, D] in memory): outputs and gradients come back laid
+    out the same way, in the dtype, as the float32 kernel's do."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 300, 4, 32, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(2, 300, 2, 32, generator=g).to(dtype).transpose(1, 2)
+    lo = torch.clamp(torch.arange(300) - 40, min=0)[None]
+    hi = (torch.arange(300) + 1)[None]
+    out, lse = native.interval_forward(q, k, k, lo, hi, 0.2)
+    assert out.dtype == dtype and out.transpose(1, 2).is_contiguous()
+    dq, dk, dv = native.interval_backward(torch.ones_like(out), q, k, k, out, lse, lo, hi, 0.2)
+    assert dq.transpose(1, 2).is_contiguous() and dk.dtype == dv.dtype == dtype
+
+
+@needs_native
+def test_mixed_dtypes_are_refused():
+    q = torch.randn(1, 1, 8, 4)
+    lo, hi = torch.zeros(1, 8, dtype=torch.long), torch.full((1, 8), 8)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        native.interval_forward(q, q.bfloat16(), q, lo, hi, 1.0)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        native.interval_forward(q.double(), q.double(), q.double(), lo, hi, 1.0)
+
+
+@needs_native
+def test_bf16_plain_causal_with_no_backward_goes_to_sdpa_from_8192():
+    q = torch.randn(1, 1, 8192, 8, dtype=torch.bfloat16)
+    assert auto_runs(_call(q, q, q, causal=True)) == "torch"  # SDPA's bf16 forward: 0.88x the kernel's
+    assert auto_runs(_call(q.half(), q.half(), q.half(), causal=True)) == "tiled:native"
+    assert auto_runs(_call(q, q.requires_grad_(), q, causal=True)) == "tiled:native"
+
+
+def test_where_the_cpu_multiplies_half_precision_pytorchs_kernels_keep_those_calls(monkeypatch):
+    """AMX / AVX512-BF16 CPUs: PyTorch's bf16 kernels use those units and the kernel has no such
+    path, so half-precision calls stay off it (float32 calls do not change)."""
+    from attnkit import _torch_private
+    from attnkit._backends.native import loading
+
+    monkeypatch.setattr(_torch_private, "cpu_multiplies_half_precision", lambda: True)
+    loading.serves_half_precision.cache_clear()
+    try:
+        assert not native.serves("cpu", torch.bfloat16, False) and not native.serves("cpu", torch.float16, False)
+        q = torch.randn(1, 2, 512, 32, dtype=torch.bfloat16)
+        assert auto_runs(_call(q, q, q, mask=masks.sliding_window(64))) == "tiled:blocks"
+        assert native.serves("cpu", torch.float32, False) == native.enabled()
+    finally:
+        monkeypatch.undo()
+        loading.serves_half_precision.cache_clear()
