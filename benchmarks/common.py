@@ -51,9 +51,12 @@ def square_matmul(dtype: torch.dtype = torch.float32) -> tuple[float, Callable[[
     this machine. In fp32, near the cores' FMA peak where the BLAS uses their widest vectors (MKL on
     Intel and on AMD Zen 4: 85-100%), far below it where it does not (MKL on AMD Zen 5: 40%, and
     attention kernels then beat it): :func:`fma_peak` says which. In bf16, what the CPU's
-    half-precision units give (AMX, AVX512-BF16) or a conversion path's rate where it has none."""
-    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-    return 2 * 2048**3, (lambda: a @ b)
+    half-precision units give (AMX, AVX512-BF16) or a conversion path's rate where it has none: on
+    an AVX2 CPU without them about 1 GFLOP/s (0.2 s at 512^3, 2.5 s at 1024^3, a minute at 2048^3),
+    so half precision times a 512^3 product, whose rate is within a few per cent of 1024^3's there."""
+    size = 2048 if dtype == torch.float32 else 512
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    return 2 * size**3, (lambda: a @ b)
 
 
 def fma_peak(threads: int) -> tuple[float | None, str]:

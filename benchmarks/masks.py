@@ -306,7 +306,7 @@ def flex_contender(mask_mod, query, key, value) -> tuple[object, str | None]:
 def main_table(args: argparse.Namespace) -> None:
     length, window = args.length, args.window
     dtype = bench_dtype()
-    flops = 2 * 2048**3
+    flops = square_matmul(dtype)[0]
     dtype_name = str(dtype).split(".")[-1]
     print(f"# Structured masks, B=1, H={HEADS}, D={HEAD_DIM}, {dtype_name}, L={length}  ({describe_machine()})")
     how = ("one process, interleaved" if args.in_process else
@@ -453,7 +453,7 @@ def training(args: argparse.Namespace) -> None:
     print(f"# forward + backward, B=1, H={HEADS}, D={HEAD_DIM}, {dtype_name}, L={length} ({describe_machine()})")
     print(f"# output.backward(fixed gradient) after each forward; steady: median (min-max over rounds) of "
           f"{args.repeats} calls, {how}; FlexAttention has no CPU backward in this torch\n")
-    flops = 2 * 2048**3
+    flops = square_matmul(bench_dtype())[0]
     print("| mask | ours = auto (ms) | ours, native kernel off (ms) | SDPA dense mask (ms) | SDPA / ours "
           "| ours useful GFLOP/s | matmul GFLOP/s | ours / matmul | ours / FMA peak |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")

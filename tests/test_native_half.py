@@ -129,16 +129,24 @@ def test_auto_sends_half_precision_structured_calls_to_the_native_kernel(dtype):
 @pytest.mark.parametrize("dtype", HALF)
 def test_a_model_layout_keeps_its_layout_and_dtype(dtype):
     """Projections viewed as heads ([B, L, H, D] in memory): outputs and gradients come back laid
-    out the same way, in the dtype, as the float32 kernel's do."""
+    out the same way, in the dtype, equal to the float32 kernel's rounded; 2100 rows, so that the
+    keys and values are gathered first (params.h, rows_together)."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 300, 4, 32, generator=g).to(dtype).transpose(1, 2)
-    k = torch.randn(2, 300, 2, 32, generator=g).to(dtype).transpose(1, 2)
-    lo = torch.clamp(torch.arange(300) - 40, min=0)[None]
-    hi = (torch.arange(300) + 1)[None]
+    length = 2100
+    q = torch.randn(1, length, 4, 16, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(1, length, 2, 16, generator=g).to(dtype).transpose(1, 2)
+    lo = torch.clamp(torch.arange(length) - 40, min=0)[None]
+    hi = (torch.arange(length) + 1)[None]
     out, lse = native.interval_forward(q, k, k, lo, hi, 0.2)
     assert out.dtype == dtype and out.transpose(1, 2).is_contiguous()
-    dq, dk, dv = native.interval_backward(torch.ones_like(out), q, k, k, out, lse, lo, hi, 0.2)
-    assert dq.transpose(1, 2).is_contiguous() and dk.dtype == dv.dtype == dtype
+    _same(out, native.interval_forward(q.float(), k.float(), k.float(), lo, hi, 0.2)[0].to(dtype))
+    grad_out = torch.ones_like(out)
+    grads = native.interval_backward(grad_out, q, k, k, out, lse, lo, hi, 0.2)
+    grads32 = native.interval_backward(grad_out.float(), q.float(), k.float(), k.float(), out.float(), lse, lo, hi, 0.2)
+    assert grads[0].transpose(1, 2).is_contiguous()
+    for got, want in zip(grads, grads32):
+        assert got.dtype == dtype
+        _same(got, want.to(dtype))
 
 
 @needs_native

@@ -23,7 +23,7 @@ from strategies import cases, mask_cases
 @pytest.fixture(autouse=True, scope="module", params=["native", "pytorch"])
 def forward_kernel(request):
     """Every test runs with each kernel of the tiled backend, forward and backward: attnkit's own
-    (float32, no dropout, no dense mask; where it is built) and PyTorch's fused one block by block."""
+    (float32, bfloat16, float16, no dense mask; where it is built) and PyTorch's fused one block by block."""
     with tiled_kernel(request.param):
         yield request.param
 
@@ -497,3 +497,29 @@ def test_plans_are_reused_for_equal_masks_and_redone_when_a_lengths_tensor_chang
         output = attnkit.attention(q, k, v, mask=mask, backend="tiled")
     expected, _ = oracle_attention(q, k, v, mask=mask.dense(40, 40))
     torch.testing.assert_close(output.double(), expected, **FP32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_gradients_within_twice_the_plain_error(dtype):
+    """Both kernels in half precision. Block by block (the native kernel off, as on CPUs whose
+    half-precision calls stay off it), a window's batched block runs add their key and value
+    gradients into float32 sums (index_add_ once refused the bf16 pieces)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 600, 16, generator=g)
+    k, v = (torch.randn(1, 2, 600, 16, generator=g) for _ in range(2))
+    up = torch.randn(1, 4, 600, 16, generator=g)
+    mask = masks.sliding_window(64)
+    allowed = mask.dense(600, 600)
+
+    def run(fn, dt):
+        inputs = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        out = fn(*inputs)
+        out.backward(up.to(dt))
+        return [out.detach()] + [t.grad for t in inputs]
+
+    exact = run(lambda a, b, c: oracle_attention(a, b, c, mask=allowed)[0], torch.float64)
+    plain = run(lambda a, b, c: oracle_attention(a, b, c, mask=allowed, dtype=dtype)[0], dtype)
+    ours = run(lambda a, b, c: attnkit.attention(a, b, c, mask=mask), dtype)
+    for got, low, want in zip(ours, plain, exact):
+        assert got.dtype == dtype
+        assert _max_error(got, want) <= 2 * _max_error(low, want) + torch.finfo(dtype).eps

@@ -264,7 +264,8 @@ def _add_to_keys(target: Tensor, b: int, g: BlockRun, grad: Tensor) -> None:
         return
     starts = g.key_start + g.key_step * torch.arange(g.count, device=grad.device)
     index = (starts[:, None] + torch.arange(g.length, device=grad.device)).flatten()
-    target[b].index_add_(1, index, grad.transpose(0, 1).reshape(grad.shape[1], -1, grad.shape[-1]))
+    source = grad.transpose(0, 1).reshape(grad.shape[1], -1, grad.shape[-1])
+    target[b].index_add_(1, index, source.to(target.dtype))  # half-precision pieces into a float32 sum
 
 
 def _add_to_bias(target: Tensor, b: int, g: BlockRun, grad: Tensor) -> None:
