@@ -62,3 +62,12 @@ def oracle_lse(query: Tensor, key: Tensor, allowed: Tensor, scale: float) -> Ten
     if k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     return torch.logsumexp((q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf")), dim=-1)
+
+
+def output_and_gradients(fn, inputs: tuple[Tensor, ...], grad_out: Tensor, dtype: torch.dtype) -> list[Tensor]:
+    """``[output, *gradients]`` of ``fn(*inputs)`` run on the inputs cast to ``dtype``, backpropagating
+    ``grad_out`` (cast too): the one way the error-budget tests run each contender."""
+    leaves = [t.to(dtype).requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out.to(dtype))
+    return [out.detach()] + [t.grad for t in leaves]

@@ -21,7 +21,7 @@ import attnkit
 from attnkit import masks
 from attnkit._backends import auto_runs, native
 from attnkit._call import make_call
-from oracle import oracle_attention
+from oracle import oracle_attention, output_and_gradients
 from test_native import interval_cases
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.why_unavailable()}")
@@ -99,10 +99,7 @@ def test_within_twice_pytorchs_error_against_float64(dtype, name, mask, length):
     assert allowed.any(-1).all(), "every row attends a key (SDPA gives NaN for rows with none)"
 
     def gradients(fn, dt):
-        inputs = [t.to(dt).requires_grad_() for t in (q, k, v)]
-        out = fn(*inputs)
-        out.backward(grad_out.to(dt))
-        return [out.detach()] + [t.grad for t in inputs]
+        return output_and_gradients(fn, (q, k, v), grad_out, dt)
 
     expected = gradients(lambda a, b, c: oracle_attention(a, b, c, mask=allowed)[0], torch.float64)
     pytorch = gradients(lambda a, b, c: F.scaled_dot_product_attention(

@@ -16,7 +16,7 @@ from attnkit import masks
 from attnkit._backends import auto_runs, native, tiled, tiled_plan
 from attnkit._call import make_call
 from conftest import tiled_kernel
-from oracle import oracle_attention, oracle_lse
+from oracle import oracle_attention, oracle_lse, output_and_gradients
 from strategies import cases, mask_cases
 
 
@@ -512,10 +512,7 @@ def test_half_precision_gradients_within_twice_the_plain_error(dtype):
     allowed = mask.dense(600, 600)
 
     def run(fn, dt):
-        inputs = [t.to(dt).requires_grad_() for t in (q, k, v)]
-        out = fn(*inputs)
-        out.backward(up.to(dt))
-        return [out.detach()] + [t.grad for t in inputs]
+        return output_and_gradients(fn, (q, k, v), up, dt)
 
     exact = run(lambda a, b, c: oracle_attention(a, b, c, mask=allowed)[0], torch.float64)
     plain = run(lambda a, b, c: oracle_attention(a, b, c, mask=allowed, dtype=dtype)[0], dtype)

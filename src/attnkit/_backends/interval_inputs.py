@@ -19,7 +19,7 @@ __all__ = ["IntervalInputs", "KERNELS", "TENSOR_FIELDS"]
 
 #: The interval op's kernels, by name. Their index is what the forward op returns and its backward
 #: reads, so a call's backward runs the kernel its forward ran (:mod:`.interval_op`).
-#:  native   attnkit's C++ CPU kernel (float32)
+#:  native   attnkit's C++ CPU kernel (float32; bf16/fp16 computed in float32)
 #:  blocks   PyTorch's kernels block by block over the block plan
 #:  dense    PyTorch's fused kernel over every key with the mask as a tensor (``"auto"`` only)
 #:  triton   attnkit's Triton kernel (CUDA; on CPU tensors through Triton's interpreter)

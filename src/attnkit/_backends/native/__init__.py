@@ -6,8 +6,9 @@ structured mask is: each block of rows runs over its rows' key span with registe
 (256-bit, or 512-bit where the CPU has AVX-512: the same bits) and a masked running softmax,
 output and log-sum-exp, and the gradients from them (the backward's five products on the same
 kind of tiles: no BLAS). The tiled
-backend runs it, forward and backward, where it is built and applies (float32 CPU tensors, a
-structured mask, no dense tensor mask; dropout included), and PyTorch's kernels block by block
+backend runs it, forward and backward, where it is built and applies (CPU tensors in float32, or
+bfloat16 / float16 computed in float32 on CPUs without half-precision units; a structured mask, no
+dense tensor mask; dropout included), and PyTorch's kernels block by block
 otherwise; both give the same results up to float rounding, and the same dropout pattern.
 
 - :mod:`.building`: compiling (an install step: ``attnkit build-kernel``), probing in a separate
@@ -19,11 +20,11 @@ otherwise; both give the same results up to float rounding, and the same dropout
 """
 
 from .building import build, cache_dir, library_path
-from .loading import (applies, available, enabled, hint_if_not_built, loaded_from, serves, turned_off, why_unavailable,
-                      wide)
+from .loading import (applies, available, enabled, hint_if_not_built, loaded_from, serves, serves_half_precision,
+                      turned_off, why_unavailable, wide)
 from .ops import interval_backward, interval_forward, release_kept_memory
 from .tile_tables import backward_tiles, computed_fraction, tiles
 
-__all__ = ["build", "cache_dir", "library_path", "applies", "available", "enabled", "hint_if_not_built", "loaded_from", "serves", "turned_off",
+__all__ = ["build", "cache_dir", "library_path", "applies", "available", "enabled", "hint_if_not_built", "loaded_from", "serves", "serves_half_precision", "turned_off",
            "why_unavailable", "interval_forward", "interval_backward", "release_kept_memory", "tiles", "backward_tiles",
            "computed_fraction", "wide"]
