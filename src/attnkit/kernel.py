@@ -1,8 +1,8 @@
 """attnkit's native CPU kernel for structured masks: build it, and ask whether it runs.
 
 The kernel makes structured masks (causal, sliding windows, packed documents, padding, ...) run
-block-sparse at close to the machine's matrix-multiply rate, forward and backward, on float32 CPU
-tensors. It is compiled once, on your machine, with its C++ compiler::
+block-sparse at close to the machine's matrix-multiply rate, forward and backward, on CPU tensors
+in float32, or bfloat16 / float16 computed in float32. It is compiled once, on your machine, with its C++ compiler::
 
     attnkit build-kernel            # or: python -m attnkit.kernel
 
