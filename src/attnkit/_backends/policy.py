@@ -201,7 +201,8 @@ def kernel_for(inputs: IntervalInputs) -> str:
         if pairs < NATIVE_MIN_PAIRS:
             return "dense"
         if query.dtype != torch.float32:
-            return "native"  # HALF_CAUSAL_FORWARD_MAX_PAIRS: SDPA's half-precision backward is 5-8x slower
+            return "native"  # never the dense kernel: SDPA's half-precision backward is 5-8x slower (see
+            # HALF_CAUSAL_FORWARD_MAX_PAIRS)
         if inputs.causal_only and query.shape[2] == key.shape[2]:
             # choose() sends square causal calls here only where the native kernel beat SDPA's causal
             # path; the alternative here would be the dense kernel with an L x L mask (return_lse)

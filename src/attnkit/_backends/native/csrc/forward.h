@@ -159,10 +159,6 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
         const int64_t rows = std::min(block, Lq - first), rs = (rows + kGroup - 1) / kGroup * kGroup;
         const auto [span_lo, span_hi] =
             block_span(c.lo_of(b, first), c.hi_of(b, first), rows, Lk, nullptr, row_lo.data(), row_hi.data());
-        const auto [q_head, q2s] = queries.head(b, h, first, first + rows);
-        const auto [k_head, k2s] = keys.head(b, h / c.group, span_lo, span_hi);
-        const auto [v_head, v2s] = values.head(b, h / c.group, span_lo, span_hi);
-        const float* q_block = q_head + first * q2s;
         const auto [o_block, o2s] = outputs.block(b, h, first, rows);
         float* l_block = l + (b * H + h) * Lq + first;
         if (task + 1 < tasks) {
@@ -177,6 +173,11 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           std::fill(l_block, l_block + rows, kNegInf);
           continue;
         }
+        // after the check: an empty block's span would make the threads' converted rows start over
+        const auto [q_head, q2s] = queries.head(b, h, first, first + rows);
+        const auto [k_head, k2s] = keys.head(b, h / c.group, span_lo, span_hi);
+        const auto [v_head, v2s] = values.head(b, h / c.group, span_lo, span_hi);
+        const float* q_block = q_head + first * q2s;
         // Rows past the block's last (padding up to a whole group, queries 0) attend the whole span, so
         // that they do not narrow the keys all rows of their vector attend; their results are dropped.
         for (int64_t j = rows; j < rs; ++j) row_lo[j] = span_lo, row_hi[j] = span_hi;

@@ -98,7 +98,7 @@ struct Rows {
 };
 
 // One input's rows as float32 for one thread: a float32 tensor's own rows, or a half-precision
-// tensor's converted into a buffer that holds the rows [lo_, hi_) of the (sequence, head) last
+// tensor's converted into a buffer that holds the rows [base_, hi_) of the (sequence, head) last
 // asked for. Blocks move forward along the rows, so a request that starts inside the held rows
 // keeps them, converts only the rows past hi_, and drops the rows before its start when the buffer
 // is full; any other request starts over. The buffer holds about two requests' rows, not the
@@ -114,7 +114,7 @@ class FloatRows {
   std::pair<const float*, int64_t> head(int64_t b, int64_t h, int64_t first, int64_t last) {
     if (in_.is_float()) return {in_.floats(b, h, 0), in_.s2};
     const int64_t w = in_.width;
-    if (b != b_ || h != h_ || first < lo_ || first > hi_) b_ = b, h_ = h, base_ = lo_ = hi_ = first;
+    if (b != b_ || h != h_ || first < base_ || first > hi_) b_ = b, h_ = h, base_ = hi_ = first;
     if (last > hi_) {
       if (last - base_ > capacity_) {
         // keep rows [first, hi_) at the buffer's start; grow it if that is still too small
@@ -127,7 +127,7 @@ class FloatRows {
         } else {
           std::memmove(buffer_.get(), buffer_.get() + (first - base_) * w, kept * w * sizeof(float));
         }
-        base_ = lo_ = first;
+        base_ = first;
       }
       for (int64_t i = hi_; i < last; ++i) to_float(in_.at(b_, h_, i), in_.type, w, buffer_.get() + (i - base_) * w);
       hi_ = last;
@@ -141,7 +141,7 @@ class FloatRows {
   Rows in_;
   std::unique_ptr<float[]> buffer_;
   int64_t capacity_ = 0;  // rows
-  int64_t b_ = -1, h_ = -1, base_ = 0, lo_ = 0, hi_ = 0;  // buffer row 0 is row base_; rows [lo_, hi_) held
+  int64_t b_ = -1, h_ = -1, base_ = 0, hi_ = 0;  // rows [base_, hi_) held, row base_ at the buffer's start
 };
 
 // Where a block's float32 results go before the output: the output's own rows (float32), or a
