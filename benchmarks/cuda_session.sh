@@ -6,7 +6,8 @@
 #   bash benchmarks/cuda_session.sh tests bench blocks     # stages, in order
 #   STAGE_SECONDS_tests=240 bash benchmarks/cuda_session.sh tests
 #
-# Stages: tests (tests/test_cuda.py on 8 processes), bench (benchmarks/gpu.py at L = 32768),
+# Stages: tests (tests/test_cuda.py on 8 processes), kernel (the Triton kernel's own oracle tests,
+# compiled: tests/test_triton_kernel.py and the Triton cases of tests/test_nonfinite.py), bench (benchmarks/gpu.py at L = 32768),
 # blocks (benchmarks/triton_blocks.py), overhead (benchmarks/gpu_overhead.py), models (benchmarks/transformers.py, Mistral-style, bf16).
 # It uses the python3 found on the PATH with attnkit from src/ (no install: the GPU machine's own
 # torch, triton and transformers).
@@ -35,6 +36,11 @@ for stage in "$@"; do
     tests)
         timeout "$(limit tests 220)" "$python" -m pytest tests/test_cuda.py -q -n 8 -p no:cacheprovider \
             --timeout 170 --tb=short -o addopts="-ra" >"$out/tests.log" 2>&1
+        ;;
+    kernel)
+        timeout "$(limit kernel 200)" "$python" -m pytest tests/test_triton_kernel.py tests/test_nonfinite.py -k \
+            "not test_nan_and_inf_propagate" -q -n 8 -p no:cacheprovider --tb=short -o addopts="-ra" \
+            >"$out/kernel.log" 2>&1
         ;;
     bench)
         timeout "$(limit bench 140)" "$python" benchmarks/gpu.py --lengths 32768 --repeats 5 >"$out/gpu.txt" 2>&1

@@ -11,13 +11,20 @@ gradients, and its finite values to rounding.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
 
 import attnkit
 from attnkit import masks
-from attnkit._backends import native
+from attnkit._backends import native, numerics
+from attnkit._backends.tiled_plan import tuning
+
+try:
+    import triton  # noqa: F401
+except ImportError:
+    triton = None
 
 LENGTH, HEADS, DIM = 12, 2, 4
 MASK = masks.sliding_window(4) & masks.padding([10, 12])  # sequence 0: keys 10, 11 are padding
@@ -94,15 +101,27 @@ def _score_gradient_atol(q, k, v, up, scale):
     return 2 * scale * DIM * LENGTH * eps * float(up.abs().max() * v.abs().max() * largest)
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch", "tiled", "tiled on PyTorch's kernels", "auto"])
+def _engine(backend):
+    """The context that makes ``backend`` run what its name says."""
+    if backend == "tiled on PyTorch's kernels":
+        return native.turned_off()
+    if backend == "tiled on the Triton kernel":
+        return tuning(kernel="triton")
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "tiled", "tiled on PyTorch's kernels",
+                                     "tiled on the Triton kernel", "auto"])
 @pytest.mark.parametrize("where", CASES)
 def test_nan_and_inf_propagate_as_the_definition_says(backend, where):
     if backend == "tiled" and not native.available():
         pytest.skip(f"native kernel: {native.why_unavailable()}")
+    if backend == "tiled on the Triton kernel" and (triton is None or os.environ.get("TRITON_INTERPRET") != "1"):
+        pytest.skip("the Triton kernel on CPU tensors needs triton's interpreter (test_cuda.py runs it on a GPU)")
     q, k, v, scale = _plant(where)
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     name = "tiled" if backend.startswith("tiled") else backend
-    with native.turned_off() if backend == "tiled on PyTorch's kernels" else contextlib.nullcontext():
+    with _engine(backend):
         out = attnkit.attention(*inputs, mask=MASK, scale=scale, backend=name)
         up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
         grads = torch.autograd.grad(out, inputs, up)
@@ -119,3 +138,37 @@ def test_nan_and_inf_propagate_as_the_definition_says(backend, where):
     for got, want, letter in zip(grads, want_grads, "qkv"):
         _same_pattern(got, want, f"d{letter}", atol=score_atol if letter in "qk" else 1e-4)
 
+
+
+@pytest.mark.parametrize("where", CASES)
+def test_triton_forward_alone_follows_the_definition(where):
+    """attnkit's Triton forward with no check or redo after it: its partly attended blocks keep
+    masked-out pairs out of ``P @ V`` themselves (the sequences' 12 keys are one block of 16,
+    attended in part by every row), so its caller reads no value of the output (no host sync)."""
+    triton_kernel = pytest.importorskip("attnkit._backends.triton")
+    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    q, k, v, scale = _plant(where)
+    lo, hi = MASK.row_ranges(LENGTH, LENGTH)
+    out, lse = triton_kernel.forward(*(t.to(device) for t in (q, k, v, lo, hi)), scale=scale, block_m=16,
+                                     block_n=16)
+    want_out, want_lse = _oracle(*(t.to(torch.float32 if where == "overflowing scale" else torch.float64)
+                                   for t in (q, k, v)), scale)
+    _same_pattern(out.cpu(), want_out, "output")
+    _same_pattern(lse.cpu(), want_lse, "lse")
+
+
+@pytest.mark.skipif(triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernel on CPU tensors needs triton's interpreter")
+def test_a_forward_on_the_triton_kernel_reads_no_value(monkeypatch):
+    """No finiteness check (a host sync on a GPU) around the Triton forward when no gradient is
+    wanted; the backward still checks its inputs before running the kernels."""
+    q, k, v, _ = _plant("masked for some rows")
+
+    def refuse(*tensors):
+        raise AssertionError("a value was read")
+
+    monkeypatch.setattr(numerics, "_largest", refuse)
+    with tuning(kernel="triton"), torch.no_grad():
+        out = attnkit.attention(q, k, v, mask=MASK, backend="tiled")
+    want, _ = _oracle(q.double(), k.double(), v.double(), DIM**-0.5)
+    _same_pattern(out, want, "output")

@@ -286,6 +286,36 @@ def test_nan_in_attended_pairs_propagates() -> None:
     assert torch.isfinite(out[0, 0][~attends]).all() and torch.isfinite(lse[0, 0][~attends]).all()
 
 
+def test_non_finite_values_in_partial_blocks_reach_only_the_rows_that_attend_them() -> None:
+    """NaN, +inf and -inf values of keys attended by part of a block, with two ranges a row, GQA,
+    soft-capping, ALiBi and dropout: the kernel alone (no check after it) gives the NaN / inf
+    pattern and the finite values of the pairwise definition (:func:`blockwise.dense_attention`,
+    which never multiplies a masked pair), in blocks every row attends and in partial ones alike."""
+    from attnkit._backends import blockwise
+
+    n, heads, kv_heads, length = 1, 2, 1, 40
+    mask = (masks.first_keys(3) | masks.sliding_window(10)) & masks.causal()
+    lo, hi = mask.row_ranges(length, length)
+    q, k, v = _inputs(n, heads, kv_heads, length, length, dim=16, v_dim=16, seed=12)
+    v[0, 0, 7, 3] = float("inf")   # rows 7..16 attend key 7, in blocks they share with rows that do not
+    v[0, 0, 20, 0] = float("nan")
+    v[0, 0, 30, 5], v[0, 0, 31, 5] = float("inf"), float("-inf")  # both signs in one column: NaN where both
+    v[0, 0, 1, 2] = float("-inf")  # a first key: every row attends it, through the second range too
+    slopes = torch.tensor([0.5, 0.25])
+    seed = torch.tensor(987654321, dtype=torch.int64)
+    options = dict(scale=0.3, softcap=2.0, dropout=0.2)
+    out, lse = kernel.forward(q, k, v, lo, hi, alibi_slopes=slopes.to(DEVICE), seed=seed.to(DEVICE), **options,
+                              **SMALL)
+    want, want_lse, _ = blockwise.dense_attention(*(t.cpu().double() for t in (q, k, v)), lo, hi, None, 0.3, 0.2,
+                                                  seed, exact=True, softcap=2.0, alibi=slopes.double())
+    assert torch.isinf(want).any() and torch.isnan(want).any() and torch.isfinite(want).any()
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(test(out.cpu()), test(want)), test.__name__
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(out.cpu().double()[finite], want[finite], atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.cpu().double(), want_lse, atol=2e-5, rtol=0)
+
+
 def test_importing_attnkit_does_not_import_triton() -> None:
     """Triton is optional: attnkit never imports it, and this package says what is missing."""
     script = ("import sys, attnkit, attnkit._backends\n"

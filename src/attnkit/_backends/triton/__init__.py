@@ -4,7 +4,9 @@ The masks of :mod:`attnkit.masks` give every query row one or two key intervals 
 PyTorch's fused kernels only know dense masks or plain causal, so on a GPU they either compute
 every block or need an ``Lq x Lk`` mask. These kernels read the intervals directly: each block of
 queries visits only the key blocks its rows reach, and masks only those it attends in part
-(:mod:`.forward`, :mod:`.backward`). The shared pieces (scores, masks, the dropout hash that draws
+(:mod:`.forward`, :mod:`.backward`); a NaN or inf value that a partly attended block would carry
+into rows that do not attend it is handled inside the forward (:mod:`.non_finite`), so its output
+needs no check. The shared pieces (scores, masks, the dropout hash that draws
 attnkit's one pattern bit for bit) live in :mod:`.common`, the host-side checks in :mod:`.inputs`.
 
 Layout as :mod:`attnkit._backends.interval_op`: ``query [N, H, Lq, D]``, ``key/value [N, Hkv, Lk,

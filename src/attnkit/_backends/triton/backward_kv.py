@@ -41,7 +41,7 @@ def _visit_rows(dk, dv, k, v, keys, start, q_base, do_base, Lse, Delta, lo_ptr, 
                  mask=used[:, None] & (e[None, :] < v_dim), other=0.0)
     s, t = c.scores(c.dot(k, tl.trans(q), IEEE), rows[None, :], keys[:, None], scale, softcap, slope,
                     k_len - q_len, SOFTCAP, HAS_ALIBI)
-    p = tl.exp2(s - lse[None, :])
+    p = c.exp_shifted(s, lse[None, :])
     if MASKED:
         p = tl.where(attend, p, 0.0)
     dp = c.dot(v, tl.trans(do), IEEE)

@@ -38,7 +38,7 @@ def _visit_keys(dq, q, do, lse, delta, rows, start, lo, hi, drop_a, drop_c, Seed
                  mask=used[None, :] & (e[:, None] < v_dim), other=0.0)
     s, t = c.scores(c.dot(q, kt, IEEE), rows[:, None], keys[None, :], scale, softcap, slope,
                     k_len - q_len, SOFTCAP, HAS_ALIBI)
-    p = tl.exp2(s - lse[:, None])
+    p = c.exp_shifted(s, lse[:, None])
     dp = c.dot(do, vt, IEEE)
     if DROPOUT:
         kept = c.keep(Seed, drop_a[:, None], drop_c[:, None], keys[None, :])

@@ -6,8 +6,10 @@ So each of those is written once, here, as element-wise functions of broadcastab
 forward and the dQ kernel call them on ``[BLOCK_M, BLOCK_N]`` tiles (rows down), the dK/dV kernel
 on ``[BLOCK_N, BLOCK_M]`` tiles (keys down); the caller shapes ``rows`` and ``keys`` to match.
 
-Scores leave :func:`scores` in log2 units (times log2(e)) so that the softmax runs on ``exp2``, the
-cheap instruction, with the lse converted back to natural log only when stored.
+Scores and the lse stay in natural units, as the definition computes them; the softmax runs on
+``exp2``, the cheap instruction, of ``(s - max) * log2(e)``: multiplying after the subtraction costs
+the same one multiply as converting the scores first, and a finite score above float32's largest
+value over log2(e) (~2.4e38) then stays finite instead of overflowing into a NaN row.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["LOG2E", "LN2", "fmix32", "mix", "row_hash", "keep", "scores", "alibi_slope", "in_range",
-           "dot", "load_bounds", "key_span", "row_stats"]
+           "dot", "load_bounds", "key_span", "exp_shifted", "row_stats"]
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -115,7 +117,7 @@ def alibi_slope(slopes_ptr, n, h, stride_sn, stride_sh, HAS_ALIBI: tl.constexpr)
 @triton.jit
 def scores(qk, rows, keys, scale, softcap, slope, k_minus_q,
            SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """``(s, t)``: the scores of the fp32 products ``qk`` in log2 units, and ``tanh(scale * qk /
+    """``(s, t)``: the scores of the fp32 products ``qk`` (natural units), and ``tanh(scale * qk /
     softcap)`` for the soft-capping derivative (``qk`` itself without soft-capping; unused then).
     ``rows, keys`` (int32, broadcast against ``qk``) place ALiBi: the query sits at key position
     ``row + k_minus_q``."""
@@ -127,15 +129,21 @@ def scores(qk, rows, keys, scale, softcap, slope, k_minus_q,
         s = qk * scale
     if HAS_ALIBI:
         s = s - slope * tl.abs(rows + k_minus_q - keys).to(tl.float32)
-    return s * LOG2E, t
+    return s, t
+
+
+@triton.jit
+def exp_shifted(s, shift):
+    """``exp(s - shift)`` through ``exp2``."""
+    return tl.exp2((s - shift) * LOG2E)
 
 
 @triton.jit
 def row_stats(Lse, Delta, rows, q_len):
-    """The rows' lse in log2 units, with ``+inf`` for rows of no key (and past ``q_len``) so that
+    """The rows' lse, with ``+inf`` for rows of no key (and past ``q_len``) so that
     their weights come out 0 wherever they are computed, and their delta."""
     lse = tl.load(Lse + rows, mask=rows < q_len, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
     return lse, tl.load(Delta + rows, mask=rows < q_len, other=0.0)
 
 
@@ -181,3 +189,4 @@ def dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+

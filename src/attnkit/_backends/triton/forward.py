@@ -7,11 +7,13 @@ attended blocks before and after, which pay for an element-wise mask, and the bl
 attends whole, which run with no mask at all; keys outside the span are never loaded. Two ranges a
 row run one after the other, each masked to itself, so a block both reach is counted once per pair.
 
-Masked-out pairs never enter the sums: their scores become ``-inf`` through ``tl.where`` (a NaN
-score stays out), and values of keys no row of the block attends load as zeros so that ``0 * NaN``
-cannot reach the product. A key that some rows of a block attend and others do not still meets all
-of them in ``P @ V``: a NaN in its value spreads to those rows too (as in FlashAttention), which the
-caller detects from a non-finite output (:mod:`attnkit._backends.numerics`).
+Masked-out pairs never enter the sums, so the output needs no check afterwards (no host sync):
+their scores become ``-inf`` through ``tl.where`` (a NaN score stays out), and values of keys no
+row of the block attends load as zeros. A key that some rows of a partly attended block attend and
+others do not still meets all of them in ``P @ V``, where a NaN or inf value would reach the others
+through ``0 * inf`` (FlashAttention's kernels let it). So after its loop a program looks at the
+values of its partly attended blocks again, and where one holds a NaN or inf it computes its
+output a second time without that leak (:mod:`.non_finite`): rare, and off the hot loop.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import common as c
+from . import non_finite
 from .inputs import Prepared
 
 __all__ = ["launch"]
@@ -33,7 +36,7 @@ def _visit(acc, m_i, l_i, q, k_base, v_base, start, rows, lo, hi, drop_a, drop_c
            scale, softcap, slope, k_minus_q,
            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
            SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
-    """One key block into the running ``(acc, max, sum)`` of the rows (log2 units)."""
+    """One key block into the running ``(acc, max, sum)`` of the rows."""
     keys = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
@@ -53,10 +56,10 @@ def _visit(acc, m_i, l_i, q, k_base, v_base, start, rows, lo, hi, drop_a, drop_c
     if MASKED:
         s = tl.where(attend, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    # a row with nothing attended yet keeps max -inf: shift by 0 instead (exp2(-inf - -inf) is NaN)
+    # a row with nothing attended yet keeps max -inf: shift by 0 instead (exp(-inf - -inf) is NaN)
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - shift)
-    p = tl.exp2(s - shift[:, None])
+    alpha = c.exp_shifted(m_i, shift)
+    p = c.exp_shifted(s, shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)  # the lse is before dropout
     if DROPOUT:
         p = tl.where(c.keep(seed_ptr, drop_a[:, None], drop_c[:, None], keys[None, :]), p, 0.0)
@@ -110,13 +113,22 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed,
                                    scale, softcap, slope, k_minus_q,
                                    BLOCK_N, BLOCK_D, BLOCK_DV, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
 
+    if non_finite.in_partial_blocks(v_base, rows, valid, Lo + n * stride_ls, Hi + n * stride_ls, stride_lr,
+                                    stride_vm, stride_vd, q_len, k_len, v_dim,
+                                    BLOCK_N, BLOCK_DV, RANGES):
+        acc = non_finite.values_again(m_i, q, k_base, v_base, rows, valid, Lo + n * stride_ls,
+                                      Hi + n * stride_ls, stride_lr, drop_a, drop_c, Seed,
+                                      stride_km, stride_kd, stride_vm, stride_vd, q_len, k_len, head_dim, v_dim,
+                                      scale, softcap, slope, k_minus_q, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                      RANGES, SOFTCAP, HAS_ALIBI, DROPOUT)
+
     # no key (sum 0): zeros and lse -inf; a NaN sum stays NaN
     empty = l_i == 0.0
     total = tl.where(empty, 1.0, l_i)
     out = acc / total[:, None]
     if DROPOUT:
         out = out * drop_scale
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(total)) * c.LN2)
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(total) * c.LN2)
     out_base = Out + n64 * stride_on + h.to(tl.int64) * stride_oh
     tl.store(out_base + rows.to(tl.int64)[:, None] * stride_om + dv[None, :] * stride_od,
              out.to(Out.dtype.element_ty), mask=valid[:, None] & (dv[None, :] < v_dim))
