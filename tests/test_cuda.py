@@ -458,6 +458,25 @@ def test_nan_and_inf_on_the_gpu_engines_propagate_as_in_the_reference_backend(en
     assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out.isinf(), expected.isinf())
 
 
+def test_a_forward_on_the_triton_kernel_does_not_synchronise():
+    """Once a mask's block structure is cached (the first call builds it), a forward on attnkit's
+    Triton kernel reads nothing back from the device (the kernel keeps masked-out NaN and inf out
+    itself), so a model's layers queue up without draining the GPU."""
+    from attnkit._backends.tiled_plan import tuning
+
+    q, k, v = (torch.randn(1, 4, 512, 64, device=CUDA, dtype=torch.bfloat16) for _ in range(3))
+    mask = masks.sliding_window(64)
+    with torch.no_grad(), tuning(kernel="triton"):
+        expected = attnkit.attention(q, k, v, mask=mask, backend="tiled")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = attnkit.attention(q, k, v, mask=mask, backend="tiled")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(out, expected)
+
+
 def test_structured_masks_on_cuda_build_no_lq_by_lk_tensor():
     """O(L) extra memory forward and backward: at L = 16384, bf16, a window call's peak stays far below
     one L x L bool mask (256 MiB), on both engines."""

@@ -11,6 +11,7 @@ gradients, and its finite values to rounding.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import pytest
@@ -172,3 +173,18 @@ def test_a_forward_on_the_triton_kernel_reads_no_value(monkeypatch):
         out = attnkit.attention(q, k, v, mask=MASK, backend="tiled")
     want, _ = _oracle(q.double(), k.double(), v.double(), DIM**-0.5)
     _same_pattern(out, want, "output")
+
+
+def test_the_extremes_read_in_one_transfer_equal_those_read_one_by_one():
+    """On a GPU the finiteness checks read every tensor's extremes in one transfer (each read there
+    is a synchronisation); that path, run here on CPU tensors, must give what the CPU's path gives:
+    NaN over inf, inf over finite, 0 for an empty tensor, any dtype."""
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(3, 5, generator=g), torch.empty(0, 4), torch.randn(7, generator=g).to(torch.bfloat16),
+               torch.tensor([1.0, -float("inf"), 2.0]), torch.tensor([float("nan"), float("inf")]),
+               torch.tensor([-3.0, 2.5], dtype=torch.float16)]
+    one_by_one = numerics._largest(*tensors, one_read=False)
+    together = numerics._largest(*tensors, one_read=True)
+    assert one_by_one[1] == 0.0 and one_by_one[3] == float("inf") and one_by_one[5] == 3.0
+    assert math.isnan(one_by_one[4]) and math.isnan(together[4])
+    assert [x for i, x in enumerate(together) if i != 4] == [x for i, x in enumerate(one_by_one) if i != 4]

@@ -103,22 +103,31 @@ def can_read(*tensors: Tensor) -> bool:
     return not torch.compiler.is_compiling() and not any(_torch_private.without_values(t) for t in tensors)
 
 
-def _largest(t: Tensor) -> float:
-    """``max |t|`` as a Python float (0 when empty), NaN when ``t`` holds a NaN and inf when it holds
-    an inf (``aminmax`` propagates both; it runs ~50x faster here than ``isfinite(t).all()`` or an
-    inf-norm on CPU, and two scalars read as floats cost less than combining them as tensors: a
-    decoding call's finiteness check went from 22 to ~5 us)."""
-    if t.numel() == 0:
-        return 0.0
-    low, high = (x.item() for x in torch.aminmax(t))
-    return max(abs(low), abs(high)) if not (math.isnan(low) or math.isnan(high)) else math.nan
+def _largest(*tensors: Tensor, one_read: bool | None = None) -> list[float]:
+    """``max |t|`` of each tensor as a Python float (0 when empty), NaN when ``t`` holds a NaN and
+    inf when it holds an inf (``aminmax`` propagates both; it runs ~50x faster here than
+    ``isfinite(t).all()`` or an inf-norm on CPU). On the CPU two scalars read as floats cost less
+    than combining them as tensors (a decoding call's finiteness check went from 22 to ~5 us); on
+    an accelerator every read is a device synchronisation, so all the extremes travel in one
+    (``one_read``, by default where any tensor is off the CPU)."""
+    present = [t for t in tensors if t.numel()]
+    if one_read if one_read is not None else any(t.device.type != "cpu" for t in present):
+        pairs = torch.stack([torch.stack(torch.aminmax(t)).float() for t in present]).tolist()
+    else:
+        pairs = [[x.item() for x in torch.aminmax(t)] for t in present]
+    extremes = iter(pairs)
+    largest = []
+    for t in tensors:
+        low, high = next(extremes) if t.numel() else (0.0, 0.0)
+        largest.append(max(abs(low), abs(high)) if not (math.isnan(low) or math.isnan(high)) else math.nan)
+    return largest
 
 
 def all_finite(*tensors: Tensor) -> bool:
     """Whether every value of ``tensors`` is finite (True when :func:`can_read` says no)."""
     if not can_read(*tensors):
         return True
-    return all(math.isfinite(_largest(t)) for t in tensors)
+    return all(math.isfinite(x) for x in _largest(*tensors))
 
 
 #: float32's largest value, with a margin: scores below it in magnitude cannot overflow.
@@ -133,15 +142,17 @@ def pairwise_fits(query: Tensor, key: Tensor) -> bool:
     return query.numel() * key.shape[-2] <= PAIRWISE_LIMIT
 
 
-def needs_pairwise(query: Tensor, key: Tensor, value: Tensor, scale: float) -> bool:
+def needs_pairwise(query: Tensor, key: Tensor, value: Tensor, scale: float, grad_out: Tensor | None = None) -> bool:
     """Whether a masked call must run pairwise products: an input holds NaN or inf, or a score could
     overflow (``|q.k| * scale <= D * max|q| * max|k| * |scale|``; NaN and inf propagate into the
     bound). Either could put a non-finite number into a masked-out pair, which matrix products and
-    additive masks would let into the row. False when :func:`can_read` says no."""
+    additive masks would let into the row. A backward passes its ``grad_out`` too, which must then
+    be finite as well (one read of the device for all four). False when :func:`can_read` says no."""
     if not can_read(query, key, value):
         return False
-    q, k, v = (_largest(t) for t in (query, key, value))
-    return not (math.isfinite(v) and q * k * query.shape[-1] * abs(scale) < SCORE_LIMIT)
+    q, k, v, *g = _largest(query, key, value, *([] if grad_out is None else [grad_out]))
+    return not (math.isfinite(v) and all(math.isfinite(x) for x in g)
+                and q * k * query.shape[-1] * abs(scale) < SCORE_LIMIT)
 
 
 def pairwise_scores(query: Tensor, key: Tensor, allowed: Tensor) -> Tensor:
