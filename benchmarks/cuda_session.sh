@@ -8,7 +8,9 @@
 #
 # Stages: tests (tests/test_cuda.py on 8 processes), kernel (the Triton kernel's own oracle tests,
 # compiled: tests/test_triton_kernel.py and the Triton cases of tests/test_nonfinite.py), bench (benchmarks/gpu.py at L = 32768),
-# blocks (benchmarks/triton_blocks.py), overhead (benchmarks/gpu_overhead.py), models (benchmarks/transformers.py, Mistral-style, bf16).
+# blocks (benchmarks/triton_blocks.py), overhead (benchmarks/gpu_overhead.py), models (benchmarks/transformers.py, Mistral-style, bf16),
+# decode (generate() of a Llama-style model at batch 1 and 8: a decoding step with a padding mask
+# checks its output for NaN, one synchronisation per layer, which may be why batch 8 trailed sdpa).
 # It uses the python3 found on the PATH with attnkit from src/ (no install: the GPU machine's own
 # torch, triton and transformers).
 set -u
@@ -55,6 +57,13 @@ for stage in "$@"; do
         timeout "$(limit models 150)" "$python" benchmarks/transformers.py --device cuda --dtype bfloat16 \
             --hidden 2048 --heads 16 --kv-heads 4 --intermediate 7168 --window 1024 --lengths 16384 \
             --implementations attnkit flex_attention sdpa --repeats 5 >"$out/models.txt" 2>&1
+        ;;
+    decode)
+        for batch in 1 8; do
+            timeout "$(limit decode 80)" "$python" benchmarks/transformers.py --device cuda --dtype bfloat16 --model llama \
+                --layers 8 --hidden 2048 --heads 16 --kv-heads 4 --intermediate 5632 --generate 512 128 \
+                --batch "$batch" --implementations attnkit sdpa --interleaved 3 >>"$out/decode.txt" 2>&1
+        done
         ;;
     *)
         echo "unknown stage $stage" >&2

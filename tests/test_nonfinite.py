@@ -141,6 +141,33 @@ def test_nan_and_inf_propagate_as_the_definition_says(backend, where):
 
 
 
+@pytest.mark.parametrize("backend", ["tiled", "tiled on PyTorch's kernels", "tiled on the Triton kernel", "auto"])
+def test_an_infinite_output_gradient_propagates_as_in_the_reference_backend(backend):
+    """``grad_out`` holding -inf (and, in another row, NaN): the tiled backend's gradients, on every
+    kernel, have the reference backend's NaN / inf pattern. The fused backward kernels' ``delta = rowsum(dO * O)``
+    differs from autograd's sum over the keys there (an infinity times values of both signs), so
+    such a backward takes the pairwise path; the native kernel's did not, and gave infinities
+    where the reference gives NaN. (Left open: ``"torch"`` runs SDPA's own backward, which differs
+    from the reference here, and the reference itself lets ``0 * inf`` of a masked-out pair into
+    dV, against the definition above.)"""
+    if backend == "tiled" and not native.available():
+        pytest.skip(f"native kernel: {native.why_unavailable()}")
+    if backend == "tiled on the Triton kernel" and (triton is None or os.environ.get("TRITON_INTERPRET") != "1"):
+        pytest.skip("the Triton kernel on CPU tensors needs triton's interpreter (test_cuda.py runs it on a GPU)")
+    q, k, v = _inputs()
+    up = torch.randn(2, HEADS, LENGTH, DIM, generator=torch.Generator().manual_seed(1))
+    up[0, 1, 8, 2], up[1, 0, 3, 1] = float("-inf"), float("nan")
+    results = []
+    for name, context in ((backend, _engine(backend)), ("reference", contextlib.nullcontext())):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        with context:
+            out = attnkit.attention(*inputs, mask=MASK, backend="tiled" if name.startswith("tiled") else name)
+            results.append(torch.autograd.grad(out, inputs, up))
+    for got, want, letter in zip(*results, "qkv"):
+        assert torch.isnan(want).any() or torch.isinf(want).any(), letter
+        _same_pattern(got, want, f"d{letter}")
+
+
 @pytest.mark.parametrize("where", CASES)
 def test_triton_forward_alone_follows_the_definition(where):
     """attnkit's Triton forward with no check or redo after it: its partly attended blocks keep

@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent('''
                                                   for name in ("forward", "backward", "backward_kv", "backward_q"))
 
     POINTERS = {"Lse": "*fp32", "Delta": "*fp32", "dLse": "*fp32", "Slopes": "*fp32", "Lo": "*i32", "Hi": "*i32",
-                "Summary": "*i32", "Seed": "*i64"}
+                "Summary": "*i32", "Reached": "*i32", "Seed": "*i64"}
     FLOATS = ("scale", "softcap", "drop_scale")
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 

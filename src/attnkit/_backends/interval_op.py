@@ -43,7 +43,7 @@ from .. import _torch_private
 from . import blockwise, native, policy
 from . import dropout as _dropout
 from .interval_inputs import KERNELS, TENSOR_FIELDS, IntervalInputs
-from .numerics import can_read, fold_sinks, needs_pairwise, work_dtype
+from .numerics import all_finite, can_read, fold_sinks, needs_pairwise, work_dtype
 
 __all__ = ["interval_attention", "IntervalAttention", "IntervalInputs", "run", "forward_op", "backward_op", "gradients"]
 
@@ -238,8 +238,11 @@ def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None, _grad_ran: 
         grad_out = torch.zeros_like(out)
     grads = None
     create_graph = torch.is_grad_enabled()  # create_graph=True: this backward must be differentiable too
-    if create_graph or (can_read(inputs.query, grad_out) and not _runs_native(ran, inputs)
-                        and needs_pairwise(inputs.query, inputs.key, inputs.value, inputs.scale, grad_out)):
+    # The native kernel keeps masked-out pairs out itself, but a NaN or inf in grad_out meets delta =
+    # rowsum(dO * O), which differs from autograd's sum over the keys there: the dense path, for all.
+    if create_graph or (can_read(inputs.query, grad_out)
+                        and (not all_finite(grad_out) if _runs_native(ran, inputs)
+                             else needs_pairwise(inputs.query, inputs.key, inputs.value, inputs.scale, grad_out))):
         grads = _dense_backward(wants, grad_out, grad_lse, inputs, create_graph)
     if grads is None:
         grads = backward_op(grad_out, grad_lse, out, lse, ran, inputs, bias_grad)

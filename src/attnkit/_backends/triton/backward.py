@@ -5,13 +5,18 @@ rowsum(dO_i * O_i) - dlse_i`` (a preprocess kernel), so that ``dS = P * (dP - de
 lse's own gradient too. The dQ kernel (:mod:`.backward_q`) walks key blocks exactly like the
 forward. The dK/dV kernel (:mod:`.backward_kv`) owns one key block of one key/value head and walks
 the query blocks of every query head of its GQA group (without repeating K/V, nothing summed
-afterwards); it skips query blocks whose rows cannot reach its keys by a per-query-block summary
+afterwards) between the first and the last that reach its keys (:func:`.inputs.reached_blocks`);
+it skips query blocks whose rows cannot reach its keys by a per-query-block summary
 (:func:`.inputs.block_summary`) and masks only the blocks that some row attends in part. This
 module holds the preprocess and the launches.
 
-Masked pairs stay out as in the forward (``tl.where`` on ``dS``; rows, or keys, that attend
-nothing in a block load as zeros), with the same caveat: a NaN in a row or key that is attended by
-part of a block can reach the others' gradients through the products.
+Masked pairs stay out of ``dS`` (``tl.where``; rows, or keys, that attend nothing in a block load
+as zeros), but not out of the products as the forward keeps them (:mod:`.non_finite`): a NaN or
+inf in a query, key or output-gradient row that part of a block attends can reach the others'
+gradients through ``dS^T Q``, ``dS K`` or ``P^T dO``. So the caller checks the inputs before the
+backward (one read of the device) and takes the pairwise path where they hold one. Doing it in
+the kernels, as the forward does, was built and passed the definition's tests, but doubled
+ptxas's spills in the dK/dV kernel and cost 60% more compile time: left out.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from torch import Tensor
 
 from .backward_kv import dkdv_kernel
 from .backward_q import dq_kernel
-from .inputs import Prepared, block_summary
+from .inputs import Prepared, block_summary, reached_blocks
 
 __all__ = ["launch"]
 
@@ -75,15 +80,17 @@ def launch(prep: Prepared, grad_out: Tensor, grad_lse: Tensor | None, out: Tenso
 
     kv_m, kv_n, q_m, q_n = blocks
     summary = block_summary(prep.lo, prep.hi, k_len, kv_m)
+    reached = reached_blocks(summary, k_len, kv_n)
     common = dict(BLOCK_D=prep.block_d, BLOCK_DV=prep.block_dv, RANGES=prep.ranges, SOFTCAP=prep.has_softcap,
                   HAS_ALIBI=prep.has_alibi, DROPOUT=prep.has_dropout, IEEE=prep.ieee,
                   num_warps=num_warps, num_stages=num_stages)
     strides = (*query.stride(), *key.stride(), *value.stride(), *grad_out.stride())
     dkdv_kernel[(triton.cdiv(k_len, kv_n), n * kv_heads)](
-        query, key, value, grad_out, lse, delta, dk, dv, prep.lo, prep.hi, summary, prep.slopes, prep.seed,
+        query, key, value, grad_out, lse, delta, dk, dv, prep.lo, prep.hi, summary, reached, prep.slopes, prep.seed,
         *strides, prep.stride_ls, prep.stride_lr,
-        summary.stride(0) if summary.shape[0] > 1 else 0, summary.stride(1), prep.stride_sn, prep.stride_sh,
-        kv_heads, prep.heads_per_kv, q_len, k_len, head_dim, v_dim, summary.shape[2],
+        summary.stride(0) if summary.shape[0] > 1 else 0, summary.stride(1),
+        reached.stride(0) if reached.shape[0] > 1 else 0, reached.stride(1), prep.stride_sn, prep.stride_sh,
+        kv_heads, prep.heads_per_kv, q_len, k_len, head_dim, v_dim,
         prep.scale, prep.softcap, prep.drop_scale, BLOCK_M=kv_m, BLOCK_N=kv_n, **common)
     dq_kernel[(triton.cdiv(q_len, q_m), n * heads)](
         query, key, value, grad_out, lse, delta, dq, prep.lo, prep.hi, prep.slopes, prep.seed,

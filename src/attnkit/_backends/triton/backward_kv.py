@@ -1,9 +1,12 @@
 """The dK/dV kernel of the backward (:mod:`.backward`): one key block of one key/value head.
 
 It walks the query blocks of every query head of its GQA group (without repeating K/V and with
-nothing summed afterwards). A query block is visited only when the per-query-block summary
-(:func:`.inputs.block_summary`: the smallest lo and largest hi of its rows) reaches the key block,
-and masked only when not every row attends the whole key block (the largest lo and smallest hi).
+nothing summed afterwards), from the first to the last that reach its key block
+(:func:`.inputs.reached_blocks`; it used to read the summary of every query block, a scalar load
+per block and head in every program). A query block is visited only when the per-query-block
+summary (:func:`.inputs.block_summary`: the smallest lo and largest hi of its rows) reaches the
+key block, and masked only when not every row attends the whole key block (the largest lo and
+smallest hi).
 Rows that attend nothing in a masked block load as zeros: a NaN in a padded query cannot reach dK.
 """
 
@@ -48,8 +51,8 @@ def _visit_rows(dk, dv, k, v, keys, start, q_base, do_base, Lse, Delta, lo_ptr, 
     if DROPOUT:
         drop_a, drop_c = c.row_hash(Seed, n, h, rows)
         kept = c.keep(Seed, drop_a[None, :], drop_c[None, :], keys[:, None])
-        dv += c.dot(tl.where(kept, p * drop_scale, 0.0).to(do.dtype), do, IEEE)
-        dp = tl.where(kept, dp * drop_scale, 0.0)
+        dv += c.dot(c.dropped(p, kept, drop_scale).to(do.dtype), do, IEEE)
+        dp = c.dropped(dp, kept, drop_scale)
     else:
         dv += c.dot(p.to(do.dtype), do, IEEE)
     ds = p * (dp - delta[None, :])
@@ -62,11 +65,11 @@ def _visit_rows(dk, dv, k, v, keys, start, q_base, do_base, Lse, Delta, lo_ptr, 
 
 
 @triton.jit
-def dkdv_kernel(Q, K, V, dOut, Lse, Delta, dK, dV, Lo, Hi, Summary, Slopes, Seed,
+def dkdv_kernel(Q, K, V, dOut, Lse, Delta, dK, dV, Lo, Hi, Summary, Reached, Slopes, Seed,
                 stride_qn, stride_qh, stride_qm, stride_qd, stride_kn, stride_kh, stride_km, stride_kd,
                 stride_vn, stride_vh, stride_vm, stride_vd, stride_gn, stride_gh, stride_gm, stride_gd,
-                stride_ls, stride_lr, stride_us, stride_ur, stride_sn, stride_sh,
-                kv_heads, heads_per_kv, q_len, k_len, head_dim, v_dim, q_blocks,
+                stride_ls, stride_lr, stride_us, stride_ur, stride_rs, stride_rr, stride_sn, stride_sh,
+                kv_heads, heads_per_kv, q_len, k_len, head_dim, v_dim,
                 scale, softcap, drop_scale,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, RANGES: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -96,10 +99,12 @@ def dkdv_kernel(Q, K, V, dOut, Lse, Delta, dK, dV, Lo, Hi, Summary, Slopes, Seed
         q_base = Q + n64 * stride_qn + h.to(tl.int64) * stride_qh
         do_base = dOut + n64 * stride_gn + h.to(tl.int64) * stride_gh
         slope = c.alibi_slope(Slopes, n, h, stride_sn, stride_sh, HAS_ALIBI)
-        for block in range(q_blocks):
-            for r in tl.static_range(RANGES):
-                lo_ptr = Lo + n * stride_ls + r * stride_lr
-                hi_ptr = Hi + n * stride_ls + r * stride_lr
+        for r in tl.static_range(RANGES):
+            lo_ptr = Lo + n * stride_ls + r * stride_lr
+            hi_ptr = Hi + n * stride_ls + r * stride_lr
+            # only the query blocks between the first and the last that reach this key block
+            span = Reached + n * stride_rs + r * stride_rr + tl.program_id(0) * 2
+            for block in range(tl.load(span), tl.load(span + 1)):
                 summary = Summary + n * stride_us + r * stride_ur + block * 4
                 reach = (tl.load(summary) < last_key) & (tl.load(summary + 1) > first_key)
                 if reach:

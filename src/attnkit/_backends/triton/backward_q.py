@@ -42,7 +42,7 @@ def _visit_keys(dq, q, do, lse, delta, rows, start, lo, hi, drop_a, drop_c, Seed
     dp = c.dot(do, vt, IEEE)
     if DROPOUT:
         kept = c.keep(Seed, drop_a[:, None], drop_c[:, None], keys[None, :])
-        dp = tl.where(kept, dp * drop_scale, 0.0)
+        dp = c.dropped(dp, kept, drop_scale)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
         ds = ds * (1.0 - t * t)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["LOG2E", "LN2", "fmix32", "mix", "row_hash", "keep", "scores", "alibi_slope", "in_range",
+__all__ = ["LOG2E", "LN2", "fmix32", "mix", "row_hash", "keep", "dropped", "scores", "alibi_slope", "in_range",
            "dot", "load_bounds", "key_span", "exp_shifted", "row_stats"]
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -62,6 +62,14 @@ def keep(seed_ptr, a, c, keys):
     key = (tl.load(seed_ptr + 3) + keys.to(tl.int64)).to(tl.uint32)
     bits = fmix32(fmix32(key ^ a) ^ c)
     return bits >= tl.load(seed_ptr + 4).to(tl.uint32)
+
+
+@triton.jit
+def dropped(x, kept, factor):
+    """``x`` times ``factor`` where ``kept``, times 0 elsewhere: multiplied, as the definition's
+    ``weights * keep / (1 - p)`` is, so that a NaN weight stays NaN when dropped (``tl.where``
+    would hide it)."""
+    return x * tl.where(kept, factor, 0.0)
 
 
 # -- scores -----------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def _visit(acc, m_i, l_i, q, k_base, v_base, start, rows, lo, hi, drop_a, drop_c
     p = c.exp_shifted(s, shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)  # the lse is before dropout
     if DROPOUT:
-        p = tl.where(c.keep(seed_ptr, drop_a[:, None], drop_c[:, None], keys[None, :]), p, 0.0)
+        p = c.dropped(p, c.keep(seed_ptr, drop_a[:, None], drop_c[:, None], keys[None, :]), 1.0)
     acc = acc * alpha[:, None] + c.dot(p.to(v.dtype), v, IEEE)
     return acc, m_new, l_i
 
@@ -115,7 +115,7 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed,
 
     if non_finite.in_partial_blocks(v_base, rows, valid, Lo + n * stride_ls, Hi + n * stride_ls, stride_lr,
                                     stride_vm, stride_vd, q_len, k_len, v_dim,
-                                    BLOCK_N, BLOCK_DV, RANGES):
+                                    BLOCK_N, BLOCK_DV, RANGES):  # values, which P @ V multiplies
         acc = non_finite.values_again(m_i, q, k_base, v_base, rows, valid, Lo + n * stride_ls,
                                       Hi + n * stride_ls, stride_lr, drop_a, drop_c, Seed,
                                       stride_km, stride_kd, stride_vm, stride_vd, q_len, k_len, head_dim, v_dim,

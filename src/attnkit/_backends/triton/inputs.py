@@ -19,7 +19,7 @@ from torch import Tensor
 from .. import dropout as _dropout
 from ..transfer import to_device
 
-__all__ = ["Prepared", "prepare", "block_summary"]
+__all__ = ["Prepared", "prepare", "block_summary", "reached_blocks"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -138,3 +138,20 @@ def block_summary(lo: Tensor, hi: Tensor, k_len: int, block_m: int) -> Tensor:
     cover_lo = F.pad(lo, pad, value=0).view(blocks).amax(-1)
     cover_hi = F.pad(hi, pad, value=k_len).view(blocks).amin(-1)
     return torch.stack([first, last, cover_lo, cover_hi], dim=-1).to(torch.int32).contiguous()
+
+
+def reached_blocks(summary: Tensor, k_len: int, block_n: int) -> Tensor:
+    """Per key block of ``block_n`` keys and range, int32 ``[S, R, cdiv(Lk, block_n), 2]``: the first
+    query block whose rows may reach it (by :func:`block_summary`) and one past the last (``0, 0``
+    when none does). The dK/dV kernel walks only those query blocks: a window's key block is
+    reached by a few of thousands, and reading every block's summary cost each program a scalar
+    load per query block and head. ``O((Lq / block_m) x (Lk / block_n))`` booleans, built with
+    no synchronisation."""
+    first, last = summary[..., 0], summary[..., 1]  # [S, R, Qb]
+    starts = torch.arange(0, max(k_len, 1), block_n, device=summary.device, dtype=torch.int32)
+    reach = (first[..., None, :] < (starts + block_n)[:, None]) & (last[..., None, :] > starts[:, None])
+    any_block = reach.any(-1)
+    blocks = reach.shape[-1]
+    begin = torch.where(any_block, reach.to(torch.int8).argmax(-1), 0)
+    end = torch.where(any_block, blocks - reach.flip(-1).to(torch.int8).argmax(-1), 0)
+    return torch.stack([begin, end], dim=-1).to(torch.int32).contiguous()
