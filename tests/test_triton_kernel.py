@@ -316,6 +316,27 @@ def test_non_finite_values_in_partial_blocks_reach_only_the_rows_that_attend_the
     torch.testing.assert_close(lse.cpu().double(), want_lse, atol=2e-5, rtol=0)
 
 
+def test_a_dropped_nan_weight_stays_nan() -> None:
+    """Dropout multiplies the weights by 0 or ``1 / (1 - p)``, so a NaN weight that is dropped is
+    still NaN in ``dV = P^T dO``, as the definition (``weights * keep``) has it; selecting 0 for it
+    would hide the NaN query from the keys its row attends."""
+    from attnkit._backends import blockwise
+
+    lo, hi = (masks.sliding_window(10) & masks.causal()).row_ranges(32, 32)
+    q, k, v = _inputs(1, 1, 1, 32, 32, dim=16, v_dim=16, seed=15)
+    q[0, 0, 20, 3] = float("nan")  # row 20 attends keys 11..20, about half of its pairs dropped
+    seed = torch.tensor(13579, dtype=torch.int64)
+    out, lse = kernel.forward(q, k, v, lo, hi, scale=0.25, dropout=0.5, seed=seed.to(DEVICE), **SMALL)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(16))
+    _, _, dv = kernel.backward(grad_out.to(DEVICE), None, q, k, v, out, lse, lo, hi, scale=0.25, dropout=0.5,
+                               seed=seed.to(DEVICE), blocks=SMALL_BACKWARD)
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    want, _, _ = blockwise.dense_attention(*leaves, lo, hi, None, 0.25, 0.5, seed, exact=True)
+    want_dv = torch.autograd.grad((want * grad_out.double()).sum(), leaves[2])[0]
+    assert torch.isnan(want_dv[0, 0, 11:21]).all() and not torch.isnan(want_dv[0, 0, :11]).any()
+    assert torch.equal(torch.isnan(dv.cpu()), torch.isnan(want_dv))
+
+
 def test_importing_attnkit_does_not_import_triton() -> None:
     """Triton is optional: attnkit never imports it, and this package says what is missing."""
     script = ("import sys, attnkit, attnkit._backends\n"
