@@ -6,10 +6,12 @@ do not attend it. The definition (:mod:`attnkit._backends.numerics`) never makes
 Checking the output on the host would cost a device synchronisation on every call, so the forward
 program checks instead: after its loop, :func:`in_partial_blocks` reads the values of its partly
 attended blocks again (a few tiles), and only when one of them holds a NaN or inf does
-:func:`values_again` recompute the rows' weighted sum, now with the rows' final max known (no
-rescaling), every block with the value's non-finite entries taken out of the product and their
-attended products added one key at a time, each as IEEE arithmetic gives it (+-inf, or NaN for a
-NaN value or a weight of 0).
+:func:`values_again` recompute the rows' weighted sum pair by pair, with the rows' final max known
+(no rescaling): one key at a time, its products only in the rows that attend it, each as IEEE
+arithmetic gives it (+-inf, or NaN for a NaN value or a weight of 0).
+
+The backward has no such pass: built the same way, it doubled the spills of the dK/dV kernel
+(:mod:`.backward`), so its caller checks the inputs instead.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ __all__ = ["in_partial_blocks", "values_again"]
 def _holds_non_finite(x_base, start, lo, hi, stride_xm, stride_xd, width,
                       BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr):
     """Whether a key that some row attends in the block at ``start`` has a NaN or inf in its row of
-    ``x`` (values, or keys)."""
+    ``x`` (the values)."""
     keys = start + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_X)
     used = tl.max(c.in_range(lo[:, None], hi[:, None], keys[None, :]).to(tl.int32), 0) > 0
