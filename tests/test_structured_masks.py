@@ -149,3 +149,27 @@ def test_documents_are_stored_by_their_edges_not_per_position():
     lo, hi = packed.row_ranges(6, 6)
     assert lo[:, 0].tolist() == [[0, 0, 2, 2, 2, 2], [0, 1, 1, 1, 1, 1]]
     assert hi[:, 0].tolist() == [[2, 2, 6, 6, 6, 6], [1, 6, 6, 6, 6, 6]]
+
+
+def test_a_small_dense_form_is_built_once_per_mask_object(monkeypatch):
+    """A model hands one mask object to every layer: a decoding step's dense mask ``[B, 1, 1, Lk]``
+    is built at the first layer and reused (the result unchanged), a prefill's large one is not
+    kept alive, and another mask object of the same rule builds its own."""
+    built = []
+    real = masks.StructuredMask.dense
+    monkeypatch.setattr(masks.StructuredMask, "dense",
+                        lambda self, *args, **kwargs: built.append(self) or real(self, *args, **kwargs))
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 1, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)
+    mask = masks.padding([5, 3])
+    outputs = [attnkit.attention(q, k, k, mask=mask, backend="torch") for _ in range(3)]
+    assert len(built) == 1 and all(torch.equal(out, outputs[0]) for out in outputs)
+    assert torch.equal(attnkit.attention(q, k, k, mask=masks.padding([5, 3]), backend="torch"), outputs[0])
+    assert len(built) == 2
+    built.clear()
+    long = torch.randn(1, 1, 1100, 8, generator=g)  # 1100 x 1100 > DENSE_CACHE_LIMIT: built each time
+    window = masks.sliding_window(16)
+    for _ in range(2):
+        attnkit.attention(long, long, long, mask=window, backend="torch")
+    assert len(built) == 2
+

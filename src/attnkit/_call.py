@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -16,6 +17,29 @@ import torch
 from torch import Tensor
 
 from . import masks as _masks
+
+
+#: Per structured mask object, per (Lq, Lk, ndim, device): its dense form, where that is small. A
+#: model passes one mask object to every layer, and a decoding step's dense mask ``[B, 1, 1, Lk]``
+#: was rebuilt in each (a quarter of an 8-sequence step's time through attnkit on the CPU, several
+#: small kernels a layer on a GPU). Masks are immutable; the entries go with the mask.
+_DENSE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: The largest dense mask kept (elements, 1 MiB of bools): a prefill's ``L x L`` is not held.
+DENSE_CACHE_LIMIT = 1 << 20
+
+
+def _dense_of(structure: _masks.StructuredMask, q_len: int, k_len: int, ndim: int,
+              device: torch.device) -> Tensor:
+    """``structure.dense(q_len, k_len, ndim=ndim, device=device)``, built once per mask object where
+    it is at most :data:`DENSE_CACHE_LIMIT` elements (not while ``torch.compile`` traces)."""
+    key = (q_len, k_len, ndim, device)
+    cache = None if torch.compiler.is_compiling() else _DENSE.setdefault(structure, {})
+    if cache is not None and key in cache:
+        return cache[key]
+    dense = structure.dense(q_len, k_len, ndim=ndim, device=device)
+    if cache is not None and dense.numel() <= DENSE_CACHE_LIMIT:
+        cache[key] = dense
+    return dense
 
 
 @dataclass(frozen=True)
@@ -114,7 +138,7 @@ class AttentionCall:
             return self
         if self.structure.is_causal:
             return replace(self, structure=None, causal=True)
-        dense = self.structure.dense(self.q_len, self.k_len, ndim=self.query.dim(), device=self.query.device)
+        dense = _dense_of(self.structure, self.q_len, self.k_len, self.query.dim(), self.query.device)
         return replace(self, structure=None, mask=dense)
 
 
