@@ -102,8 +102,16 @@ def _score_gradient_atol(q, k, v, up, scale):
     return 2 * scale * DIM * LENGTH * eps * float(up.abs().max() * v.abs().max() * largest)
 
 
+#: Whether the Triton kernel runs on CPU tensors here (through triton's interpreter).
+TRITON_ON_CPU = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _engine(backend):
-    """The context that makes ``backend`` run what its name says."""
+    """The context that makes ``backend`` run what its name says (the test skips where it cannot)."""
+    if backend == "tiled" and not native.available():
+        pytest.skip(f"native kernel: {native.why_unavailable()}")
+    if backend == "tiled on the Triton kernel" and not TRITON_ON_CPU:
+        pytest.skip("the Triton kernel on CPU tensors needs triton's interpreter (test_cuda.py runs it on a GPU)")
     if backend == "tiled on PyTorch's kernels":
         return native.turned_off()
     if backend == "tiled on the Triton kernel":
@@ -115,10 +123,6 @@ def _engine(backend):
                                      "tiled on the Triton kernel", "auto"])
 @pytest.mark.parametrize("where", CASES)
 def test_nan_and_inf_propagate_as_the_definition_says(backend, where):
-    if backend == "tiled" and not native.available():
-        pytest.skip(f"native kernel: {native.why_unavailable()}")
-    if backend == "tiled on the Triton kernel" and (triton is None or os.environ.get("TRITON_INTERPRET") != "1"):
-        pytest.skip("the Triton kernel on CPU tensors needs triton's interpreter (test_cuda.py runs it on a GPU)")
     q, k, v, scale = _plant(where)
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     name = "tiled" if backend.startswith("tiled") else backend
@@ -150,10 +154,6 @@ def test_an_infinite_output_gradient_propagates_as_in_the_reference_backend(back
     where the reference gives NaN. (Left open: ``"torch"`` runs SDPA's own backward, which differs
     from the reference here, and the reference itself lets ``0 * inf`` of a masked-out pair into
     dV, against the definition above.)"""
-    if backend == "tiled" and not native.available():
-        pytest.skip(f"native kernel: {native.why_unavailable()}")
-    if backend == "tiled on the Triton kernel" and (triton is None or os.environ.get("TRITON_INTERPRET") != "1"):
-        pytest.skip("the Triton kernel on CPU tensors needs triton's interpreter (test_cuda.py runs it on a GPU)")
     q, k, v = _inputs()
     up = torch.randn(2, HEADS, LENGTH, DIM, generator=torch.Generator().manual_seed(1))
     up[0, 1, 8, 2], up[1, 0, 3, 1] = float("-inf"), float("nan")
@@ -174,7 +174,7 @@ def test_triton_forward_alone_follows_the_definition(where):
     masked-out pairs out of ``P @ V`` themselves (the sequences' 12 keys are one block of 16,
     attended in part by every row), so its caller reads no value of the output (no host sync)."""
     triton_kernel = pytest.importorskip("attnkit._backends.triton")
-    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    device = "cpu" if TRITON_ON_CPU else "cuda"
     q, k, v, scale = _plant(where)
     lo, hi = MASK.row_ranges(LENGTH, LENGTH)
     out, lse = triton_kernel.forward(*(t.to(device) for t in (q, k, v, lo, hi)), scale=scale, block_m=16,
@@ -185,8 +185,7 @@ def test_triton_forward_alone_follows_the_definition(where):
     _same_pattern(lse.cpu(), want_lse, "lse")
 
 
-@pytest.mark.skipif(triton is None or os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the Triton kernel on CPU tensors needs triton's interpreter")
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="the Triton kernel on CPU tensors needs triton's interpreter")
 def test_a_forward_on_the_triton_kernel_reads_no_value(monkeypatch):
     """No finiteness check (a host sync on a GPU) around the Triton forward when no gradient is
     wanted; the backward still checks its inputs before running the kernels."""

@@ -19,27 +19,22 @@ from torch import Tensor
 from . import masks as _masks
 
 
-#: Per structured mask object, per (Lq, Lk, ndim, device): its dense form, where that is small. A
-#: model passes one mask object to every layer, and a decoding step's dense mask ``[B, 1, 1, Lk]``
-#: was rebuilt in each (a quarter of an 8-sequence step's time through attnkit on the CPU, several
-#: small kernels a layer on a GPU). Masks are immutable; the entries go with the mask.
-_DENSE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Per structured mask object, per (Lq, Lk, causal, device): what calls of that shape built from it
+#: (the dense form where small, the row bounds on a GPU, FlexAttention's BlockMask). A model passes
+#: one mask object to every layer, so each is built once per forward, not once per layer: a
+#: decoding step's dense ``[B, 1, 1, Lk]`` took a quarter of an 8-sequence step's time through
+#: attnkit on the CPU when each layer rebuilt it. Masks are immutable; the entries go with the mask.
+_PER_MASK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: The largest dense mask kept (elements, 1 MiB of bools): a prefill's ``L x L`` is not held.
 DENSE_CACHE_LIMIT = 1 << 20
 
 
-def _dense_of(structure: _masks.StructuredMask, q_len: int, k_len: int, ndim: int,
-              device: torch.device) -> Tensor:
-    """``structure.dense(q_len, k_len, ndim=ndim, device=device)``, built once per mask object where
-    it is at most :data:`DENSE_CACHE_LIMIT` elements (not while ``torch.compile`` traces)."""
-    key = (q_len, k_len, ndim, device)
-    cache = None if torch.compiler.is_compiling() else _DENSE.setdefault(structure, {})
-    if cache is not None and key in cache:
-        return cache[key]
-    dense = structure.dense(q_len, k_len, ndim=ndim, device=device)
-    if cache is not None and dense.numel() <= DENSE_CACHE_LIMIT:
-        cache[key] = dense
-    return dense
+def built_for(call: AttentionCall, device: torch.device) -> dict | None:
+    """The cache entry of the call's structured mask on ``device`` (None: no structured mask to key
+    it by, or ``torch.compile`` tracing)."""
+    if call.structure is None or torch.compiler.is_compiling():
+        return None
+    return _PER_MASK.setdefault(call.structure, {}).setdefault((call.q_len, call.k_len, call.causal, device), {})
 
 
 @dataclass(frozen=True)
@@ -138,8 +133,19 @@ class AttentionCall:
             return self
         if self.structure.is_causal:
             return replace(self, structure=None, causal=True)
-        dense = _dense_of(self.structure, self.q_len, self.k_len, self.query.dim(), self.query.device)
-        return replace(self, structure=None, mask=dense)
+        return replace(self, structure=None, mask=self._dense_structure())
+
+    def _dense_structure(self) -> Tensor:
+        """The structured mask's dense form, kept per mask object (:func:`built_for`) where it is at
+        most :data:`DENSE_CACHE_LIMIT` elements."""
+        ndim, device = self.query.dim(), self.query.device
+        cache = built_for(self, device)
+        if cache is not None and ("dense", ndim) in cache:
+            return cache["dense", ndim]
+        dense = self.structure.dense(self.q_len, self.k_len, ndim=ndim, device=device)
+        if cache is not None and dense.numel() <= DENSE_CACHE_LIMIT:
+            cache["dense", ndim] = dense
+        return dense
 
 
 def _shape(t: Tensor) -> tuple[int, ...]:

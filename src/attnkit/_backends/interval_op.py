@@ -15,8 +15,8 @@ float32 for half-precision inputs, ``-inf`` for rows with no key (and no sink).
 
 Layers of this module:
 - the ops' implementation picks its kernel at run time from the data (:func:`.policy.kernel_for`):
-  attnkit's native kernel (CPU, float32 or half precision where it serves it, no bias, kernel built), PyTorch's kernels block by block
-  (:mod:`.blockwise`), or, unless ``sparse_only`` (an explicit ``backend="tiled"``), PyTorch's fused
+  attnkit's native kernel (CPU, float32 or half precision where it serves it, no bias, kernel
+  built), PyTorch's kernels block by block (:mod:`.blockwise`), or, unless ``sparse_only`` (an explicit ``backend="tiled"``), PyTorch's fused
   kernel over the dense mask where that is faster (``causal_only``: the mask is plain causal, which
   that kernel applies itself). All agree to rounding and draw the same dropout pattern, so a
   forward on one and a backward on another is still exact. Sinks are folded in around the kernels

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import functools
 import warnings
-import weakref
 
 import torch
 from torch import Tensor
 
 from .. import _torch_private
-from .._call import AttentionCall, bias_dtype
+from .._call import AttentionCall, bias_dtype, built_for
 from . import blockwise, flex, interval_op, kernels, layout, numerics
 from .engines import GpuEngines
 from .transfer import to_device
@@ -107,24 +106,12 @@ def tiled_gradients(call: AttentionCall, out: Tensor, lse: Tensor, grad_out: Ten
                  for grad, like in zip(grads, (call.query, call.key, call.value)))
 
 
-# -- what is built once per mask object -------------------------------------------------------------
-
-#: Per structured mask object, per (q_len, k_len, causal, device): its row bounds on that device and
-#: the BlockMask built from them. A model passes one mask object to every layer, so both are built
-#: (and the bounds copied to a GPU) once per forward, not once per layer. Masks are immutable.
-_PER_MASK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _built_for(call: AttentionCall, device: torch.device) -> dict | None:
-    """The cache entry of the call's mask on ``device`` (None: nothing to key it by, or tracing)."""
-    if call.structure is None or torch.compiler.is_compiling():
-        return None
-    return _PER_MASK.setdefault(call.structure, {}).setdefault((call.q_len, call.k_len, call.causal, device), {})
+# -- what is built once per mask object (:func:`attnkit._call.built_for`) ---------------------------
 
 
 def _row_bounds_on(call: AttentionCall, device: torch.device) -> tuple[Tensor, Tensor]:
     """:func:`row_bounds` of the call on ``device`` (copied without stalling a GPU, cached per mask)."""
-    cache = _built_for(call, device) if device.type != "cpu" else None
+    cache = built_for(call, device) if device.type != "cpu" else None
     if cache is not None and "bounds" in cache:
         return cache["bounds"]
     bounds = tuple(to_device(t, device) for t in row_bounds(call))
@@ -143,7 +130,7 @@ def _flex(call: AttentionCall, inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
     q_len, k_len = inputs.query.shape[2], inputs.key.shape[2]
     block_mask, every_row_attends = None, False
     if q_len and k_len:
-        cache = _built_for(call, inputs.query.device)
+        cache = built_for(call, inputs.query.device)
         block_mask = None if cache is None else cache.get("block_mask")
         if block_mask is None:
             mask_mod = flex.mask_mod_for(call.structure, call.causal, q_len, k_len, inputs.lo, inputs.hi)
