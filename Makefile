@@ -48,8 +48,12 @@ browser:
 native: $(VENV)/.installed
 	$(BIN)/python -m attnkit.kernel
 
+# Two workers (pytest-xdist; the scheduling is in tests/conftest.py): much of the suite is
+# single-threaded Python, and one process left the second core idle (7:42 -> 5:08 here). Passive
+# OpenMP waits stop one worker's idle torch threads spinning on the core the other one needs.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test browser native
-	$(BIN)/python -m pytest -q
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # The documentation site (docs/, Sphinx + furo + MyST): the API reference is generated from the
 # docstrings and the example notebooks are executed, at build time. Offline, warnings are errors;

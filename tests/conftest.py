@@ -26,6 +26,25 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
+# `make test` runs the suite on two workers (pytest-xdist, `-n 2`): most of it is single-threaded
+# Python (hypothesis, Triton's interpreter, subprocesses, the docs build), so one process left a
+# core idle. A worker takes whole test files, so a module's fixtures (a built site, a loaded model)
+# are set up once, not once per worker; the docs site's file and test_notebooks.py travel together,
+# in that order, so the notebooks the site's build executed are reused (tests/executed_notebooks.py).
+_RUN_TOGETHER = {"tests/test_docs_site.py": "notebooks", "tests/test_notebooks.py": "notebooks"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WholeFiles(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _RUN_TOGETHER.get(path, path)
+
+    return WholeFiles(config, log)
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """One torch thread for a module of tiny problems (``pytestmark = pytest.mark.usefixtures(
