@@ -34,6 +34,7 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 _RUN_TOGETHER = {"tests/test_docs_site.py": "notebooks", "tests/test_notebooks.py": "notebooks"}
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it, unused
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
