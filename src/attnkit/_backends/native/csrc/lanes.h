@@ -262,10 +262,13 @@ struct Lanes8 {
   static F either(F a, F b) { return _mm256_or_ps(a, b); }  // the bits of both
   static bool any_bits(F x) { return _mm256_testz_si256(_mm256_castps_si256(x), _mm256_castps_si256(x)) == 0; }
 
-  // For the register tiles (tiles.h): keys (or features) a tile takes at once, 2 by 4 vectors
-  // of rows: 8 accumulators (3 keys would spill: 16 registers); a partial last vector's lanes.
-  static constexpr int kKeysPerTile = 2;
-  static constexpr bool kUnrollTiles = false;  // unrolled by 4, the window forward ran 15-30% slower
+  // For the register tiles (tiles.h): keys (or features) a tile takes at once, by 2 vectors of
+  // rows, and by up to kFeatureVectors vectors of features in the backward's products over rows:
+  // 12 accumulators of 16 registers, with the 2 row vectors and a broadcast; a partial last
+  // vector's lanes.
+  static constexpr int kKeysPerTile = 6;
+  static constexpr int kFeatureVectors = 2;
+  static constexpr bool kUnrollTiles = false;  // unrolled by 4, the window forward ran 15-30% slower (2 x 4 tiles)
   using Tail = __m256i;
   static F broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   static Tail first_lanes(int64_t n) {
@@ -314,6 +317,7 @@ struct Lanes16 {
   // 6 keys by 2 vectors of rows in the scores' and values' tiles: 12 accumulators in flight (4 and
   // 8 keys were slower); by up to 4 vectors of features in the backward's products over rows: 24.
   static constexpr int kKeysPerTile = 6;
+  static constexpr int kFeatureVectors = 4;
   static constexpr bool kUnrollTiles = true;  // a quarter of the tiles' loop branches (see tiles.h)
   using Tail = __mmask16;
   static F broadcast(const float* p) { return _mm512_set1_ps(*p); }

@@ -19,12 +19,15 @@
 // backward now takes half the time); the 256-bit build, level with MKL's 256-bit code there, took
 // 0.89-0.99x its time with sgemm (L = 16384, 2 threads) and was level at GPT training shapes.
 //
-// Each tile is one template over the lane traits (lanes.h): 256-bit vectors, a group's 32 rows as
-// 4 vectors of 8 and 2 keys (or features) at once, or 512-bit ones where the build targets
-// AVX-512 (2 vectors of 16, 6 at once: the 256-bit tiles reached half such a CPU's FMA rate, the
-// forward at 36-39% of a same-run matmul that MKL ran in 512-bit vectors). Every row's sum runs
-// over the same terms in the same order from the same start, one FMA per term, so both builds
-// give the same bits.
+// Each tile is one template over the lane traits (lanes.h): 6 keys (or features) at once by 2
+// vectors of rows, 12 accumulators, in both builds. With 512-bit vectors the 2 vectors are a
+// group's 32 rows; with 256-bit ones they are 16 rows, and a group takes two tiles (the
+// classic 6 x 16 AVX2 sgemm tile: 2 loads and 6 broadcasts per 12 FMA). The earlier 2 keys by 4
+// vectors had 8 accumulators, exactly the 2 pipes x 4 cycles of latency an AMD Zen 3 needs in
+// flight: alone in L1 (best of 15 runs, one thread, a 97 GFLOP/s peak) its scores ran at 89
+// GFLOP/s and its values at 75-87, these at 91-94 and 85-92. Every row's sum runs
+// over the same terms in the same order from the same start, one FMA per term, so the builds
+// and the tile shapes give the same bits.
 
 #pragma once
 
@@ -44,9 +47,11 @@ constexpr int64_t kGroup = 32;  // rows per register tile
 // How the output accumulators start a chunk: zero, as they are, or rescaled row by row.
 enum class Start { kZero, kKeep, kRescale };
 
-// Vectors of a group's rows.
+// Vectors of rows a scores or values tile covers (2: 16 or 32 rows), and those rows.
+constexpr int kRowVectors = 2;
 template <class L>
-constexpr int kRowVectors = static_cast<int>(kGroup) / L::kWidth;
+constexpr int64_t kTileRows = kRowVectors * L::kWidth;
+static_assert(kGroup % kTileRows<RowLanes> == 0, "a group is whole tiles of rows");
 
 // tile(std::integral_constant<int, N>{}) for N = n where 0 < n < M: the last, partial step of a
 // loop over keys (or features) M at a time.
@@ -71,27 +76,19 @@ __attribute__((always_inline)) inline void partial_tile(int64_t n, Tile tile) {
 // vectors in registers: folded into each FMA as a memory operand (GCC's choice otherwise) they are
 // loaded once per key, 10 loads per 8 FMA instead of 6, and the loop becomes load-bound.
 template <class L, int N>
-__attribute__((always_inline)) inline void accumulate(typename L::F (&a)[N][kRowVectors<L>], const float* src,
+__attribute__((always_inline)) inline void accumulate(typename L::F (&a)[N][kRowVectors], const float* src,
                                                       int64_t item, int64_t step, int64_t count, const float* rows,
                                                       int64_t rs) {
-  constexpr int V = kRowVectors<L>;
-  static_assert(V == 2 || V == 4, "a group's rows are 2 or 4 vectors");
   const auto term = [&](int64_t j) __attribute__((always_inline)) {
     // named vectors, not an array: GCC kept a copy of an array of them on the stack, 4 stores
     // per key in the values' tiles (the window forward ran ~40% slower)
     const float* row = rows + j * rs;
-    typename L::F r0 = L::load(row), r1 = L::load(row + L::kWidth), r2 = r0, r3 = r1;
-    if constexpr (V == 4) {
-      r2 = L::load(row + 2 * L::kWidth), r3 = L::load(row + 3 * L::kWidth);
-      if constexpr (N > 1) asm("" : "+v"(r0), "+v"(r1), "+v"(r2), "+v"(r3));
-    } else if constexpr (N > 1) {
-      asm("" : "+v"(r0), "+v"(r1));
-    }
+    typename L::F r0 = L::load(row), r1 = L::load(row + L::kWidth);
+    if constexpr (N > 1) asm("" : "+v"(r0), "+v"(r1));
     _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
       const typename L::F x = L::broadcast(src + i * item + j * step);
-      _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) {
-        a[i][v] = fmadd(x, v == 0 ? r0 : v == 1 ? r1 : v == 2 ? r2 : r3, a[i][v]);
-      }
+      a[i][0] = fmadd(x, r0, a[i][0]);
+      a[i][1] = fmadd(x, r1, a[i][1]);
     }
   };
   if constexpr (L::kUnrollTiles) {
@@ -102,11 +99,11 @@ __attribute__((always_inline)) inline void accumulate(typename L::F (&a)[N][kRow
   }
 }
 
-// s[i * ss][.] = sum_d k[i * k2s + d] qt[d][.] for i < N, over a group's 32 rows.
+// s[i * ss][.] = sum_d k[i * k2s + d] qt[d][.] for i < N, over a tile's rows.
 template <class L, int N>
 __attribute__((always_inline)) inline void scores_tile(const float* k, int64_t k2s, int64_t D, const float* qt,
                                                        int64_t rs, float* s, int64_t ss) {
-  constexpr int V = kRowVectors<L>;
+  constexpr int V = kRowVectors;
   typename L::F a[N][V];
   _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
     _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) a[i][v] = L::zero();
@@ -121,21 +118,30 @@ __attribute__((always_inline)) inline void scores_tile(const float* k, int64_t k
 void block_scores(const float* k, int64_t k2s, int64_t W, int64_t D, const float* qt, int64_t rs, float* s) {
   using L = RowLanes;
   constexpr int N = L::kKeysPerTile;
+  // a group's tiles of rows side by side for each keys' tile: its key rows are read once from
+  // L2 (in turn, the 16-row tiles of the 256-bit build read a long span's keys twice, and the
+  // window forward on two threads took 1.1-1.3x the time of the 2 x 4 tiles)
   for (int64_t g = 0; g < rs; g += kGroup) {
     int64_t t = 0;
-    for (; t + N <= W; t += N) scores_tile<L, N>(k + t * k2s, k2s, D, qt + g, rs, s + t * rs + g, rs);
+    for (; t + N <= W; t += N) {
+      for (int64_t h = g; h < g + kGroup; h += kTileRows<L>) {
+        scores_tile<L, N>(k + t * k2s, k2s, D, qt + h, rs, s + t * rs + h, rs);
+      }
+    }
     partial_tile<N>(W - t, [&](auto n) {
-      scores_tile<L, decltype(n)::value>(k + t * k2s, k2s, D, qt + g, rs, s + t * rs + g, rs);
+      for (int64_t h = g; h < g + kGroup; h += kTileRows<L>) {
+        scores_tile<L, decltype(n)::value>(k + t * k2s, k2s, D, qt + h, rs, s + t * rs + h, rs);
+      }
     });
   }
 }
 
-// ot[i * rs][.] (features v + i, i < N) (+)= sum_t V[t][.] P[t][.] over a group's 32 rows; the
+// ot[i * rs][.] (features v + i, i < N) (+)= sum_t V[t][.] P[t][.] over a tile's rows; the
 // accumulators start as `start` says (`rescale`: the rows' factors).
 template <class L, int N>
 __attribute__((always_inline)) inline void values_tile(const float* v, int64_t v2s, int64_t W, const float* p,
                                                        int64_t rs, float* ot, Start start, const float* rescale) {
-  constexpr int V = kRowVectors<L>;
+  constexpr int V = kRowVectors;
   typename L::F a[N][V];
   if (start == Start::kZero) {
     _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
@@ -160,18 +166,23 @@ __attribute__((always_inline)) inline void values_tile(const float* v, int64_t v
 }
 
 // Ot[dv][r] (+)= sum_t V[t][dv] P[t][r] for the W keys from v (row stride v2s), all `rs` rows;
-// `start[g / kGroup]` and `rescale + g` say how the accumulators of rows g .. g + 31 begin.
+// `start[g / kGroup]` and `rescale + g` say how the accumulators of row g's group begin.
 void block_values(const float* v, int64_t v2s, int64_t W, int64_t Dv, const float* p, int64_t rs, float* ot,
                   const Start* start, const float* rescale) {
   using L = RowLanes;
   constexpr int N = L::kKeysPerTile;
   for (int64_t g = 0; g < rs; g += kGroup) {
     const Start s = start[g / kGroup];
-    const float* r = rescale + g;
     int64_t d = 0;
-    for (; d + N <= Dv; d += N) values_tile<L, N>(v + d, v2s, W, p + g, rs, ot + d * rs + g, s, r);
+    for (; d + N <= Dv; d += N) {
+      for (int64_t h = g; h < g + kGroup; h += kTileRows<L>) {
+        values_tile<L, N>(v + d, v2s, W, p + h, rs, ot + d * rs + h, s, rescale + h);
+      }
+    }
     partial_tile<N>(Dv - d, [&](auto n) {
-      values_tile<L, decltype(n)::value>(v + d, v2s, W, p + g, rs, ot + d * rs + g, s, r);
+      for (int64_t h = g; h < g + kGroup; h += kTileRows<L>) {
+        values_tile<L, decltype(n)::value>(v + d, v2s, W, p + h, rs, ot + d * rs + h, s, rescale + h);
+      }
     });
   }
 }
@@ -225,28 +236,33 @@ void rows_tiles(const float* w, int64_t rs, int64_t W, int64_t rows, const float
   });
 }
 
+// rows_tiles<V, Partial> for the `vectors` (1 .. M) a chunk of features needs.
+template <int M>
+__attribute__((always_inline)) inline void rows_tiles_of(int64_t vectors, bool partial, const float* w, int64_t rs,
+                                                         int64_t W, int64_t rows, const float* x, int64_t xs,
+                                                         float* out, int64_t os, RowLanes::Tail last) {
+  if (vectors == M) {
+    if (partial) {
+      rows_tiles<M, true>(w, rs, W, rows, x, xs, out, os, last);
+    } else {
+      rows_tiles<M, false>(w, rs, W, rows, x, xs, out, os, last);
+    }
+  } else if constexpr (M > 1) {
+    rows_tiles_of<M - 1>(vectors, partial, w, rs, W, rows, x, xs, out, os, last);
+  }
+}
+
 // Out[t][c] += sum_{r < rows} W[t][r] X[r][c] for the W keys of a chunk (w row stride rs, x row
-// stride xs, out row stride os), C features, up to 4 vectors of them at a time.
+// stride xs, out row stride os), C features, up to L::kFeatureVectors vectors of them at a time.
 void block_rows_product(const float* w, int64_t rs, int64_t W, int64_t rows, const float* x, int64_t xs, int64_t C,
                         float* out, int64_t os) {
   using L = RowLanes;
-  constexpr int64_t kFeatures = 4 * L::kWidth;
+  constexpr int64_t kFeatures = L::kFeatureVectors * L::kWidth;
   for (int64_t c0 = 0; c0 < C; c0 += kFeatures) {
     const int64_t left = std::min<int64_t>(C - c0, kFeatures), vectors = (left + L::kWidth - 1) / L::kWidth;
     const int64_t tail = left - L::kWidth * (vectors - 1);
-    const L::Tail last = L::first_lanes(tail);
-    const float* xc = x + c0;
-    float* oc = out + c0;
-    switch (vectors * 2 + (tail < L::kWidth)) {
-      case 8: rows_tiles<4, false>(w, rs, W, rows, xc, xs, oc, os, last); break;
-      case 9: rows_tiles<4, true>(w, rs, W, rows, xc, xs, oc, os, last); break;
-      case 6: rows_tiles<3, false>(w, rs, W, rows, xc, xs, oc, os, last); break;
-      case 7: rows_tiles<3, true>(w, rs, W, rows, xc, xs, oc, os, last); break;
-      case 4: rows_tiles<2, false>(w, rs, W, rows, xc, xs, oc, os, last); break;
-      case 5: rows_tiles<2, true>(w, rs, W, rows, xc, xs, oc, os, last); break;
-      case 2: rows_tiles<1, false>(w, rs, W, rows, xc, xs, oc, os, last); break;
-      default: rows_tiles<1, true>(w, rs, W, rows, xc, xs, oc, os, last); break;
-    }
+    rows_tiles_of<L::kFeatureVectors>(vectors, tail < L::kWidth, w, rs, W, rows, x + c0, xs, out + c0, os,
+                                      L::first_lanes(tail));
   }
 }
 
