@@ -24,8 +24,9 @@
 // group's 32 rows; with 256-bit ones they are 16 rows, and a group takes two tiles (the
 // classic 6 x 16 AVX2 sgemm tile: 2 loads and 6 broadcasts per 12 FMA). The earlier 2 keys by 4
 // vectors had 8 accumulators, exactly the 2 pipes x 4 cycles of latency an AMD Zen 3 needs in
-// flight: alone in L1 (best of 15 runs, one thread, a 97 GFLOP/s peak) its scores ran at 89
-// GFLOP/s and its values at 75-87, these at 91-94 and 85-92. Every row's sum runs
+// flight: alone in L1 (benchmarks/native_tiles.py, W = 32-256 keys, one thread, a 97-100
+// GFLOP/s peak) its scores ran at 87-89 GFLOP/s and its values at 77-89, these at 89-97 and 87-95.
+// Every row's sum runs
 // over the same terms in the same order from the same start, one FMA per term, so the builds
 // and the tile shapes give the same bits.
 
