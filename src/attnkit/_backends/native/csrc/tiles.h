@@ -26,9 +26,8 @@
 // vectors had 8 accumulators, exactly the 2 pipes x 4 cycles of latency an AMD Zen 3 needs in
 // flight: alone in L1 (benchmarks/native_tiles.py, W = 32-256 keys, one thread, a 97-100
 // GFLOP/s peak) its scores ran at 87-89 GFLOP/s and its values at 77-89, these at 89-97 and 87-95.
-// Every row's sum runs
-// over the same terms in the same order from the same start, one FMA per term, so the builds
-// and the tile shapes give the same bits.
+// Every row's sum runs over the same terms in the same order from the same start, one FMA per
+// term, so the builds and the tile shapes give the same bits.
 
 #pragma once
 
@@ -43,7 +42,7 @@
 namespace attnkit_native {
 namespace {
 
-constexpr int64_t kGroup = 32;  // rows per register tile
+constexpr int64_t kGroup = 32;  // rows a block is padded to a multiple of: one or two tiles of rows
 
 // How the output accumulators start a chunk: zero, as they are, or rescaled row by row.
 enum class Start { kZero, kKeep, kRescale };
@@ -68,14 +67,15 @@ __attribute__((always_inline)) inline void partial_tile(int64_t n, Tile tile) {
 }
 
 // Both forward products: a[i][.] += sum_j src[i * item + j * step] rows[j][.] for i < N over a
-// group's 32 rows (row stride rs), j = 0 .. count - 1 in order. The loops over i and v are
+// tile's rows (row stride rs), j = 0 .. count - 1 in order. The loops over i and v are
 // unrolled by pragma: GCC then keeps a[N][V] in registers (left to itself it passed the
 // accumulators through the stack at every tile's start and end: 72 spills in the library), and, in
 // 512-bit tiles (L::kUnrollTiles), the loop over j by 4: a quarter of its branches (documents
 // forward, one thread, 620-629 -> 609-614 ms; window 157-160 -> 154-156; the same FMAs in the same
-// order; the 256-bit tiles, 16 registers, ran slower so). The asm keeps the row
-// vectors in registers: folded into each FMA as a memory operand (GCC's choice otherwise) they are
-// loaded once per key, 10 loads per 8 FMA instead of 6, and the loop becomes load-bound.
+// order; the 256-bit tiles, 16 registers, ran no faster so). The asm keeps the row vectors in
+// registers: folded into each FMA as a memory operand (GCC's choice otherwise) they are loaded
+// once per key and FMA (measured with the earlier 2 x 4 tiles: 10 loads per 8 FMA instead of 6,
+// and the loop became load-bound).
 template <class L, int N>
 __attribute__((always_inline)) inline void accumulate(typename L::F (&a)[N][kRowVectors], const float* src,
                                                       int64_t item, int64_t step, int64_t count, const float* rows,
@@ -119,9 +119,9 @@ __attribute__((always_inline)) inline void scores_tile(const float* k, int64_t k
 void block_scores(const float* k, int64_t k2s, int64_t W, int64_t D, const float* qt, int64_t rs, float* s) {
   using L = RowLanes;
   constexpr int N = L::kKeysPerTile;
-  // a group's tiles of rows side by side for each keys' tile: its key rows are read once from
-  // L2 (in turn, the 16-row tiles of the 256-bit build read a long span's keys twice, and the
-  // window forward on two threads took 1.1-1.3x the time of the 2 x 4 tiles)
+  // a group's tiles of rows back to back for each tile of keys, so its key rows come from L2
+  // once (the 256-bit build's 16-row tiles taken half a group at a time read a long span's keys
+  // twice: the window forward on two threads took 1.1-1.3x the 2 x 4 tiles' time)
   for (int64_t g = 0; g < rs; g += kGroup) {
     int64_t t = 0;
     for (; t + N <= W; t += N) {
