@@ -117,8 +117,9 @@ def test_gradients_match_the_oracle(c, parts, with_lse, seed):
 @pytest.mark.parametrize("dk, dv, block, chunk", [(80, 72, 37, 13), (130, 17, 64, 100), (64, 64, 96, 7),
                                                   (5, 150, 33, 64)])
 def test_gradients_of_wide_heads_and_many_rows_match_the_oracle(dk, dv, block, chunk):
-    """Head dims across and between the backward's 64-feature tiles (whole and partial vectors), blocks
-    of several 32-row groups with padding, chunks cut mid-tile, GQA, keys laid out as a model's."""
+    """Head dims across and between the backward's feature tiles (16 features in the 256-bit build,
+    64 in the 512-bit one; whole and partial vectors), blocks of several 32-row groups with padding,
+    chunks cut mid-tile, GQA, keys laid out as a model's."""
     g = torch.Generator().manual_seed(dk * 1000 + dv)
     lq, lk = 150, 170
     query = torch.randn(2, 4, lq, dk, generator=g)
