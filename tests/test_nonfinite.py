@@ -144,7 +144,6 @@ def test_nan_and_inf_propagate_as_the_definition_says(backend, where):
         _same_pattern(got, want, f"d{letter}", atol=score_atol if letter in "qk" else 1e-4)
 
 
-
 @pytest.mark.parametrize("backend", ["tiled", "tiled on PyTorch's kernels", "tiled on the Triton kernel", "auto"])
 def test_an_infinite_output_gradient_propagates_as_in_the_reference_backend(backend):
     """``grad_out`` holding -inf (and, in another row, NaN): the tiled backend's gradients, on every

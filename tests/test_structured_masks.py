@@ -172,4 +172,3 @@ def test_a_small_dense_form_is_built_once_per_mask_object(monkeypatch):
     for _ in range(2):
         attnkit.attention(long, long, long, mask=window, backend="torch")
     assert len(built) == 2
-

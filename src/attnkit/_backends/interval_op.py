@@ -16,11 +16,12 @@ float32 for half-precision inputs, ``-inf`` for rows with no key (and no sink).
 Layers of this module:
 - the ops' implementation picks its kernel at run time from the data (:func:`.policy.kernel_for`):
   attnkit's native kernel (CPU, float32 or half precision where it serves it, no bias, kernel
-  built), PyTorch's kernels block by block (:mod:`.blockwise`), or, unless ``sparse_only`` (an explicit ``backend="tiled"``), PyTorch's fused
-  kernel over the dense mask where that is faster (``causal_only``: the mask is plain causal, which
-  that kernel applies itself). All agree to rounding and draw the same dropout pattern, so a
-  forward on one and a backward on another is still exact. Sinks are folded in around the kernels
-  (:func:`.numerics.fold_sinks`): they only rescale rows;
+  built), PyTorch's kernels block by block (:mod:`.blockwise`), or, unless ``sparse_only`` (an
+  explicit ``backend="tiled"``), PyTorch's fused kernel over the dense mask where that is faster
+  (``causal_only``: the mask is plain causal, which that kernel applies itself). All agree to
+  rounding and draw the same dropout pattern, so a forward on one and a backward on another is
+  still exact. Sinks are folded in around the kernels (:func:`.numerics.fold_sinks`): they only
+  rescale rows;
 - fake implementations give shapes for tracing (no data is read);
 - autograd (registered on the op, and the same functions as :class:`IntervalAttention`, the
   ``torch.func``-ready form the tiled backend calls): ``setup_context`` saves tensors through

@@ -25,33 +25,31 @@ __all__ = ["in_partial_blocks", "values_again"]
 
 
 @triton.jit
-def _holds_non_finite(x_base, start, lo, hi, stride_xm, stride_xd, width,
-                      BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr):
-    """Whether a key that some row attends in the block at ``start`` has a NaN or inf in its row of
-    ``x`` (the values)."""
+def _holds_non_finite(v_base, start, lo, hi, stride_vm, stride_vd, v_dim,
+                      BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Whether a key that some row attends in the block at ``start`` has a NaN or inf value."""
     keys = start + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_X)
+    dv = tl.arange(0, BLOCK_DV)
     used = tl.max(c.in_range(lo[:, None], hi[:, None], keys[None, :]).to(tl.int32), 0) > 0
-    x = tl.load(x_base + keys.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xd,
-                mask=used[:, None] & (cols[None, :] < width), other=0.0).to(tl.float32)
-    return tl.max(tl.max(tl.where(tl.abs(x) < float("inf"), 0, 1), 1), 0)
+    v = tl.load(v_base + keys.to(tl.int64)[:, None] * stride_vm + dv[None, :] * stride_vd,
+                mask=used[:, None] & (dv[None, :] < v_dim), other=0.0).to(tl.float32)
+    return tl.max(tl.max(tl.where(tl.abs(v) < float("inf"), 0, 1), 1), 0)
 
 
 @triton.jit
-def in_partial_blocks(x_base, rows, valid, lo_ptr, hi_ptr, stride_lr, stride_xm, stride_xd, q_len, k_len, width,
-                      BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr, RANGES: tl.constexpr):
-    """Whether the rows' partly attended key blocks (of every range) hold an attended key whose row
-    of ``x`` has a NaN or inf."""
+def in_partial_blocks(v_base, rows, valid, lo_ptr, hi_ptr, stride_lr, stride_vm, stride_vd, q_len, k_len, v_dim,
+                      BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, RANGES: tl.constexpr):
+    """Whether the rows' partly attended blocks (of every range) hold an attended NaN or inf value."""
     found = 0
     for r in tl.static_range(RANGES):
         lo, hi = c.load_bounds(lo_ptr + r * stride_lr, hi_ptr + r * stride_lr, rows, q_len, k_len)
         start, full_lo, full_hi, end = c.key_span(lo, hi, valid, k_len, BLOCK_N)
         for block in range(start, full_lo, BLOCK_N):
-            found = tl.maximum(found, _holds_non_finite(x_base, block, lo, hi, stride_xm, stride_xd, width,
-                                                        BLOCK_N, BLOCK_X))
+            found = tl.maximum(found, _holds_non_finite(v_base, block, lo, hi, stride_vm, stride_vd, v_dim,
+                                                        BLOCK_N, BLOCK_DV))
         for block in range(full_hi, end, BLOCK_N):
-            found = tl.maximum(found, _holds_non_finite(x_base, block, lo, hi, stride_xm, stride_xd, width,
-                                                        BLOCK_N, BLOCK_X))
+            found = tl.maximum(found, _holds_non_finite(v_base, block, lo, hi, stride_vm, stride_vd, v_dim,
+                                                        BLOCK_N, BLOCK_DV))
     return found > 0
 
 
@@ -88,4 +86,3 @@ def values_again(m_i, q, k_base, v_base, rows, valid, lo_ptr, hi_ptr, stride_lr,
                 p = c.dropped(p, c.keep(seed_ptr, drop_a, drop_c, key), 1.0)
             acc += tl.where(attend[:, None], p[:, None] * v[None, :], 0.0)
     return acc
-
