@@ -9,6 +9,7 @@ backward (FlashAttention's count), 3.5x for both.
     python benchmarks/native_kernel.py                          # forward and backward, default tiles
     python benchmarks/native_kernel.py --forward --tiles 64x512 128x512
     python benchmarks/native_kernel.py --backward --mask window --tiles 32x1024 64x256
+    python benchmarks/native_kernel.py --mask window --dtypes float32 bfloat16   # half against fp32
 """
 
 from __future__ import annotations
@@ -38,47 +39,50 @@ def main() -> None:
                         help="tiles to compare (default: the tables' choice)")
     parser.add_argument("--parts", type=int, default=None, help="backward row parts (default: the table's)")
     parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
+                        help="input dtypes to compare, interleaved in one run")
     args = parser.parse_args()
     if not native.available():
         sys.exit(f"native kernel: {native.why_unavailable()}")
     directions = ["forward"] * (not args.backward) + ["backward"] * (not args.forward)
     length = args.length
-    query, key, value = inputs(length)
+    rows = {dtype: inputs(length, getattr(torch, dtype)) for dtype in args.dtypes}
     scale = HEAD_DIM ** -0.5
     flops, matmul = square_matmul()
-    print(f"# native kernel, B=1, H={HEADS}, D={HEAD_DIM}, fp32, L={length} ({describe_machine()}); "
+    print(f"# native kernel, B=1, H={HEADS}, D={HEAD_DIM}, {', '.join(args.dtypes)}, L={length} ({describe_machine()}); "
           f"median of {args.repeats} interleaved runs; ours / matmul in useful GFLOP/s\n")
     fma, _ = machine_peak()
     matmul_rates = []
-    print("| mask | direction | tiles | ms | useful GFLOP/s | matmul GFLOP/s | ours / matmul | ours / FMA peak |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("| mask | direction | dtype | tiles | ms | useful GFLOP/s | matmul GFLOP/s | ours / matmul | ours / FMA peak |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|")
     all_masks = list(mask_set(length).items())
     for short in args.mask:
         name, (structured, _) = all_masks[SHORT[short]]
         lo, hi = structured.row_bounds(length, length)
         lo, hi = lo.reshape(1, -1), hi.reshape(1, -1)
         pairs = attended_pairs(structured, length)
-        out, lse = native.interval_forward(query, key, value, lo, hi, scale, dropout=args.dropout, seed=1)
-        grad_out = torch.randn_like(out)
         contenders = {"matmul": matmul}
-        for tile in args.tiles:
-            block, chunk = (None, None) if tile is None else map(int, tile.split("x"))
-            label = tile or "default"
-            if "forward" in directions:
-                contenders[("forward", label)] = (
-                    lambda b=block, c=chunk: native.interval_forward(query, key, value, lo, hi, scale, block=b,
-                                                                     chunk=c, dropout=args.dropout, seed=1))
-            if "backward" in directions:
-                contenders[("backward", label)] = (
-                    lambda b=block, c=chunk: native.interval_backward(grad_out, query, key, value, out, lse, lo, hi,
-                                                                      scale, block=b, chunk=c, parts=args.parts,
-                                                                      dropout=args.dropout, seed=1))
+        for dtype, (query, key, value) in rows.items():
+            out, lse = native.interval_forward(query, key, value, lo, hi, scale, dropout=args.dropout, seed=1)
+            grad_out = torch.randn_like(out)
+            for tile in args.tiles:
+                block, chunk = (None, None) if tile is None else map(int, tile.split("x"))
+                label = tile or "default"
+                if "forward" in directions:
+                    contenders[("forward", dtype, label)] = (
+                        lambda q=query, k=key, v=value, b=block, c=chunk: native.interval_forward(
+                            q, k, v, lo, hi, scale, block=b, chunk=c, dropout=args.dropout, seed=1))
+                if "backward" in directions:
+                    contenders[("backward", dtype, label)] = (
+                        lambda g=grad_out, q=query, k=key, v=value, o=out, s=lse, b=block, c=chunk:
+                        native.interval_backward(g, q, k, v, o, s, lo, hi, scale, block=b, chunk=c,
+                                                 parts=args.parts, dropout=args.dropout, seed=1))
         times = median_times(contenders, repeats=args.repeats)
         peak = flops / times.pop("matmul") / 1e9
         matmul_rates.append(peak)
-        for (direction, label), seconds in times.items():
+        for (direction, dtype, label), seconds in times.items():
             useful = (1.0 if direction == "forward" else 2.5) * 4 * HEAD_DIM * pairs * HEADS / seconds / 1e9
-            print(f"| {name} | {direction} | {label} | {seconds * 1e3:.1f} | {useful:.0f} | {peak:.0f} "
+            print(f"| {name} | {direction} | {dtype} | {label} | {seconds * 1e3:.1f} | {useful:.0f} | {peak:.0f} "
                   f"| {useful / peak:.0%} | {share_of_peak(useful, fma)} |", flush=True)
     print(peak_note(matmul_rates))
 

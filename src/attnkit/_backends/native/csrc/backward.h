@@ -19,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "aligned.h"
 #include "dropout.h"
 #include "half.h"
 #include "kept_memory.h"
@@ -110,12 +111,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       // four products read them so (a transpose of each chunk's scores into rows took 6-9% of a
       // causal backward).
       const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
-      std::vector<float> qt(D * padded, 0.0f), scores(chunk * padded), grads(chunk * padded, 0.0f);
-      std::vector<float> got(Dv * padded), dqt(D * padded);  // dO^T and dQ^T: rows as lanes, like Qt
+      Floats qt(D * padded, 0.0f), scores(chunk * padded), grads(chunk * padded, 0.0f);
+      Floats got(Dv * padded), dqt(D * padded);  // dO^T and dQ^T: rows as lanes, like Qt
       std::vector<Start> dq_start(padded / kGroup);
-      const std::vector<float> no_rescale(padded);
-      std::vector<float> cap_grads(capped ? chunk * padded : 0);
-      std::vector<float> weights_rows, grads_rows;  // [rows][width] copies for the exact path
+      const Floats no_rescale(padded);
+      Floats cap_grads(capped ? chunk * padded : 0);
+      Floats weights_rows, grads_rows;  // [rows][width] copies for the exact path
       std::vector<int64_t> row_lo(padded), row_hi(padded);
       std::vector<DropoutRow> row_keys(padded);
       BlockRows r(padded);

@@ -24,6 +24,7 @@
 #include <tuple>
 #include <vector>
 
+#include "aligned.h"
 #include "dropout.h"
 #include "half.h"
 #include "kept_memory.h"
@@ -43,7 +44,7 @@ namespace {
 // scratch for the row's scores.
 void exact_forward_row(const float* q_row, const float* k_head, int64_t k2s, const float* v_head, int64_t v2s,
                        int64_t D, int64_t Dv, int64_t lo, int64_t hi, const ScoreMods& mods, int64_t row,
-                       const Dropout& dropout, DropoutRow dropout_keys, std::vector<float>& s, float* out,
+                       const Dropout& dropout, DropoutRow dropout_keys, Floats& s, float* out,
                        float* lse) {
   float row_max = kNegInf;
   bool nan_row = false;
@@ -143,12 +144,12 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   const int64_t claim = std::clamp<int64_t>(tasks / (32 * at::get_num_threads()), 1, 64);
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> qt(D * padded), scores(chunk * padded), ot(Dv * padded);
+    Floats qt(D * padded), scores(chunk * padded), ot(Dv * padded);
     BlockRows r(padded);
     std::vector<Start> start(padded / kGroup);
     std::vector<int64_t> row_lo(padded), row_hi(padded);
     std::vector<DropoutRow> row_keys(padded);
-    std::vector<float> exact_scores;
+    Floats exact_scores;
     FloatRows queries(c.q), keys(c.k), values(c.v);  // as float32 (half.h)
     OutputRows outputs(o);
     for (int64_t begin; (begin = next_task.fetch_add(claim)) < tasks;) {

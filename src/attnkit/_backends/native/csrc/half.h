@@ -25,6 +25,8 @@
 #include <memory>
 #include <vector>
 
+#include "aligned.h"
+
 namespace attnkit_native {
 namespace {
 
@@ -121,7 +123,8 @@ class FloatRows {
         const int64_t kept = hi_ - first, needed = last - first;
         if (needed > capacity_) {
           const int64_t grown = std::max<int64_t>(2 * needed, 64);
-          std::unique_ptr<float[]> larger(new float[grown * w]);  // no zeroing: every row read is written first
+          // not zeroed: every row read is written first
+          Buffer larger(static_cast<float*>(::operator new(grown * w * sizeof(float), kCacheLine)));
           std::memcpy(larger.get(), buffer_.get() + (first - base_) * w, kept * w * sizeof(float));
           buffer_ = std::move(larger), capacity_ = grown;
         } else {
@@ -138,8 +141,13 @@ class FloatRows {
   }
 
  private:
+  struct Release {
+    void operator()(float* p) const { ::operator delete(p, kCacheLine); }
+  };
+  using Buffer = std::unique_ptr<float, Release>;
+
   Rows in_;
-  std::unique_ptr<float[]> buffer_;
+  Buffer buffer_;
   int64_t capacity_ = 0;  // rows
   int64_t b_ = -1, h_ = -1, base_ = 0, hi_ = 0;  // rows [base_, hi_) held, row base_ at the buffer's start
 };
@@ -168,7 +176,7 @@ class OutputRows {
 
  private:
   Rows out_;
-  std::vector<float> buffer_;
+  Floats buffer_;
   int64_t b_ = 0, h_ = 0, first_ = 0, rows_ = 0;
 };
 

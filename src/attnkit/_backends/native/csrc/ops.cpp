@@ -9,6 +9,7 @@
 //   score_mods.h   scale, soft-capping, ALiBi
 //   dropout.h      the dropout hash
 //   kept_memory.h  the allocator that keeps large outputs' mappings; the outputs' layout
+//   aligned.h      scratch buffers aligned to a cache line
 //   half.h         bfloat16 and float16 inputs read as float32 rows, outputs rounded once
 //   params.h       the call's checked inputs, pointers, strides and sizes (Params)
 //   softmax.h      the row loops: running softmax, the backward's weights and score gradients

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "aligned.h"
 #include "dropout.h"
 #include "lanes.h"
 #include "score_mods.h"
@@ -31,8 +32,8 @@ namespace {
 // to a whole group included), and, per vector of rows, the keys all of them attend.
 struct BlockRows {
   std::vector<int32_t> lo, hi, drop_a, drop_c;  // the interval, the dropout keys
-  std::vector<float> max, sum, rescale;         // the forward's running softmax
-  std::vector<float> lse, delta;                // the backward's
+  Floats max, sum, rescale;  // the forward's running softmax
+  Floats lse, delta;         // the backward's
   std::vector<int64_t> all_lo, all_hi;          // per vector of rows
 
   explicit BlockRows(int64_t padded)
