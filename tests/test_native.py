@@ -356,8 +356,12 @@ def test_bad_inputs_raise():
     out, lse = native.interval_forward(q, q, q, lo, hi, 1.0)
     with pytest.raises(RuntimeError, match="grad_out must be"):
         native.interval_backward(out[:, :1], q, q, q, out, lse, lo, hi, 1.0)
-    with pytest.raises(RuntimeError, match="lse and delta"):
+    with pytest.raises(RuntimeError, match="lse must be"):
         native.interval_backward(out, q, q, q, out, lse[..., :3], lo, hi, 1.0)
+    with pytest.raises(RuntimeError, match="grad_lse must be"):
+        native.interval_backward(out, q, q, q, out, lse, lo, hi, 1.0, grad_lse=lse[..., :3])
+    with pytest.raises(RuntimeError, match="out must be"):
+        native.interval_backward(out, q, q, q, out[:, :, :3], lse, lo, hi, 1.0)
 
 
 @given(lq=st.integers(1, 200), lk=st.integers(1, 200), seed=st.integers(0, 2**31 - 1), shared=st.booleans())

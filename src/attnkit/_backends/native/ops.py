@@ -19,7 +19,8 @@ EXPECTED_SCHEMAS = {
                         "Tensor? alibi_slopes, int dropout_head_start, int dropout_row_start, int dropout_key_start) "
                         "-> (Tensor, Tensor)",
     "interval_backward": "attnkit_native::interval_backward(Tensor grad_out, Tensor query, Tensor key, "
-                         "Tensor value, Tensor lse, Tensor delta, Tensor lo, Tensor hi, float scale, int block, "
+                         "Tensor value, Tensor out, Tensor lse, Tensor? grad_lse, Tensor lo, Tensor hi, float scale, "
+                         "int block, "
                          "int chunk, int parts, float dropout, int seed, float softcap, Tensor? alibi_slopes, "
                          "int dropout_head_start, int dropout_row_start, int dropout_key_start) -> (Tensor, Tensor, Tensor)",
     "release_kept_memory": "attnkit_native::release_kept_memory() -> int",
@@ -77,35 +78,22 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
                       dropout_start: tuple[int, int, int] = (0, 0, 0)) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`interval_forward` (same shapes as its inputs) from
     ``grad_out [B, H, Lq, Dv]`` and, when the lse was used too, ``grad_lse [B, H, Lq]``; ``out`` and
-    ``lse`` are the forward's, ``dropout``, ``seed``, ``softcap``, ``alibi_slopes`` and ``dropout_start``
-    too. ``parts`` cuts each (sequence, kv
-    head)'s rows into that many pieces computed in parallel (default :func:`.tile_tables.backward_parts`)."""
+    ``lse`` are the forward's (the kernel takes FlashAttention's row term ``rowsum(grad_out * out) -
+    grad_lse`` from them), ``dropout``, ``seed``, ``softcap``, ``alibi_slopes`` and ``dropout_start``
+    too. ``parts`` cuts each (sequence, kv head)'s rows into that many pieces computed in parallel
+    (default :func:`.tile_tables.backward_parts`)."""
     if block is None or chunk is None:
         default_block, default_chunk = backward_tiles(lo, hi)
         block, chunk = block or default_block, chunk or default_chunk
     if parts is None:
         parts = backward_parts(query.shape[0], key.shape[1], query.shape[2], block)
-    # dL/dS = P * (f dP - delta), delta_i = sum_d dO_id O_id - dL/dlse_i (FlashAttention's D term;
-    # f the dropout factors, whose sum over a row's f * P * dP is dO_i . O_i all the same)
-    delta = _row_dots(grad_out, out)
-    if grad_lse is not None:
-        delta = delta - grad_lse
     _require_library()
-    grad_out, query, key, value = _plain_rows(grad_out, query, key, value)
-    return torch.ops.attnkit_native.interval_backward(grad_out, query, key, value, lse, delta, lo, hi, scale, block,
-                                                      chunk, parts, dropout, seed, softcap or 0.0,
+    grad_out, query, key, value, out = _plain_rows(grad_out, query, key, value, out)
+    if grad_lse is not None:
+        grad_lse = grad_lse.to(torch.float32)
+    return torch.ops.attnkit_native.interval_backward(grad_out, query, key, value, out, lse, grad_lse, lo, hi, scale,
+                                                      block, chunk, parts, dropout, seed, softcap or 0.0,
                                                       _slopes(alibi_slopes), *dropout_start)
-
-
-def _row_dots(grad_out: Tensor, out: Tensor) -> Tensor:
-    """``sum_d grad_out[..., d] * out[..., d]`` in float32 ``[B, H, Lq]``: a batched matmul, no
-    ``[..., Dv]`` temporary. Half-precision inputs are converted a head at a time (delta nearly
-    cancels dP, so it must not be rounded to half precision; converting whole tensors into fresh
-    memory took 50 ms against 11 a head at a time, L = 16384, H = 8, D = 64, 2 threads)."""
-    if out.dtype == torch.float32:
-        return torch.einsum("...d,...d->...", grad_out, out)
-    return torch.stack([torch.einsum("...d,...d->...", g.float(), o.float())
-                        for g, o in zip(grad_out.unbind(1), out.unbind(1))], 1)
 
 
 def release_kept_memory() -> int:

@@ -59,16 +59,20 @@ void exact_backward_chunk(int64_t rows, int64_t width, int64_t c0, const int64_t
   }
 }
 
-// Gradients of interval_forward: given grad_out [B, H, Lq, Dv], the forward's lse [B, H, Lq] and
-// delta [B, H, Lq] = rowsum(grad_out * out) - grad_lse (both float32), returns (dq, dk, dv) in the
-// inputs' dtype, each in the shape of its input, laid out as like_layout gives. Half-precision
-// inputs are read as float32 (half.h), and dk, dv summed in float32 before their one rounding.
+// Gradients of interval_forward: given grad_out [B, H, Lq, Dv], the forward's output [B, H, Lq, Dv]
+// and lse [B, H, Lq] (float32), and grad_lse [B, H, Lq] (float32) when the lse was used too,
+// returns (dq, dk, dv) in the inputs' dtype, each in the shape of its input, laid out as
+// like_layout gives. Half-precision inputs are read as float32 (half.h), and dk, dv summed in
+// float32 before their one rounding. Each block computes its rows' delta = rowsum(grad_out * out)
+// - grad_lse from rows it reads anyway (computed apart, a half-precision call converted both
+// tensors whole first: 4 ms of a 180 ms window backward, L = 8192, 2 threads).
 // Blocks of different rows add into the same key rows, so a task owns whole (batch, kv head)
 // pairs; with fewer pairs than threads, each pair's rows are cut into `parts` that add into
 // their own copy of dK and dV, summed at the end (`parts` copies: still O(L) memory).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const at::Tensor& lse_rows, const at::Tensor& delta_rows, const at::Tensor& lo_rows, const at::Tensor& hi_rows,
+    const at::Tensor& out, const at::Tensor& lse_rows, const std::optional<at::Tensor>& grad_lse_rows,
+    const at::Tensor& lo_rows, const at::Tensor& hi_rows,
     double scale, int64_t block, int64_t chunk, int64_t parts, double dropout_p, int64_t seed, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, int64_t dropout_head_start, int64_t dropout_row_start,
     int64_t dropout_key_start) {
@@ -79,13 +83,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
   TORCH_CHECK(grad_out.scalar_type() == c.dtype && grad_out.device().is_cpu() && grad_out.stride(3) == 1,
               "interval_backward: grad_out must be CPU, of the inputs' dtype, with a unit stride along the head "
               "dimension");
+  TORCH_CHECK(out.sizes() == grad_out.sizes() && out.scalar_type() == c.dtype && out.device().is_cpu() &&
+                  out.stride(3) == 1,
+              "interval_backward: out must be the forward's output: [B, H, Lq, Dv] like grad_out");
   TORCH_CHECK(block > 0 && chunk > 0 && parts > 0, "interval_backward: block, chunk and parts must be positive");
   c.modifiers(scale, dropout_p, seed, softcap, alibi_slopes, dropout_head_start, dropout_row_start, dropout_key_start);
   const Dropout& dropout = c.dropout;
-  const at::Tensor lse = lse_rows.contiguous(), delta = delta_rows.contiguous();
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && delta.scalar_type() == at::kFloat &&
-                  lse.sizes() == at::IntArrayRef({B, H, Lq}) && delta.sizes() == lse.sizes(),
-              "interval_backward: lse and delta must be float32 [B, H, Lq]");
+  const at::Tensor lse = lse_rows.contiguous();
+  const at::Tensor grad_lse = grad_lse_rows ? grad_lse_rows->contiguous() : at::Tensor();
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.sizes() == at::IntArrayRef({B, H, Lq}),
+              "interval_backward: lse must be float32 [B, H, Lq]");
+  TORCH_CHECK(!grad_lse.defined() || (grad_lse.scalar_type() == at::kFloat && grad_lse.sizes() == lse.sizes()),
+              "interval_backward: grad_lse must be float32 [B, H, Lq] like lse");
 
   at::Tensor dq = like_layout(query, B, H, Lq, D, c.dtype);  // each block writes its rows
   // [B, Hkv, parts, Lk, C]: each part's copy laid out like key (value), summed over parts at the end
@@ -94,9 +103,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
   const int64_t blocks = (Lq + block - 1) / block;
   const int64_t blocks_per_part = (blocks + parts - 1) / parts;
   if (dq.numel() > 0 && Lk > 0) {
-    const Rows go(grad_out);
+    const Rows go(grad_out), o(out);
     const float* l = lse.data_ptr<float>();
-    const float* dl = delta.data_ptr<float>();
+    const float* gl = grad_lse.defined() ? grad_lse.data_ptr<float>() : nullptr;
     const Rows dq_rows(dq), dk_rows(dk), dv_rows(dv);  // dk, dv: float32 [b][kv][part], rows s3 apart
     const bool capped = c.capped();  // the cap's derivative is stored then
     using L = RowLanes;
@@ -120,7 +129,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       std::vector<int64_t> row_lo(padded), row_hi(padded);
       std::vector<DropoutRow> row_keys(padded);
       BlockRows r(padded);
-      FloatRows queries(c.q), keys(c.k), values(c.v), grads_given(go);  // as float32 (half.h)
+      FloatRows queries(c.q), keys(c.k), values(c.v), grads_given(go), outputs(o);  // as float32 (half.h)
       OutputRows dq_out(dq_rows);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / (Hkv * parts), kv = (task / parts) % Hkv, part = task % parts;
@@ -145,6 +154,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
             }
             const auto [q_head, q2s] = queries.head(b, h, first, first + rows);
             const auto [go_head, g2s] = grads_given.head(b, h, first, first + rows);
+            const auto [o_head, o2s] = outputs.head(b, h, first, first + rows);
             const auto [k_head, k2s] = keys.head(b, kv, span_lo, span_hi);
             const auto [v_head, v2s] = values.head(b, kv, span_lo, span_hi);
             const float* q_block = q_head + first * q2s;
@@ -155,14 +165,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
             transpose(go_block, g2s, rows, Dv, got.data(), rs);  // dOt[dv][r], padding rows 0
             for (int64_t d = 0; d < Dv; ++d) std::fill(got.data() + d * rs + rows, got.data() + (d + 1) * rs, 0.0f);
             bool dq_started = false;  // dQt holds this block's sum so far
-            const float* delta_block = dl + (b * H + h) * Lq + first;
+            const float* o_block = o_head + first * o2s;
+            const float* gl_block = gl ? gl + (b * H + h) * Lq + first : nullptr;
             // The rows' lanes; padding rows (up to a whole group) attend nothing
             for (int64_t j = 0; j < rs; ++j) {
               const bool real = j < rows, dropped = real && dropout.active;
               r.lo[j] = real ? static_cast<int32_t>(row_lo[j]) : 0, r.hi[j] = real ? static_cast<int32_t>(row_hi[j]) : 0;
               r.drop_a[j] = dropped ? static_cast<int32_t>(row_keys[j].a) : 0;
               r.drop_c[j] = dropped ? static_cast<int32_t>(row_keys[j].c) : 0;
-              r.lse[j] = real ? l_block[j] : 0.0f, r.delta[j] = real ? delta_block[j] : 0.0f;
+              r.lse[j] = real ? l_block[j] : 0.0f;
+              // FlashAttention's D term: dS = P * (f dP - delta), and a row's sum of f * P * dP is
+              // dO . O whatever the dropout factors f
+              const float delta = real ? dot(go_block + j * g2s, o_block + j * o2s, Dv) : 0.0f;
+              r.delta[j] = real && gl ? delta - gl_block[j] : delta;
             }
             for (int64_t j = 0; j < rs; j += L::kWidth) {
               const int64_t whole = std::min(rows, j + L::kWidth);
