@@ -36,14 +36,17 @@ def _same(got, want):
 @needs_native
 @settings(max_examples=40, deadline=None)
 @given(c=interval_cases(), dtype=st.sampled_from(HALF), dropout=st.sampled_from([0.0, 0.3]),
-       softcap=st.sampled_from([None, 2.0]), alibi=st.booleans(), with_nan=st.booleans())
-def test_half_precision_is_the_float32_kernel_rounded_once(c, dtype, dropout, softcap, alibi, with_nan):
+       softcap=st.sampled_from([None, 2.0]), alibi=st.booleans(), with_nan=st.booleans(),
+       parts=st.sampled_from([1, 3]))
+def test_half_precision_is_the_float32_kernel_rounded_once(c, dtype, dropout, softcap, alibi, with_nan, parts):
+    """One part rounds each task's float32 sums of dK, dV into the gradient directly; several sum
+    their float32 copies first: either way the float32 kernel's sums, rounded once."""
     q, k, v = (c[name].to(dtype) for name in ("query", "key", "value"))
     if with_nan:  # NaN and inf follow the float32 kernel's rules (test_native's IEEE tests)
-        k = k.clone()
-        k.view(-1)[0] = float("nan")
+        k = k.clone()  # any layout: clone keeps the strides, so index rather than view(-1)
+        k[0, 0, 0, 0] = float("nan")
         v = v.clone()
-        v.view(-1)[-1] = float("inf")
+        v[-1, -1, -1, -1] = float("inf")
     slopes = torch.rand(q.shape[1]) if alibi else None
     options = dict(block=c["block"], chunk=c["chunk"], dropout=dropout, seed=7, softcap=softcap, alibi_slopes=slopes)
     out, lse = native.interval_forward(q, k, v, c["lo"], c["hi"], c["scale"], **options)
@@ -54,10 +57,11 @@ def test_half_precision_is_the_float32_kernel_rounded_once(c, dtype, dropout, so
 
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     grads = native.interval_backward(grad_out, q, k, v, out, lse, c["lo"], c["hi"], c["scale"], block=c["block"],
-                                     chunk=c["chunk"], dropout=dropout, seed=7, softcap=softcap, alibi_slopes=slopes)
+                                     chunk=c["chunk"], parts=parts, dropout=dropout, seed=7, softcap=softcap,
+                                     alibi_slopes=slopes)
     # the float32 backward given the same output (rounded to the dtype, as the half call's is)
     grads32 = native.interval_backward(grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse,
-                                       c["lo"], c["hi"], c["scale"], block=c["block"], chunk=c["chunk"],
+                                       c["lo"], c["hi"], c["scale"], block=c["block"], chunk=c["chunk"], parts=parts,
                                        dropout=dropout, seed=7, softcap=softcap, alibi_slopes=slopes)
     for got, want, given_input in zip(grads, grads32, (q, k, v)):
         assert got.dtype == dtype and got.shape == given_input.shape
@@ -140,10 +144,24 @@ def test_a_model_layout_keeps_its_layout_and_dtype(dtype):
     grad_out = torch.ones_like(out)
     grads = native.interval_backward(grad_out, q, k, k, out, lse, lo, hi, 0.2)
     grads32 = native.interval_backward(grad_out.float(), q.float(), k.float(), k.float(), out.float(), lse, lo, hi, 0.2)
-    assert grads[0].transpose(1, 2).is_contiguous()
+    assert all(grad.transpose(1, 2).is_contiguous() for grad in grads)
     for got, want in zip(grads, grads32):
         assert got.dtype == dtype
         _same(got, want.to(dtype))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+def test_no_query_rows_give_zero_key_gradients(dtype):
+    """No task runs without query rows: dK and dV (written by the tasks in half precision) are
+    still zeros, in the dtype."""
+    q, k = torch.randn(1, 2, 0, 8).to(dtype), torch.randn(1, 2, 5, 8).to(dtype)
+    lo, hi = torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.long)
+    out, lse = native.interval_forward(q, k, k, lo, hi, 0.5)
+    _, dk, dv = native.interval_backward(torch.ones_like(out), q, k, k, out, lse, lo, hi, 0.5)
+    for grad in (dk, dv):
+        assert grad.dtype == dtype and grad.shape == k.shape
+        _same(grad, torch.zeros_like(k))
 
 
 @needs_native

@@ -98,15 +98,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
 
   at::Tensor dq = like_layout(query, B, H, Lq, D, c.dtype);  // each block writes its rows
   // [B, Hkv, parts, Lk, C]: each part's copy laid out like key (value), summed over parts at the end
-  at::Tensor dk = like_layout(key, B, Hkv, parts * Lk, D).view({B, Hkv, parts, Lk, D}).zero_();
-  at::Tensor dv = like_layout(value, B, Hkv, parts * Lk, Dv).view({B, Hkv, parts, Lk, Dv}).zero_();
+  // [B, Hkv, parts, Lk, C]: each part's float32 copy laid out like key (value), summed over parts
+  // at the end; half precision in one part writes its gradients directly (KeyGradRows)
+  const bool copies = c.dtype == at::kFloat || parts > 1;
+  const auto key_grads = [&](const at::Tensor& like, int64_t C) {
+    if (!copies) return like_layout(like, B, Hkv, Lk, C, c.dtype);
+    return like_layout(like, B, Hkv, parts * Lk, C).view({B, Hkv, parts, Lk, C}).zero_();
+  };
+  at::Tensor dk = key_grads(key, D), dv = key_grads(value, Dv);
   const int64_t blocks = (Lq + block - 1) / block;
   const int64_t blocks_per_part = (blocks + parts - 1) / parts;
   if (dq.numel() > 0 && Lk > 0) {
     const Rows go(grad_out), o(out);
     const float* l = lse.data_ptr<float>();
     const float* gl = grad_lse.defined() ? grad_lse.data_ptr<float>() : nullptr;
-    const Rows dq_rows(dq), dk_rows(dk), dv_rows(dv);  // dk, dv: float32 [b][kv][part], rows s3 apart
+    const Rows dq_rows(dq), dk_rows(dk), dv_rows(dv);
     const bool capped = c.capped();  // the cap's derivative is stored then
     using L = RowLanes;
     const WeightsRows<L> weights = pick_weights_rows<L>(c.plain());  // one per call
@@ -131,10 +137,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       BlockRows r(padded);
       FloatRows queries(c.q), keys(c.k), values(c.v), grads_given(go), outputs(o);  // as float32 (half.h)
       OutputRows dq_out(dq_rows);
+      KeyGradRows dk_sums(dk_rows, Lk), dv_sums(dv_rows, Lk);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / (Hkv * parts), kv = (task / parts) % Hkv, part = task % parts;
-        float* dk_head = dk_rows.mutable_floats(b, kv, part);
-        float* dv_head = dv_rows.mutable_floats(b, kv, part);
+        const auto [dk_head, dk2s] = dk_sums.start(b, kv, part);
+        const auto [dv_head, dv2s] = dv_sums.start(b, kv, part);
         const int64_t block_end = std::min(blocks, (part + 1) * blocks_per_part);
         for (int64_t h = kv * c.group; h < (kv + 1) * c.group; ++h) {
           const ScoreMods mods = c.mods(b, h);
@@ -211,32 +218,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 transpose(ds, rs, width, rows, grads_rows.data(), width);
                 exact_backward_chunk(rows, width, c0, row_lo.data(), row_hi.data(), weights_rows.data(),
                                      grads_rows.data(), q_block, q2s, go_block, g2s, k_head, k2s, dqt.data(), rs,
-                                     dk_head, dk_rows.s3, dv_head, dv_rows.s3, D, Dv, !dq_started);
+                                     dk_head, dk2s, dv_head, dv2s, D, Dv, !dq_started);
                 dq_started = true;
                 continue;
               }
               // dV_chunk += (f P)^T dO, dQt (+)= K_chunk^T dS^T, dK_chunk += dS^T Q
-              block_rows_product(p, rs, width, rows, go_block, g2s, Dv, dv_head + c0 * dv_rows.s3, dv_rows.s3);
+              block_rows_product(p, rs, width, rows, go_block, g2s, Dv, dv_head + c0 * dv2s, dv2s);
               std::fill(dq_start.begin(), dq_start.end(), dq_started ? Start::kKeep : Start::kZero);
               block_values(k_head + c0 * k2s, k2s, width, D, ds, rs, dqt.data(), dq_start.data(), no_rescale.data());
               dq_started = true;
-              block_rows_product(ds, rs, width, rows, q_block, q2s, D, dk_head + c0 * dk_rows.s3, dk_rows.s3);
+              block_rows_product(ds, rs, width, rows, q_block, q2s, D, dk_head + c0 * dk2s, dk2s);
             }
             transpose(dqt.data(), rs, D, rows, dq_block, dq2s);  // dq[r][d] = dQt[d][r]
             dq_out.store();
           }
         }
+        dk_sums.finish(), dv_sums.finish();
       }
     });
+  } else if (!copies) {
+    dk.zero_(), dv.zero_();
   }
-  const auto summed = [&](const at::Tensor& copies, const at::Tensor& like) {
-    at::Tensor total = copies.squeeze(2);
+  const auto summed = [&](const at::Tensor& sums, const at::Tensor& like) {
+    if (!copies) return sums;
+    at::Tensor total = sums.squeeze(2);
     if (parts > 1) {
-      total = like_layout(like, B, Hkv, Lk, copies.size(4));
-      at::sum_out(total, copies, {2});
+      total = like_layout(like, B, Hkv, Lk, sums.size(4));
+      at::sum_out(total, sums, {2});
     }
     if (c.dtype == at::kFloat) return total;
-    return like_layout(like, B, Hkv, Lk, copies.size(4), c.dtype).copy_(total);  // rounded once
+    return like_layout(like, B, Hkv, Lk, sums.size(4), c.dtype).copy_(total);  // rounded once
   };
   return {dq, summed(dk, key), summed(dv, value)};
 }

@@ -180,5 +180,36 @@ class OutputRows {
   int64_t b_ = 0, h_ = 0, first_ = 0, rows_ = 0;
 };
 
+// Where a backward task's float32 sums of dK (or dV) for one (sequence, kv head) go: `rows`, the
+// float32 copies [B, Hkv, parts, Lk, C] summed (and rounded) after the tasks; or, where `rows` is
+// the half-precision gradient itself [B, Hkv, Lk, C] (one part), a thread's buffer, rounded into it
+// when the task ends, so no float32 copy of the whole gradient is made, faulted in and read again.
+class KeyGradRows {
+ public:
+  KeyGradRows(const Rows& rows, int64_t keys) : rows_(rows), keys_(keys) {}
+
+  // The (b, kv, part) sums, zeroed: a float32 destination and its row stride.
+  std::pair<float*, int64_t> start(int64_t b, int64_t kv, int64_t part) {
+    b_ = b, kv_ = kv;
+    if (rows_.is_float()) return {rows_.mutable_floats(b, kv, part), rows_.s3};
+    buffer_.assign(keys_ * rows_.width, 0.0f);
+    return {buffer_.data(), rows_.width};
+  }
+
+  // The sums into the half-precision gradient, rounded once (nothing to do for float32 copies).
+  void finish() {
+    if (rows_.is_float()) return;
+    for (int64_t i = 0; i < keys_; ++i) {
+      from_float(buffer_.data() + i * rows_.width, rows_.width, rows_.type, const_cast<char*>(rows_.at(b_, kv_, i)));
+    }
+  }
+
+ private:
+  Rows rows_;
+  int64_t keys_;
+  Floats buffer_;
+  int64_t b_ = 0, kv_ = 0;
+};
+
 }  // namespace
 }  // namespace attnkit_native
