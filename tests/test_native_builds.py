@@ -1,4 +1,7 @@
-"""The native kernel's two builds compute the same bits: the AVX-512 build (16-lane softmax, weights,
+"""The native kernel's builds compute the same bits. The tile shapes: a build with tiles of 4 keys
+(features) by 1 vector of features (``ATTNKIT_NATIVE_TILES``, for tests) against the default 6 by 2
+(6 by 4 on AVX-512), on any machine, since every row's sum takes the same terms in the same order
+whatever the tile. And the two ISAs: the AVX-512 build (16-lane softmax, weights,
 score gradients, dropout hash, soft-capping and ALiBi; 512-bit product tiles) against the AVX2 build
 (8 lanes, 256-bit tiles), which computes each result by the same operations in the same order. The
 AVX2 build is compiled into a temporary cache and run in a child process (a process can load only
@@ -39,6 +42,19 @@ torch.save((native.wide(), results), sys.argv[1])
 """
 
 
+def _same_bits(ours, theirs):
+    for case, (a_results, b_results) in enumerate(zip(ours, theirs)):
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), a_results, b_results):
+            assert torch.equal(a.isnan(), b.isnan()), (case, name)
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), (case, name, (a - b).nan_to_num().abs().max())
+
+
+def _build(env):
+    built = subprocess.run([sys.executable, "-m", "attnkit.kernel", "--strict"], capture_output=True, text=True,
+                           env=env, check=False)
+    assert built.returncode == 0, built.stdout + built.stderr
+
+
 def _run(path, env=None):
     done = subprocess.run([sys.executable, "-c", CASES, str(path)], capture_output=True, text=True, env=env, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -48,12 +64,24 @@ def _run(path, env=None):
 @pytest.mark.skipif(not native.available() or not native.wide(), reason="needs the AVX-512 build loaded")
 def test_the_avx2_and_avx512_builds_give_the_same_bits(tmp_path):
     env = {**os.environ, "ATTNKIT_NATIVE_AVX512": "0", "ATTNKIT_NATIVE_DIR": str(tmp_path / "cache")}
-    built = subprocess.run([sys.executable, "-m", "attnkit.kernel", "--strict"], capture_output=True, text=True,
-                           env=env, check=False)
-    assert built.returncode == 0, built.stdout + built.stderr
+    _build(env)
     (was_wide, wide), (was_narrow, narrow) = _run(tmp_path / "wide.pt"), _run(tmp_path / "narrow.pt", env)
     assert was_wide and not was_narrow
-    for case, (ours, theirs) in enumerate(zip(wide, narrow)):
-        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ours, theirs):
-            assert torch.equal(a.isnan(), b.isnan()), (case, name)
-            assert torch.equal(a.nan_to_num(), b.nan_to_num()), (case, name, (a - b).nan_to_num().abs().max())
+    _same_bits(wide, narrow)
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.why_unavailable()}")
+def test_every_tile_shape_gives_the_same_bits(tmp_path):
+    env = {**os.environ, "ATTNKIT_NATIVE_TILES": "4x1", "ATTNKIT_NATIVE_DIR": str(tmp_path / "cache")}
+    _build(env)
+    (_, default), (_, other) = _run(tmp_path / "default.pt"), _run(tmp_path / "other.pt", env)
+    _same_bits(default, other)
+
+
+@pytest.mark.parametrize("given", ["7x1", "4x0", "4", "ax2"])
+def test_a_bad_tile_shape_is_refused(given, monkeypatch):
+    from attnkit._backends.native import building
+
+    monkeypatch.setenv("ATTNKIT_NATIVE_TILES", given)
+    with pytest.raises(ValueError, match="ATTNKIT_NATIVE_TILES"):
+        building.tile_shape_flags()

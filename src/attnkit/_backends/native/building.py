@@ -80,8 +80,22 @@ def wide() -> bool:
 
 
 def flags() -> list[str]:
-    """The compiler flags for this machine (:data:`FLAGS`, plus :data:`AVX512_FLAGS` where :func:`wide`)."""
-    return FLAGS + AVX512_FLAGS if wide() else FLAGS
+    """The compiler flags for this machine (:data:`FLAGS`, plus :data:`AVX512_FLAGS` where :func:`wide`,
+    plus :func:`tile_shape_flags`)."""
+    return (FLAGS + AVX512_FLAGS if wide() else FLAGS) + tile_shape_flags()
+
+
+def tile_shape_flags() -> list[str]:
+    """``ATTNKIT_NATIVE_TILES=KxF`` builds register tiles of K keys (features) by, in the backward's
+    products over rows, F vectors of features, instead of ``csrc/lanes.h``'s choice: for tests, which
+    check that every tile shape gives the same bits. Unset (the normal case): no flags."""
+    given = os.environ.get("ATTNKIT_NATIVE_TILES", "")
+    if not given:
+        return []
+    keys, _, vectors = given.partition("x")
+    if not (keys.isdigit() and vectors.isdigit() and 1 <= int(keys) <= 6 and 1 <= int(vectors) <= 4):
+        raise ValueError(f"ATTNKIT_NATIVE_TILES: expected KxF with 1 <= K <= 6 and 1 <= F <= 4, got {given!r}")
+    return [f"-DATTNKIT_TILE_KEYS={int(keys)}", f"-DATTNKIT_TILE_FEATURE_VECTORS={int(vectors)}"]
 
 
 def cache_dir() -> Path:

@@ -176,6 +176,16 @@ inline V tanh_via_exp(V y) {
   return below(size, kTanhSeriesBelow, tanh_series(y), with_sign_of(div(sub(one, e), add(one, e)), y));
 }
 
+// ---- Tile shapes given at build time (tests only) -------------------------------------------------
+
+// building.py's ATTNKIT_NATIVE_TILES=KxF compiles register tiles of K keys by F feature vectors in
+// place of the lane traits' choice below, so that a test can check every shape gives the same bits.
+#ifdef ATTNKIT_TILE_KEYS
+constexpr int kTileKeysGiven = ATTNKIT_TILE_KEYS, kTileFeatureVectorsGiven = ATTNKIT_TILE_FEATURE_VECTORS;
+#else
+constexpr int kTileKeysGiven = 0, kTileFeatureVectorsGiven = 0;
+#endif
+
 // ---- Whole rows of floats (the exact paths and the output's normalisation) ----------------------
 
 inline float horizontal_sum(__m256 v) {
@@ -266,8 +276,8 @@ struct Lanes8 {
   // rows, and by up to kFeatureVectors vectors of features in the backward's products over rows:
   // 12 accumulators of 16 registers, with the 2 row vectors and a broadcast; a partial last
   // vector's lanes.
-  static constexpr int kKeysPerTile = 6;
-  static constexpr int kFeatureVectors = 2;
+  static constexpr int kKeysPerTile = kTileKeysGiven ? kTileKeysGiven : 6;
+  static constexpr int kFeatureVectors = kTileFeatureVectorsGiven ? kTileFeatureVectorsGiven : 2;
   // unrolled by 4: with the earlier 2 x 4 tiles the window forward ran 15-30% slower; with these, level
   static constexpr bool kUnrollTiles = false;
   using Tail = __m256i;
@@ -317,8 +327,8 @@ struct Lanes16 {
 
   // 6 keys by 2 vectors of rows in the scores' and values' tiles: 12 accumulators in flight (4 and
   // 8 keys were slower); by up to 4 vectors of features in the backward's products over rows: 24.
-  static constexpr int kKeysPerTile = 6;
-  static constexpr int kFeatureVectors = 4;
+  static constexpr int kKeysPerTile = kTileKeysGiven ? kTileKeysGiven : 6;
+  static constexpr int kFeatureVectors = kTileFeatureVectorsGiven ? kTileFeatureVectorsGiven : 4;
   static constexpr bool kUnrollTiles = true;  // a quarter of the tiles' loop branches (see tiles.h)
   using Tail = __mmask16;
   static F broadcast(const float* p) { return _mm512_set1_ps(*p); }
