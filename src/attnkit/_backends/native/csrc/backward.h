@@ -97,7 +97,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               "interval_backward: grad_lse must be float32 [B, H, Lq] like lse");
 
   at::Tensor dq = like_layout(query, B, H, Lq, D, c.dtype);  // each block writes its rows
-  // [B, Hkv, parts, Lk, C]: each part's copy laid out like key (value), summed over parts at the end
   // [B, Hkv, parts, Lk, C]: each part's float32 copy laid out like key (value), summed over parts
   // at the end; half precision in one part writes its gradients directly (KeyGradRows)
   const bool copies = c.dtype == at::kFloat || parts > 1;
