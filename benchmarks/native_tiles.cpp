@@ -7,8 +7,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <vector>
 
+#include "aligned.h"
 #include "tiles.h"
 
 using namespace attnkit_native;
@@ -32,7 +32,8 @@ int main(int argc, char** argv) {
   const int64_t D = 64, rs = kGroup;
   for (int a = 1; a < argc; ++a) {
     const int64_t W = std::atol(argv[a]);
-    std::vector<float> qt(D * rs, 0.01f), k(W * D, 0.02f), s(W * rs), ot(D * rs, 0.0f), rescale(rs, 1.0f);
+    // the kernel's own scratch memory, aligned to a cache line
+    Floats qt(D * rs, 0.01f), k(W * D, 0.02f), s(W * rs), ot(D * rs, 0.0f), rescale(rs, 1.0f);
     const Start keep = Start::kKeep;
     const double flops = 2.0 * W * D * rs;
     const double scores = best_rate(flops, [&] { block_scores(k.data(), D, W, D, qt.data(), rs, s.data()); });
