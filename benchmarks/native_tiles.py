@@ -58,5 +58,6 @@ def main() -> None:
         print(f"| {keys} | {float(scores):.0f} | {share(scores)} | {float(values):.0f} | {share(values)} |")
     print(f"\nFMA peak: {f'{peak:.0f} GFLOP/s ({how})' if peak else how}")
 
+
 if __name__ == "__main__":
     main()

@@ -20,9 +20,9 @@ EXPECTED_SCHEMAS = {
                         "-> (Tensor, Tensor)",
     "interval_backward": "attnkit_native::interval_backward(Tensor grad_out, Tensor query, Tensor key, "
                          "Tensor value, Tensor out, Tensor lse, Tensor? grad_lse, Tensor lo, Tensor hi, float scale, "
-                         "int block, "
-                         "int chunk, int parts, float dropout, int seed, float softcap, Tensor? alibi_slopes, "
-                         "int dropout_head_start, int dropout_row_start, int dropout_key_start) -> (Tensor, Tensor, Tensor)",
+                         "int block, int chunk, int parts, float dropout, int seed, float softcap, "
+                         "Tensor? alibi_slopes, int dropout_head_start, int dropout_row_start, "
+                         "int dropout_key_start) -> (Tensor, Tensor, Tensor)",
     "release_kept_memory": "attnkit_native::release_kept_memory() -> int",
 }
 

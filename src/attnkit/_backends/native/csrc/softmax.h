@@ -32,8 +32,8 @@ namespace {
 // to a whole group included), and, per vector of rows, the keys all of them attend.
 struct BlockRows {
   std::vector<int32_t> lo, hi, drop_a, drop_c;  // the interval, the dropout keys
-  Floats max, sum, rescale;  // the forward's running softmax
-  Floats lse, delta;         // the backward's
+  Floats max, sum, rescale;                     // the forward's running softmax
+  Floats lse, delta;                            // the backward's
   std::vector<int64_t> all_lo, all_hi;          // per vector of rows
 
   explicit BlockRows(int64_t padded)
