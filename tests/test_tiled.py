@@ -402,12 +402,10 @@ def test_auto_runs_long_structured_masks_tiled_and_everything_else_fused(forward
     assert _auto(_call(4096, masks.padding([3600]))) == ("tiled" if native_runs else "torch")
     assert _auto(_call(4096, masks.padding([4000]))) == "torch"  # 98% of the pairs
     assert _auto(_call(4096, masks.causal() & masks.padding([3000]))) == "tiled"
-    # Plain causal, masks.causal() or causal=True alike: the native kernel beat SDPA's causal path
-    # (forward and backward) from 128 (its AVX2 build: below 4096 x 4096), and its forward alone
-    # at every length from 128; elsewhere, and without the native kernel, SDPA's causal path
-    # (PyTorch's kernel block by block is no faster)
-    long_trained = native.wide()
-    for length, native_wins in ((128, True), (2048, True), (4096, long_trained), (8192, long_trained), (64, False)):
+    # Plain causal, masks.causal() or causal=True alike: the native kernel beat SDPA's causal path,
+    # forward and backward, at every length from 128 (AVX2 and AVX-512 builds); below, and without
+    # the native kernel, SDPA's causal path (PyTorch's kernel block by block is no faster)
+    for length, native_wins in ((128, True), (2048, True), (4096, True), (16384, True), (64, False)):
         expected = "tiled:native" if native_runs and native_wins else "torch"
         trained = _call(length, masks.causal())
         trained.query.requires_grad_()

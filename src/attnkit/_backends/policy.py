@@ -14,9 +14,9 @@ the registry of :mod:`attnkit._backends`) and, for the tiled backend, the **kern
    PyTorch's fused kernels (``"torch"``).
 3. ``return_weights``: ``"torch"``'s materialised path of fused ops (weights are ``Lq x Lk`` anyway).
 4. Plain causal (``causal=True`` or ``masks.causal()``, nothing else; over one query row the call
-   holds neither): square, the tiled backend on attnkit's native kernel from 128 x 128 (with its
-   AVX2 build, only below 4096 x 4096 where a backward will run; in bf16 with no backward, only
-   below 8192 x 8192), where it beat SDPA's causal path, else that path; other shapes, the tiled
+   holds neither): square, the tiled backend on attnkit's native kernel from 128 x 128, where it
+   beat SDPA's causal path at every length measured, forward and training, float32 and half
+   precision; without the native kernel, or below 128 x 128, that path; other shapes, the tiled
    backend.
 5. A decoding step (one query row) with a structured mask: ``"torch"`` with the mask's one dense
    row per sequence.
@@ -59,16 +59,11 @@ AUTO_MAX_VISITED = ((1024 * 1024, 0.3), (float("inf"), 0.6))  # (pairs below, vi
 #: at most 90% of the pairs (its own share, :func:`native.computed_fraction`; tied at 94%).
 NATIVE_MIN_PAIRS = 128 * 128
 NATIVE_MAX_COMPUTED = 0.9
-#: Plain square causal with a backward to run: the AVX2 build's backward lost to SDPA's causal path
-#: from 4096 x 4096 (1.06x); the AVX-512 build's won at every length measured (0.35-0.40x).
-NATIVE_CAUSAL_MAX_PAIRS = 4096 * 4096
-#: Half precision (where the kernel serves it: CPUs without half-precision matrix units, see
+#: Half precision runs the kernel where it serves it (CPUs without half-precision matrix units, see
 #: :func:`.native.serves_half_precision`): SDPA's bf16 / fp16 backward took 4.8x / 8x the kernel's
-#: time (causal, L = 4096, AVX2), so calls with a backward always go to the kernel; its fp16
-#: forward took 1.4-1.65x; its bf16 forward was level at 4096 x 4096 (1.01x) and 0.88x at 8192 x 8192,
-#: so a bf16 plain causal call with no backward goes to SDPA from here. Structured masks in half
-#: precision always run the kernel: the alternatives are the same SDPA kernels, per block or dense.
-HALF_CAUSAL_FORWARD_MAX_PAIRS = 8192 * 8192
+#: time (causal, L = 4096, AVX2) and its forward is no faster at any length measured; structured
+#: masks in half precision always run the kernel, whose alternatives are the same SDPA kernels, per
+#: block or dense (docs/performance.md).
 
 
 @dataclass(frozen=True)
@@ -105,8 +100,8 @@ def choose(call: AttentionCall) -> Route:
         # kernel, which builds the L x L mask. Otherwise (a chunk of rows after a cache) the op.
         if call.q_len == call.k_len:
             pairs = call.q_len * call.k_len
-            native_faster = (NATIVE_MIN_PAIRS <= pairs and _native_beats_sdpa_causal(call, pairs)
-                             and _native_serves(call.query.device.type, call.query.dtype, False))
+            native_faster = NATIVE_MIN_PAIRS <= pairs and _native_serves(call.query.device.type, call.query.dtype,
+                                                                         False)
             return _TILED_CHOOSES if native_faster else _TORCH
         return _TILED_CHOOSES
     if call.q_len == 1 and call.structure is not None and not call.modifies_scores and call.dropout == 0:
@@ -120,14 +115,6 @@ def choose(call: AttentionCall) -> Route:
         # native kernel took 0.02-0.77x its time from 32 x 32 pairs (docs/performance.md).
         return _TILED_CHOOSES
     return _TORCH
-
-
-def _native_beats_sdpa_causal(call: AttentionCall, pairs: int) -> bool:
-    """Whether the native kernel was measured faster than SDPA's causal path on a square plain
-    causal call of ``pairs`` pairs (:data:`NATIVE_CAUSAL_MAX_PAIRS`, :data:`HALF_CAUSAL_FORWARD_MAX_PAIRS`)."""
-    if call.query.dtype == torch.float32:
-        return pairs < NATIVE_CAUSAL_MAX_PAIRS or not call.needs_grad or _native_wide()
-    return call.needs_grad or call.query.dtype != torch.bfloat16 or pairs < HALF_CAUSAL_FORWARD_MAX_PAIRS
 
 
 def _plain_causal(call: AttentionCall) -> bool:
@@ -170,12 +157,6 @@ def _gpu_engines() -> GpuEngines:
 
 
 @_torch_private.assume_constant_result
-def _native_wide() -> bool:
-    """Process state (which build of the kernel is loaded), read once per trace."""
-    return native.wide()
-
-
-@_torch_private.assume_constant_result
 def _native_serves(device_type: str, dtype: torch.dtype, has_mask: bool) -> bool:
     """Process state (the kernel loaded, not turned off), read once per trace."""
     return native.serves(device_type, dtype, has_mask)
@@ -201,8 +182,7 @@ def kernel_for(inputs: IntervalInputs) -> str:
         if pairs < NATIVE_MIN_PAIRS:
             return "dense"
         if query.dtype != torch.float32:
-            return "native"  # never the dense kernel: SDPA's half-precision backward is 5-8x slower (see
-            # HALF_CAUSAL_FORWARD_MAX_PAIRS)
+            return "native"  # never the dense kernel: SDPA's half-precision backward is 5-8x slower
         if inputs.causal_only and query.shape[2] == key.shape[2]:
             # choose() sends square causal calls here only where the native kernel beat SDPA's causal
             # path; the alternative here would be the dense kernel with an L x L mask (return_lse)
