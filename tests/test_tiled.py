@@ -429,7 +429,18 @@ def test_auto_runs_long_structured_masks_tiled_and_everything_else_fused(forward
     assert auto_runs(call) == "torch"
     torch.testing.assert_close(attnkit.attention(*step, mask=masks.causal()),
                                attnkit.attention(*step, mask=masks.causal(), backend="reference"))
-    assert auto_runs(_call(4096, None)) == "torch"
+    # no mask: the native kernel over every key from 512 x 512 pairs and up to 128 features a head
+    # (it beat SDPA's unmasked path there); shorter, wider or one query row: SDPA's
+    assert auto_runs(_call(4096, None)) == ("tiled:native" if native_runs else "torch")
+    assert auto_runs(_call(512, None)) == ("tiled:native" if native_runs else "torch")
+    assert auto_runs(_call(256, None)) == "torch"
+    wide = torch.empty(1, 2, 1024, 256)
+    assert auto_runs(make_call(wide, wide, wide, mask=None, causal=False, scale=None, dropout=0.0, generator=None,
+                               return_weights=False)) == "torch"
+    step = [torch.empty(1, 8, 1, 64), torch.empty(1, 8, 4096, 64), torch.empty(1, 8, 4096, 64)]
+    assert auto_runs(make_call(*step, mask=None, causal=False, scale=None, dropout=0.0, generator=None,
+                               return_weights=False)) == "torch"
+    assert auto_runs(_call(4096, None, return_weights=True)) == "torch"
     assert auto_runs(_call(16, None, return_lse=True)) == ("tiled:native" if native_runs else "tiled:blocks")
 
 
