@@ -60,8 +60,13 @@ def test_explicit_backends_are_kept_and_the_two_documented_exceptions_change_not
 
 def test_auto_runs_names_the_kernel_the_op_picks():
     assert auto_runs(_call(mask=masks.sliding_window(256))) in ("tiled:native", "tiled:blocks")
-    assert auto_runs(_call(mask=masks.padding([4096]))) == "tiled:dense"  # nothing to skip
-    assert auto_runs(_call()) == ("tiled:native" if native.serves("cpu", torch.float32, False) else "torch")
+    kernel_serves = native.serves("cpu", torch.float32, False)
+    # nothing to skip: the native kernel still beat SDPA over the mask as a tensor
+    assert auto_runs(_call(mask=masks.padding([4096]))) == ("tiled:native" if kernel_serves else "tiled:dense")
+    short = torch.empty(1, 8, 64, 64)  # below NATIVE_MIN_PAIRS: the fused kernel over the dense mask
+    assert auto_runs(make_call(short, short, short, mask=masks.sliding_window(16), causal=False, scale=None,
+                               dropout=0.0, generator=None, return_weights=False)) == "tiled:dense"
+    assert auto_runs(_call()) == ("tiled:native" if kernel_serves else "torch")
 
 
 @pytest.mark.parametrize("mask", [None, masks.causal()])

@@ -57,10 +57,10 @@ MEASURED_DEVICES = frozenset({"cpu"})
 #: of the pairs (docs/performance.md).
 AUTO_MIN_PAIRS = 512 * 512
 AUTO_MAX_VISITED = ((1024 * 1024, 0.3), (float("inf"), 0.6))  # (pairs below, visited share at most)
-#: attnkit's native kernel against the fused dense kernel: from 128 x 128 pairs wherever it multiplies
-#: at most 90% of the pairs (its own share, :func:`native.computed_fraction`; tied at 94%).
+#: attnkit's native kernel against the fused dense kernel: from 128 x 128 pairs, whatever share of
+#: the pairs the mask keeps (0.55-0.78x the dense kernel's time with 98-100% of them, 2026-11-27;
+#: until then it lost from ~94%, and `NATIVE_MAX_COMPUTED` = 0.9 sent such masks to the dense kernel).
 NATIVE_MIN_PAIRS = 128 * 128
-NATIVE_MAX_COMPUTED = 0.9
 #: No mask at all: attnkit's native kernel against SDPA's unmasked path through ``attention()``
 #: (2026-11-27, AMD EPYC, AVX2 build, 2 threads): 0.83-0.93x its time forward and training from
 #: 512 x 512 pairs (D = 32 and 64, GQA, 1 and 2 threads), level at D = 128 (0.95-1.00x), bf16 0.78x
@@ -190,19 +190,10 @@ def kernel_for(inputs: IntervalInputs) -> str:
     if query.device.type == "cuda" and bias is None and GpuEngines.find().triton and triton_supports(query):
         return "triton"  # attnkit's interval kernel on the GPU (an explicit backend="tiled", return_lse)
     if native.applies(query, key, value, bias is not None):
-        if inputs.sparse_only or inputs.dropout > 0:
-            return "native"
-        pairs = query.shape[2] * key.shape[2]
-        if pairs < NATIVE_MIN_PAIRS:
-            return "dense"
-        if query.dtype != torch.float32:
-            return "native"  # never the dense kernel: SDPA's half-precision backward is 5-8x slower
-        if inputs.causal_only and query.shape[2] == key.shape[2]:
-            # choose() sends square causal calls here only where the native kernel beat SDPA's causal
-            # path; the alternative here would be the dense kernel with an L x L mask (return_lse)
-            return "native"
-        computed = sum(native.computed_fraction(lo[:, r], hi[:, r], key.shape[2]) for r in range(lo.shape[1]))
-        return "native" if computed <= NATIVE_MAX_COMPUTED else "dense"
+        # from 128 x 128 the native kernel beat the dense kernel (SDPA over the mask as a tensor)
+        # whatever share of the pairs the mask keeps, in every dtype: see NATIVE_MIN_PAIRS
+        short = query.shape[2] * key.shape[2] < NATIVE_MIN_PAIRS
+        return "dense" if short and not (inputs.sparse_only or inputs.dropout > 0) else "native"
     if query.device.type == "cpu" and query.dtype == torch.float32 and bias is None:
         native.hint_if_not_built()
     if (inputs.sparse_only or inputs.dropout > 0 or inputs.softcap is not None

@@ -2,7 +2,7 @@
 keys a step of the running softmax takes, chosen by the mean number of keys a row attends, and how
 the backward splits rows across threads. Measured with ``benchmarks/masks.py`` (L = 16384, H = 8,
 D = 64, fp32, 2 threads); also :func:`computed_fraction`, the share of pairs a call multiplies,
-which ``"auto"`` reads."""
+which ``benchmarks/masks.py`` reports."""
 
 from __future__ import annotations
 
@@ -66,8 +66,7 @@ def backward_parts(batch: int, kv_heads: int, q_len: int, block: int) -> int:
 def computed_fraction(lo: Tensor, hi: Tensor, k_len: int) -> float:
     """Share of the ``Lq x Lk`` (query, key) pairs that the forward multiplies for rows attending
     ``[lo, hi)`` (``[S, Lq]``, mean over the S sequences): every row of a block over the span of the
-    block's intervals. Cheap (a dozen vector ops over ``[S, Lq]``, ~30 us at Lq = 128), so
-    ``"auto"`` can ask on every call."""
+    block's intervals. Cheap (a dozen vector ops over ``[S, Lq]``, ~30 us at Lq = 128)."""
     if lo.numel() == 0 or k_len == 0:
         return 0.0
     block, _ = tiles(lo, hi)
