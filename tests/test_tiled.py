@@ -430,11 +430,18 @@ def test_auto_runs_long_structured_masks_tiled_and_everything_else_fused(forward
     assert auto_runs(call) == "torch"
     torch.testing.assert_close(attnkit.attention(*step, mask=masks.causal()),
                                attnkit.attention(*step, mask=masks.causal(), backend="reference"))
-    # no mask: the native kernel over every key from 512 x 512 pairs and up to 128 features a head
-    # (it beat SDPA's unmasked path there); shorter, wider or one query row: SDPA's
+    # no mask: the native kernel over every key from 1024 x 1024 pairs (512 x 512 with a backward)
+    # and up to 128 features a head (it beat SDPA's unmasked path there); shorter, wider or one
+    # query row: SDPA's
     assert auto_runs(_call(4096, None)) == ("tiled:native" if native_runs else "torch")
-    assert auto_runs(_call(512, None)) == ("tiled:native" if native_runs else "torch")
-    assert auto_runs(_call(256, None)) == "torch"
+    assert auto_runs(_call(1024, None)) == ("tiled:native" if native_runs else "torch")
+    assert auto_runs(_call(512, None)) == "torch"
+    trained = _call(512, None)
+    trained.query.requires_grad_()
+    assert auto_runs(trained) == ("tiled:native" if native_runs else "torch")
+    trained = _call(256, None)
+    trained.query.requires_grad_()
+    assert auto_runs(trained) == "torch"
     wide = torch.empty(1, 2, 1024, 256)
     assert auto_runs(make_call(wide, wide, wide, mask=None, causal=False, scale=None, dropout=0.0, generator=None,
                                return_weights=False)) == "torch"
