@@ -537,3 +537,41 @@ def test_half_precision_gradients_within_twice_the_plain_error(dtype):
     for got, low, want in zip(ours, plain, exact):
         assert got.dtype == dtype
         assert _max_error(got, want) <= 2 * _max_error(low, want) + torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_runs_unmasked_calls_on_the_native_kernel_exactly(dtype):
+    """What auto now runs for long unmasked calls (the native kernel over every key where it serves
+    the dtype, else SDPA): GQA, Lq != Lk, forward from 1024 x 1024 pairs and training from 512 x 512,
+    against the float64 oracle (float32 within FP32, half precision within twice the plain error)."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 4, 1024, 16, generator=g)
+    k, v = (torch.randn(1, 2, 1100, 16, generator=g) for _ in range(2))
+    call = make_call(q.to(dtype), k.to(dtype), v.to(dtype), mask=None, causal=False, scale=None, dropout=0.0,
+                     generator=None, return_weights=False)
+    assert auto_runs(call) == ("tiled:native" if native.serves("cpu", dtype, False) else "torch")
+    expected, _ = oracle_attention(q, k, v)
+    got = attnkit.attention(q.to(dtype), k.to(dtype), v.to(dtype))
+    plain, _ = oracle_attention(q.to(dtype), k.to(dtype), v.to(dtype), dtype=dtype)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), expected, **FP32)
+    else:
+        assert _max_error(got, expected) <= 2 * _max_error(plain, expected) + torch.finfo(dtype).eps
+    # training: 600 x 640 pairs, above the training threshold only
+    q, k, v, up = q[:, :, :600], k[:, :, :640], v[:, :, :640], torch.randn(1, 4, 600, 16, generator=g)
+    leaf = torch.empty_like(q, dtype=dtype, requires_grad=True)
+    trained = make_call(leaf, k.to(dtype), v.to(dtype), mask=None, causal=False, scale=None, dropout=0.0,
+                        generator=None, return_weights=False)
+    assert auto_runs(trained) == ("tiled:native" if native.serves("cpu", dtype, False) else "torch")
+    def run(fn, dt):  # fresh leaves for each run (.to of a float32 tensor to float32 is the tensor)
+        return output_and_gradients(fn, tuple(t.clone() for t in (q, k, v)), up, dt)
+
+    exact = run(lambda a, b, c: oracle_attention(a, b, c)[0], torch.float64)
+    low = run(lambda a, b, c: oracle_attention(a, b, c, dtype=dtype)[0], dtype)
+    ours = run(lambda a, b, c: attnkit.attention(a, b, c), dtype)
+    for mine, theirs, want in zip(ours, low, exact):
+        assert mine.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(mine.double(), want, **FP32)
+        else:
+            assert _max_error(mine, want) <= 2 * _max_error(theirs, want) + torch.finfo(dtype).eps
