@@ -442,6 +442,17 @@ def test_auto_runs_long_structured_masks_tiled_and_everything_else_fused(forward
     trained = _call(256, None)
     trained.query.requires_grad_()
     assert auto_runs(trained) == "torch"
+    # half precision (where the kernel serves it): from 128 x 128, bf16 forward-only from 512 x 512
+    for dtype, length, forward_alone in ((torch.bfloat16, 256, False), (torch.bfloat16, 512, True),
+                                        (torch.float16, 128, True)):
+        x = torch.empty(1, 8, length, 64, dtype=dtype)
+        served = native_runs and native.serves("cpu", dtype, False)
+        expected = "tiled:native" if served and forward_alone else "torch"
+        assert auto_runs(make_call(x, x, x, mask=None, causal=False, scale=None, dropout=0.0, generator=None,
+                                   return_weights=False)) == expected, (dtype, length)
+        y = torch.empty(1, 8, 128, 64, dtype=dtype, requires_grad=True)
+        assert auto_runs(make_call(y, y, y, mask=None, causal=False, scale=None, dropout=0.0, generator=None,
+                                   return_weights=False)) == ("tiled:native" if served else "torch"), dtype
     wide = torch.empty(1, 2, 1024, 256)
     assert auto_runs(make_call(wide, wide, wide, mask=None, causal=False, scale=None, dropout=0.0, generator=None,
                                return_weights=False)) == "torch"

@@ -22,9 +22,10 @@ the registry of :mod:`attnkit._backends`) and, for the tiled backend, the **kern
    row per sequence.
 6. A structured mask, soft-capping, ALiBi or sinks (SDPA has none of these), or dropout where
    attnkit's native kernel runs: the tiled backend with its kernel left to :func:`kernel_for`.
-7. No mask at all, from 1024 x 1024 pairs (512 x 512 where a backward will run) and head sizes up
-   to 128, where attnkit's native kernel runs: the tiled backend on it (it beat SDPA's unmasked path
-   there).
+7. No mask at all, from a number of pairs by dtype (float32: 1024 x 1024, 512 x 512 where a
+   backward will run; half precision from 128 x 128, bfloat16 forward from 512 x 512) and head sizes
+   up to 128, where attnkit's native kernel runs: the tiled backend on it (it beat SDPA's unmasked
+   path there).
 8. Else ``"torch"``.
 
 :func:`kernel_for` runs inside the op (``attnkit::interval_attention``, :mod:`.interval_op`), on the
@@ -63,12 +64,18 @@ AUTO_MAX_VISITED = ((1024 * 1024, 0.3), (float("inf"), 0.6))  # (pairs below, vi
 #: until then it lost from ~94%, and `NATIVE_MAX_COMPUTED` = 0.9 sent such masks to the dense kernel).
 NATIVE_MIN_PAIRS = 128 * 128
 #: No mask at all: attnkit's native kernel against SDPA's unmasked path through ``attention()``
-#: (2026-11-27, AMD EPYC, AVX2 build, 2 threads): 0.83-0.93x its time forward and training from
-#: 1024 x 1024 pairs (D = 32 and 64, GQA, 1 and 2 threads), level at D = 128 (0.95-1.00x), bf16 0.78x
-#: forward and 0.15x training; at 512 x 512 training 0.83-0.87x but the forward level (0.93-1.13x over
-#: runs, benchmarks/sdpa.py); below, the op's fixed cost lost (1.15-1.47x at 128 and 256 keys).
-NATIVE_UNMASKED_MIN_PAIRS = 1024 * 1024
-NATIVE_UNMASKED_TRAINING_MIN_PAIRS = 512 * 512  # where a backward will run
+#: (2026-11-27, AMD EPYC, AVX2 build, 2 threads), the pairs from which the kernel runs, by dtype and
+#: whether a backward will run. float32: 0.83-0.93x SDPA's time from 1024 x 1024 (D = 32 and 64,
+#: GQA, 1 and 2 threads), level at D = 128 (0.95-1.00x); at 512 x 512 training 0.83-0.87x but the
+#: forward level (0.93-1.13x over runs, benchmarks/sdpa.py); below, the op's fixed cost lost
+#: (1.15-1.47x at 128 and 256 keys). Half precision, where the kernel serves it (SDPA converts too):
+#: training 0.26-0.45x from 128 keys, float16 forward 0.58-0.68x from 128; bfloat16 forward 1.23x at
+#: 128, 1.06x at 256, 0.78-0.81x from 512.
+NATIVE_UNMASKED_MIN_PAIRS = {  # (dtype, a backward will run) -> pairs
+    (torch.float32, False): 1024 * 1024, (torch.float32, True): 512 * 512,
+    (torch.bfloat16, False): 512 * 512, (torch.bfloat16, True): 128 * 128,
+    (torch.float16, False): 128 * 128, (torch.float16, True): 128 * 128,
+}
 NATIVE_UNMASKED_MAX_HEAD_DIM = 128
 #: Half precision runs the kernel where it serves it (CPUs without half-precision matrix units, see
 #: :func:`.native.serves_half_precision`): SDPA's bf16 / fp16 backward took 4.8x / 8x the kernel's
@@ -126,9 +133,9 @@ def choose(call: AttentionCall) -> Route:
         # SDPA has no fused CPU kernel with dropout (its math path materialises every weight): the
         # native kernel took 0.02-0.77x its time from 32 x 32 pairs (docs/performance.md).
         return _TILED_CHOOSES
-    if (call.mask is None and not call.causal and call.q_len > 1
-            and call.q_len * call.k_len >= (NATIVE_UNMASKED_TRAINING_MIN_PAIRS if call.needs_grad
-                                            else NATIVE_UNMASKED_MIN_PAIRS)
+    unmasked_from = NATIVE_UNMASKED_MIN_PAIRS.get((call.query.dtype, call.needs_grad))
+    if (call.mask is None and not call.causal and call.q_len > 1 and unmasked_from is not None
+            and call.q_len * call.k_len >= unmasked_from
             and max(call.query.shape[-1], call.value.shape[-1]) <= NATIVE_UNMASKED_MAX_HEAD_DIM
             and _native_serves(call.query.device.type, call.query.dtype, False)):
         return _TILED_NATIVE  # no mask: the kernel over every key (its dense alternative would build a mask)
