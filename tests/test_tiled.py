@@ -362,8 +362,8 @@ def test_a_sliding_window_runs_even_key_spans():
     torch.testing.assert_close(out, expected.to(out.dtype), **FP32)
 
 
-def _call(length, mask, heads=8, **kwargs):
-    q = torch.empty(1, heads, length, 64)
+def _call(length, mask, heads=8, head_dim=64, dtype=torch.float32, **kwargs):
+    q = torch.empty(1, heads, length, head_dim, dtype=dtype)
     options = dict(causal=False, scale=None, dropout=0.0, generator=None, return_weights=False) | kwargs
     return make_call(q, q, q, mask=mask, **options)
 
@@ -445,17 +445,13 @@ def test_auto_runs_long_structured_masks_tiled_and_everything_else_fused(forward
     # half precision (where the kernel serves it): from 128 x 128, bf16 forward-only from 512 x 512
     for dtype, length, forward_alone in ((torch.bfloat16, 256, False), (torch.bfloat16, 512, True),
                                         (torch.float16, 128, True)):
-        x = torch.empty(1, 8, length, 64, dtype=dtype)
         served = native_runs and native.serves("cpu", dtype, False)
         expected = "tiled:native" if served and forward_alone else "torch"
-        assert auto_runs(make_call(x, x, x, mask=None, causal=False, scale=None, dropout=0.0, generator=None,
-                                   return_weights=False)) == expected, (dtype, length)
-        y = torch.empty(1, 8, 128, 64, dtype=dtype, requires_grad=True)
-        assert auto_runs(make_call(y, y, y, mask=None, causal=False, scale=None, dropout=0.0, generator=None,
-                                   return_weights=False)) == ("tiled:native" if served else "torch"), dtype
-    wide = torch.empty(1, 2, 1024, 256)
-    assert auto_runs(make_call(wide, wide, wide, mask=None, causal=False, scale=None, dropout=0.0, generator=None,
-                               return_weights=False)) == "torch"
+        assert auto_runs(_call(length, None, dtype=dtype)) == expected, (dtype, length)
+        trained = _call(128, None, dtype=dtype)
+        trained.query.requires_grad_()
+        assert auto_runs(trained) == ("tiled:native" if served else "torch"), dtype
+    assert auto_runs(_call(1024, None, heads=2, head_dim=256)) == "torch"
     step = [torch.empty(1, 8, 1, 64), torch.empty(1, 8, 4096, 64), torch.empty(1, 8, 4096, 64)]
     assert auto_runs(make_call(*step, mask=None, causal=False, scale=None, dropout=0.0, generator=None,
                                return_weights=False)) == "torch"
@@ -574,6 +570,7 @@ def test_auto_runs_unmasked_calls_on_the_native_kernel_exactly(dtype):
     trained = make_call(leaf, k.to(dtype), v.to(dtype), mask=None, causal=False, scale=None, dropout=0.0,
                         generator=None, return_weights=False)
     assert auto_runs(trained) == ("tiled:native" if native.serves("cpu", dtype, False) else "torch")
+
     def run(fn, dt):  # fresh leaves for each run (.to of a float32 tensor to float32 is the tensor)
         return output_and_gradients(fn, tuple(t.clone() for t in (q, k, v)), up, dt)
 

@@ -119,8 +119,8 @@ def choose(call: AttentionCall) -> Route:
         # kernel, which builds the L x L mask. Otherwise (a chunk of rows after a cache) the op.
         if call.q_len == call.k_len:
             pairs = call.q_len * call.k_len
-            native_faster = NATIVE_MIN_PAIRS <= pairs and _native_serves(call.query.device.type, call.query.dtype,
-                                                                         False)
+            served = _native_serves(call.query.device.type, call.query.dtype, False)
+            native_faster = NATIVE_MIN_PAIRS <= pairs and served
             return _TILED_CHOOSES if native_faster else _TORCH
         return _TILED_CHOOSES
     if call.q_len == 1 and call.structure is not None and not call.modifies_scores and call.dropout == 0:

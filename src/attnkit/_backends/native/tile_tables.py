@@ -38,7 +38,8 @@ PARTS_PER_THREAD = 2
 
 def _by_mean_keys(table: tuple, lo: Tensor, hi: Tensor) -> tuple[int, int]:
     """The ``(block, chunk)`` of ``table`` for the mean number of keys the rows attend."""
-    mean_keys = int((hi - lo).clamp_(min=0).sum()) / lo.numel() if lo.numel() else 0.0  # 3 ops: ~7 us of 14
+    # an integer sum: 3 small ops, ~7 us a call where the float mean's 5 took ~14
+    mean_keys = int((hi - lo).clamp_(min=0).sum()) / lo.numel() if lo.numel() else 0.0
     return next(sizes for below, sizes in table if mean_keys < below)
 
 

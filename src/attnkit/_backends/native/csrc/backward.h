@@ -111,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
   at::Tensor dk = key_grads(key, D), dv = key_grads(value, Dv);
   const int64_t blocks = (Lq + block - 1) / block;
   const int64_t blocks_per_part = (blocks + parts - 1) / parts;
-  std::vector<std::pair<int64_t, int64_t>> part_spans(parts > 1 ? B * Hkv * parts : 0, {0, 0});
+  std::vector<std::pair<int64_t, int64_t>> part_spans(parts > 1 ? B * Hkv * parts : 0, {Lk, 0});  // empty spans
   if (dq.numel() > 0 && Lk > 0) {
     const Rows go(grad_out), o(out);
     const float* l = lse.data_ptr<float>();
@@ -150,14 +150,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
         if (parts > 1) {  // the keys any row of the part's blocks attends, zeroed
           const int64_t first_row = std::min(Lq, part * blocks_per_part * block);
           const int64_t end_row = std::min(Lq, block_end * block);
-          const int64_t *lo = c.lo_of(b, 0), *hi = c.hi_of(b, 0);
-          int64_t keys_lo = Lk, keys_hi = 0;
-          for (int64_t r = first_row; r < end_row; ++r) {
-            const int64_t from = std::max<int64_t>(lo[r], 0), to = std::min<int64_t>(hi[r], Lk);
-            if (from < to) keys_lo = std::min(keys_lo, from), keys_hi = std::max(keys_hi, to);
-          }
-          auto& span = part_spans[task];
-          if (keys_lo < keys_hi) span = {keys_lo, keys_hi};  // else {0, 0}: no key
+          const auto span = part_spans[task] =
+              key_span(c.lo_of(b, first_row), c.hi_of(b, first_row), end_row - first_row, Lk);
           for (int64_t i = span.first; i < span.second; ++i) {
             std::fill(dk_head + i * dk2s, dk_head + i * dk2s + D, 0.0f);
             std::fill(dv_head + i * dv2s, dv_head + i * dv2s + Dv, 0.0f);
@@ -261,12 +255,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
   }
   const auto summed = [&](const at::Tensor& sums, const at::Tensor& like) {
     if (!copies) return sums;
+    if (parts == 1) return sums.squeeze(2);  // float32 (half precision in one part has no copies)
     const int64_t C = sums.size(4);
-    if (parts == 1) {
-      at::Tensor total = sums.squeeze(2);
-      if (c.dtype == at::kFloat) return total;
-      return like_layout(like, B, Hkv, Lk, C, c.dtype).copy_(total);  // rounded once
-    }
     // each key row: the parts whose span holds it, in part order from 0 (as a sum over the parts'
     // dim would add them, the others' zeros left out), rounded once into the call's dtype
     at::Tensor total = like_layout(like, B, Hkv, Lk, C, c.dtype);

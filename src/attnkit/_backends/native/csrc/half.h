@@ -188,7 +188,9 @@ class KeyGradRows {
  public:
   KeyGradRows(const Rows& rows, int64_t keys) : rows_(rows), keys_(keys) {}
 
-  // The (b, kv, part) sums, zeroed: a float32 destination and its row stride.
+  // The (b, kv, part) sums: a float32 destination and its row stride. A thread's buffer is zeroed
+  // here; a float32 copy as the backward left it (zeroed whole in one part, the part's key span in
+  // several).
   std::pair<float*, int64_t> start(int64_t b, int64_t kv, int64_t part) {
     b_ = b, kv_ = kv;
     if (rows_.is_float()) return {rows_.mutable_floats(b, kv, part), rows_.s3};

@@ -107,23 +107,28 @@ struct Params {
   const int64_t* hi_of(int64_t b, int64_t first) const { return hi + (shared_rows ? 0 : b * Lq) + first; }
 };
 
+// The span [first, last) of the keys that `rows` rows attending [lo[j], hi[j]) reach, clipped to
+// [0, Lk): empty ({Lk, 0}) when no row attends a key.
+std::pair<int64_t, int64_t> key_span(const int64_t* lo, const int64_t* hi, int64_t rows, int64_t Lk) {
+  int64_t first = Lk, last = 0;
+  for (int64_t j = 0; j < rows; ++j) {
+    const int64_t from = std::max<int64_t>(lo[j], 0), to = std::min<int64_t>(hi[j], Lk);
+    if (from < to) first = std::min(first, from), last = std::max(last, to);
+  }
+  return {first, last};
+}
+
 // The intervals of a block's `rows` rows clipped to the keys [0, Lk) into row_lo, row_hi (a row
 // whose lse is -inf, when `lse` is given, gets none: it has no weights, and takes no part in the
-// gradients); returns the span [first, last) of the non-empty ones, empty (first >= last) when
-// there are none.
+// gradients); returns their key_span.
 std::pair<int64_t, int64_t> block_span(const int64_t* lo, const int64_t* hi, int64_t rows, int64_t Lk,
                                               const float* lse, int64_t* row_lo, int64_t* row_hi) {
-  int64_t first = Lk, last = 0;
   for (int64_t j = 0; j < rows; ++j) {
     row_lo[j] = std::max<int64_t>(lo[j], 0);
     row_hi[j] = std::min<int64_t>(hi[j], Lk);
     if (lse != nullptr && lse[j] == kNegInf) row_hi[j] = row_lo[j];
-    if (row_lo[j] < row_hi[j]) {
-      first = std::min(first, row_lo[j]);
-      last = std::max(last, row_hi[j]);
-    }
   }
-  return {first, last};
+  return key_span(row_lo, row_hi, rows, Lk);
 }
 
 }  // namespace
