@@ -412,17 +412,17 @@ def _ieee_oracle(q, k, v, lo, hi, scale, keep=None, p=0.0):
         rounding = torch.where(torch.isfinite(exact), exact.float().double() - exact, 0.0).detach()
         return torch.where(pairs, exact + rounding, float("-inf"))
 
-    with torch.no_grad():  # rows whose scores are all -inf count as rows with no key
-        has_key = ~(scores(attended).amax(-1) == float("-inf"))  # NaN rows have one
-    attended = attended & has_key[..., None]
     s = scores(attended)
+    with torch.no_grad():  # rows whose scores are all -inf (or that have no key) have no weight
+        has_key = ~(s.amax(-1) == float("-inf"))  # NaN rows have one
     row_max = s.amax(-1, keepdim=True).detach()  # NaN for a NaN score, +inf for an infinite one
     shifted = s - torch.where(has_key[..., None], row_max, 0.0)
     # the cut multiplies (0 * a non-finite gradient is NaN, as the kernel's 0 weight times it); a
     # where would drop that gradient
     e = torch.where(attended, torch.exp(shifted) * ~(shifted.detach() < _UNDERFLOW), 0.0)
     total = e.sum(-1, keepdim=True)
-    weights = torch.where(has_key[..., None], e / torch.where(has_key[..., None], total, 1.0), 0.0)
+    # a row with no weight still multiplies its attended values (and, backward, keys) by its 0s
+    weights = e / torch.where(has_key[..., None], total, 1.0)
     kept = weights if keep is None else weights * keep / (1.0 - p)  # a dropped NaN stays NaN
     both = attended[..., None]
     out = (torch.where(both, kept[..., None], 0.0) * torch.where(both, v[:, :, None], 0.0)).sum(-2)
@@ -667,8 +667,9 @@ def test_a_nan_or_infinite_score_makes_the_whole_row_nan(keys, special):
 def test_scores_of_minus_inf_weigh_exactly_zero(keys):
     """Key 0's score is 0, the others' -inf (their keys hold -inf, the query 1) with values of
     1e38: the weights are exactly (1, 0, ...) (an exp of -inf that is 1e-38 instead shows as ~1 in
-    the output). A row whose scores are all -inf is zeros with lse -inf, and adds nothing to any
-    gradient."""
+    the output). A row whose scores are all -inf is zeros with lse -inf; its weights of 0 still
+    multiply in the gradients, as the reference backend's do (they used to be skipped, giving
+    finite gradients where autograd gives NaN)."""
     q = torch.ones(1, 1, 2, 4)
     k = torch.full((1, 1, keys, 4), float("-inf"))
     k[0, 0, 0] = 0.0
@@ -681,6 +682,6 @@ def test_scores_of_minus_inf_weigh_exactly_zero(keys):
     assert torch.equal(out[0, 0, 0], torch.full((4,), 0.5)) and lse[0, 0, 0] == 0.0
     assert torch.equal(out[0, 0, 1], torch.zeros(4)) and lse[0, 0, 1] == float("-inf")
     # row 0: dq_0 = sum_j dS_0j k_j, with dS_0j = 0 for the keys of -inf: 0 * -inf is NaN (IEEE,
-    # as autograd gives); dV of those keys is 0 * dO = 0; row 1 adds nothing, not even 0 * -inf
-    assert dq[0, 0, 0].isnan().all() == (keys > 1) and torch.equal(dq[0, 0, 1], torch.zeros(4))
+    # as autograd gives); dV of those keys is 0 * dO = 0; row 1 likewise, every key of -inf
+    assert dq[0, 0, 0].isnan().all() == (keys > 1) and dq[0, 0, 1].isnan().all()
     assert torch.equal(dv[0, 0, 0], torch.ones(4)) and torch.equal(dv[0, 0, 1:], torch.zeros(keys - 1, 4))

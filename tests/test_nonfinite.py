@@ -32,13 +32,13 @@ MASK = masks.sliding_window(4) & masks.padding([10, 12])  # sequence 0: keys 10,
 ALLOWED = MASK.dense(LENGTH, LENGTH, ndim=4)  # [2, 1, L, L]
 
 
-def _oracle(q, k, v, scale):
+def _oracle(q, k, v, scale, allowed=ALLOWED):
     """Pair by pair (in float64, or in the inputs' dtype when the scores are meant to overflow it):
     a masked pair is replaced before any product, so it never enters one (not even as 0 * NaN), and
     autograd sees no path through it."""
-    pair = ALLOWED[..., None]
+    pair = allowed[..., None]
     scores = (torch.where(pair, q[..., :, None, :], 0.0) * torch.where(pair, k[..., None, :, :], 0.0)).sum(-1) * scale
-    scores = scores.masked_fill(~ALLOWED, float("-inf"))
+    scores = scores.masked_fill(~allowed, float("-inf"))
     peak = scores.detach().amax(-1, keepdim=True)
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     exp = torch.exp(scores - peak)
@@ -165,6 +165,91 @@ def test_an_infinite_output_gradient_propagates_as_in_the_reference_backend(back
     for got, want, letter in zip(*results, "qkv"):
         assert torch.isnan(want).any() or torch.isinf(want).any(), letter
         _same_pattern(got, want, f"d{letter}")
+
+
+# Rows that have keys but no weight, or only NaN and -inf scores: where PyTorch's fused CPU kernel
+# leaves the definition (it takes its row maximum with NaN skipped and reads such a row as one with
+# no key: zeros) and where the kernels skipped a row of lse -inf. Found by running every backend on
+# random calls with NaN and inf planted, against the reference backend.
+ROWS = ["query row of NaN over 5 keys", "NaN among -inf scores over 100 keys", "all scores -inf, a value of NaN",
+        "all scores -inf, keys of inf", "a +inf score in bfloat16 over 100 keys"]
+
+
+def _rows_case(case):
+    g = torch.Generator().manual_seed(5)
+    nan, inf = float("nan"), float("inf")
+    keys = 100 if "100 keys" in case else 5
+    q, k, v = (torch.randn(1, 2, n, DIM, generator=g) for n in (3, keys, keys))
+    k[..., 0] = k[..., 0].abs() + 0.1  # a query of -inf in feature 0 then scores -inf with every key
+    if case == "query row of NaN over 5 keys":
+        q[0, 0, 1, 2] = nan  # every score of the row NaN: fewer keys than a vector of the CPU kernel
+    elif case == "NaN among -inf scores over 100 keys":
+        q[0, 1, 0] = torch.tensor([-inf, 0.0, 0.0, 0.0])
+        k[0, 1, 99, 1] = nan  # the last key's score NaN, every other -inf
+    elif case == "all scores -inf, a value of NaN":
+        q[0, 0, 2] = torch.tensor([-inf, 0.0, 0.0, 0.0])
+        v[0, 0, 3, 1] = nan  # weighed by 0: 0 x NaN
+    elif case == "all scores -inf, keys of inf":
+        q[0, 0, 2] = torch.tensor([-inf, -1.0, 0.0, 0.0])
+        k[0, 0, 3, 1] = inf  # its score -inf too; the gradients' 0 x inf are NaN
+    elif case == "a +inf score in bfloat16 over 100 keys":
+        k[0, 1, 2, 3] = inf  # rows whose query is positive there score +inf: the whole row NaN (zeros in SDPA)
+        q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    return q, k, v
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "tiled", "tiled on PyTorch's kernels",
+                                     "tiled on the Triton kernel", "auto"])
+@pytest.mark.parametrize("case", ROWS)
+def test_rows_with_keys_but_no_weight_follow_the_definition(backend, case):
+    """The output, lse and gradients of rows whose scores are all NaN, NaN among -inf or all -inf
+    (with NaN or inf among their values or keys) have the oracle's NaN / inf pattern on every
+    backend, with no mask (SDPA's unmasked path) and on the tiled backend's kernels."""
+    q, k, v = _rows_case(case)
+    scale = DIM**-0.5
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    name = "tiled" if backend.startswith("tiled") else backend
+    with _engine(backend), (tuning(kernel="native") if backend == "tiled" else contextlib.nullcontext()):
+        out = attnkit.attention(*inputs, scale=scale, backend=name)
+        up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+        grads = torch.autograd.grad(out, inputs, up)
+        lse = attnkit.attention(q, k, v, scale=scale, backend="tiled", return_lse=True)[1] if name == "tiled" else None
+    allowed = torch.ones(1, 1, q.shape[2], k.shape[2], dtype=torch.bool)
+    oracle_inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    want_out, want_lse = _oracle(*oracle_inputs, scale, allowed)
+    want_grads = torch.autograd.grad(want_out, oracle_inputs, up.double())
+    atol = 1e-4 if q.dtype == torch.float32 else 2e-2
+    assert torch.isnan(want_out).any() or torch.isnan(torch.stack(want_grads[:2])).any(), "the case plants no NaN"
+    _same_pattern(out, want_out, "output", atol=atol)
+    if lse is not None:
+        _same_pattern(lse, want_lse, "lse", atol=atol)
+    for got, want, letter in zip(grads, want_grads, "qkv"):
+        _same_pattern(got, want, f"d{letter}", atol=atol * 10)
+
+
+@pytest.mark.parametrize("kernel", ["native", "blocks", "dense"])
+def test_a_used_lse_of_a_call_with_an_inf_gets_its_gradient(kernel):
+    """``return_lse=True`` with the lse in the loss and an inf among the keys: the backward takes the
+    dense path, whose lse must be in its graph (it was computed outside it, and autograd refused
+    the call: "element 1 of tensors does not require grad"), and whose gradients are the oracle's."""
+    if kernel == "native" and not native.available():
+        pytest.skip(f"native kernel: {native.why_unavailable()}")
+    q, k, v = _inputs()
+    k[1, 0, 5, 2] = float("inf")
+    scale = DIM**-0.5
+    for wants in ((True, True, True), (False, False, True)):  # the lse does not depend on the values
+        inputs = [t.clone().requires_grad_(w) for t, w in zip((q, k, v), wants)]
+        with tuning(kernel=kernel):
+            out, lse = attnkit.attention(*inputs, mask=MASK, scale=scale, backend="tiled", return_lse=True)
+        up = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+        chosen = [t for t in inputs if t.requires_grad]
+        grads = torch.autograd.grad((out * up).sum() + lse.nan_to_num(0.0, 0.0, 0.0).sum(), chosen)
+        oracle_inputs = [t.double().requires_grad_(w) for t, w in zip((q, k, v), wants)]
+        want_out, want_lse = _oracle(*oracle_inputs, scale)
+        loss = (want_out * up.double()).sum() + want_lse.nan_to_num(0.0, 0.0, 0.0).sum()
+        want_grads = torch.autograd.grad(loss, [t for t in oracle_inputs if t.requires_grad])
+        for got, want in zip(grads, want_grads):
+            _same_pattern(got, want, f"gradient ({kernel}, {wants})")
 
 
 @pytest.mark.parametrize("where", CASES)

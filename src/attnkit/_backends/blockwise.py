@@ -186,6 +186,10 @@ def forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, b
     """``(output [N, H, Lq, Dv], lse [N, H, Lq])``; lse float32 for half-precision inputs. ``dense``:
     one call per sequence over every key with the mask as a tensor (what PyTorch's fused kernel
     runs on a dense mask; its causal path when ``causal_only``), instead of the block plan."""
+    if _exact_instead(query, key, value, scale):
+        with torch.no_grad():
+            return dense_attention(query, key, value, lo, hi, bias, scale, dropout, seed, exact=True,
+                                   softcap=softcap, alibi=alibi)[:2]
     call = _Call(query, key, value, lo, hi, bias, scale, dropout, seed, softcap, alibi)
     heads_per_kv = call.heads_per_kv
     work = numerics.work_dtype(query.dtype)
@@ -218,9 +222,16 @@ def forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, b
     if not covered.all():  # rows with no key at all: zeros, lse -inf
         out.masked_fill_(~covered[:, None, :, None].to(out.device), 0.0)
         lse.masked_fill_(~covered[:, None, :].to(lse.device), float("-inf"))
-    with torch.no_grad():
-        return pairwise_if_not_finite(out.to(query.dtype), lse, query, key, value, lo, hi, bias, scale, dropout, seed,
-                                      softcap=softcap, alibi=alibi)
+    return out.to(query.dtype), lse
+
+
+def _exact_instead(query: Tensor, key: Tensor, value: Tensor, scale: float) -> bool:
+    """Whether the forward runs the definition's pairwise products instead of PyTorch's kernel: an
+    input holds NaN or inf, or a score could overflow, and the products fit. The kernel cannot be
+    checked from its output there: a block row whose scores are all -inf or NaN comes out as zeros
+    with lse 0, which the merge then counts as a row of mass 1 (finite, wrong), and a +inf score
+    with a bias as zeros with lse +inf."""
+    return numerics.needs_pairwise(query, key, value, scale) and numerics.pairwise_fits(query, key)
 
 
 def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
@@ -290,14 +301,18 @@ def pairwise_if_not_finite(out: Tensor, lse: Tensor, query: Tensor, key: Tensor,
                            hi: Tensor, bias: Tensor | None, scale: float, dropout: float, seed: Tensor | None, *,
                            softcap: float | None = None, alibi: Tensor | None = None,
                            sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of a kernel that multiplies whole blocks, or the call redone by
-    :func:`dense_attention`'s pairwise products where ``out`` came out non-finite and an input could
-    have put NaN or inf into a masked-out pair (a ``0 x inf`` inside a partly masked block lets a
-    masked-out value into its row). The one rule of every block kernel (PyTorch's per block, Triton,
-    FlexAttention); differentiable where the caller's autograd is on. Reads values: not while
-    tracing (:func:`numerics.can_read`)."""
-    if (not numerics.can_read(out) or numerics.all_finite(out)
-            or not numerics.needs_pairwise(query, key, value, scale)):
+    """``(out, lse)`` of a kernel that multiplies whole blocks (FlexAttention's), or the call redone
+    by :func:`dense_attention`'s pairwise products where an input holds NaN or inf (or a score could
+    overflow), the products fit, and the result shows a sign of it: ``out`` came out non-finite (a
+    ``0 x inf`` inside a partly masked block lets a masked-out value into its row), or a row with
+    keys has an lse that is not finite (all its scores -inf or NaN, read as no key). Differentiable
+    where the caller's autograd is on. Reads values: not while tracing (:func:`numerics.can_read`).
+    PyTorch's kernels block by block check their inputs instead (:func:`forward`)."""
+    if not numerics.can_read(out, lse):
+        return out, lse
+    if numerics.all_finite(out) and not numerics.keyed_rows_not_finite(lse, lo, hi):
+        return out, lse
+    if not numerics.needs_pairwise(query, key, value, scale) or not numerics.pairwise_fits(query, key):
         return out, lse
     return dense_attention(query, key, value, lo, hi, bias, scale, dropout, seed, exact=True, softcap=softcap,
                            alibi=alibi, sinks=sinks)[:2]

@@ -239,11 +239,7 @@ def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None, _grad_ran: 
         grad_out = torch.zeros_like(out)
     grads = None
     create_graph = torch.is_grad_enabled()  # create_graph=True: this backward must be differentiable too
-    # The native kernel keeps masked-out pairs out itself, but a NaN or inf in grad_out meets delta =
-    # rowsum(dO * O), which differs from autograd's sum over the keys there: the dense path, for all.
-    if create_graph or (can_read(inputs.query, grad_out)
-                        and (not all_finite(grad_out) if _runs_native(ran, inputs)
-                             else needs_pairwise(inputs.query, inputs.key, inputs.value, inputs.scale, grad_out))):
+    if create_graph or _needs_dense_backward(grad_out, ran, inputs):
         grads = _dense_backward(wants, grad_out, grad_lse, inputs, create_graph)
     if grads is None:
         grads = backward_op(grad_out, grad_lse, out, lse, ran, inputs, bias_grad)
@@ -251,6 +247,18 @@ def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None, _grad_ran: 
     return _NO_GRADIENTS.replace(
         query=dq, key=dk, value=dv, bias=dbias if bias_grad else None,
         sinks=dsinks if inputs.sinks is not None and wants["sinks"] else None).as_tuple()
+
+
+def _needs_dense_backward(grad_out: Tensor, ran: Tensor | None, inputs: IntervalInputs) -> bool:
+    """Whether the kernels' backward could differ from the definition where it meets NaN or inf:
+    the block kernels multiply masked-out pairs, so whenever an input is not finite; the native
+    kernel keeps them out itself, but a NaN or inf in grad_out meets delta = rowsum(dO * O), which
+    differs from autograd's sum over the keys there."""
+    if not can_read(inputs.query, grad_out):
+        return False
+    if _runs_native(ran, inputs):
+        return not all_finite(grad_out)
+    return needs_pairwise(inputs.query, inputs.key, inputs.value, inputs.scale, grad_out)
 
 
 def _runs_native(ran: Tensor | None, inputs: IntervalInputs) -> bool:
@@ -298,11 +306,14 @@ def _dense_backward(wants: dict[str, bool], grad_out: Tensor, grad_lse: Tensor |
                                                 inputs.hi, candidates.get("bias"), inputs.scale, inputs.dropout,
                                                 inputs.seed, exact=exact, softcap=inputs.softcap,
                                                 alibi=inputs.alibi_slopes, sinks=candidates.get("sinks"))
+        # in the graph too: a backward runs with grad mode off, and an lse outside the graph has no
+        # gradient to give
+        lse = lse.masked_fill(torch.isneginf(lse), 0.0)  # rows with no key: a constant
     if not out.requires_grad:
         return None
     outputs, grads = [out], [grad_out]
-    if grad_lse is not None:
-        outputs.append(lse.masked_fill(torch.isneginf(lse), 0.0))  # rows with no key: a constant
+    if grad_lse is not None and lse.requires_grad:  # it does not depend on the values alone
+        outputs.append(lse)
         grads.append(grad_lse)
     found = torch.autograd.grad(outputs, [candidates[name] for name in chosen], grads, create_graph=create_graph,
                                 allow_unused=True)

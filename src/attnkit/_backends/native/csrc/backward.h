@@ -59,6 +59,24 @@ void exact_backward_chunk(int64_t rows, int64_t width, int64_t c0, const int64_t
   }
 }
 
+// The gradients of a row that attends the keys [lo, hi) but whose scores there were all -inf (lse
+// -inf; block_span gives it no keys, so the tiles skip it): its weights are all 0, so each pair's
+// dS = scale * 0 * (f dP - delta) and dV's term 0 * dO are zeros, or NaN where what they multiply
+// is not finite, as the definition's products give (an inf in a key reaches dq as 0 x inf, one in
+// the query reaches dk). Such rows need an inf among the inputs: plain loops.
+void zero_weight_gradients(const float* q_row, const float* go_row, float delta, const float* k_head, int64_t k2s,
+                           const float* v_head, int64_t v2s, int64_t lo, int64_t hi, int64_t D, int64_t Dv,
+                           float scale, const Dropout& dropout, DropoutRow dropout_keys, float* dq_row,
+                           float* dk_head, int64_t dk2s, float* dv_head, int64_t dv2s) {
+  for (int64_t t = lo; t < hi; ++t) {
+    const float f = dropout.active ? dropout_factor(dropout, dropout_keys, t) : 1.0f;
+    const float ds = scale * (0.0f * (f * dot(go_row, v_head + t * v2s, Dv) - delta));
+    axpy(dq_row, ds, k_head + t * k2s, D);
+    axpy(dk_head + t * dk2s, ds, q_row, D);
+    axpy(dv_head + t * dv2s, 0.0f * f, go_row, Dv);
+  }
+}
+
 // Gradients of interval_forward: given grad_out [B, H, Lq, Dv], the forward's output [B, H, Lq, Dv]
 // and lse [B, H, Lq] (float32), and grad_lse [B, H, Lq] (float32) when the lse was used too,
 // returns (dq, dk, dv) in the inputs' dtype, each in the shape of its input, laid out as
@@ -168,8 +186,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               row_keys[j] = dropout_row(dropout, b, h, first + j);
             }
             const auto [dq_block, dq2s] = dq_out.block(b, h, first, rows);
+            // rows with keys and lse -inf, after the block's tiles (which read other key rows)
+            const auto weightless_rows = [&, dq_block = dq_block, dq2s = dq2s, dk_head = dk_head, dk2s = dk2s,
+                                          dv_head = dv_head, dv2s = dv2s] {
+              const int64_t* lo = c.lo_of(b, first);
+              const int64_t* hi = c.hi_of(b, first);
+              for (int64_t j = 0; j < rows; ++j) {
+                const int64_t a = std::max<int64_t>(lo[j], 0), z = std::min<int64_t>(hi[j], Lk);
+                if (l_block[j] != kNegInf || a >= z) continue;
+                const auto [q_rows, q_stride] = queries.head(b, h, first, first + rows);
+                const auto [g_rows, g_stride] = grads_given.head(b, h, first, first + rows);
+                const auto [o_rows, o_stride] = outputs.head(b, h, first, first + rows);
+                const float* go_row = g_rows + (first + j) * g_stride;
+                const float grad_lse = gl ? gl[(b * H + h) * Lq + first + j] : 0.0f;
+                const float delta = dot(go_row, o_rows + (first + j) * o_stride, Dv) - grad_lse;  // as r.delta
+                const auto [k_rows, k_stride] = keys.head(b, kv, a, z);
+                const auto [v_rows, v_stride] = values.head(b, kv, a, z);
+                zero_weight_gradients(q_rows + (first + j) * q_stride, go_row, delta, k_rows, k_stride, v_rows,
+                                      v_stride, a, z, D, Dv, static_cast<float>(scale), dropout,
+                                      dropout.active ? dropout_row(dropout, b, h, first + j) : DropoutRow{},
+                                      dq_block + j * dq2s, dk_head, dk2s, dv_head, dv2s);
+              }
+            };
             if (span_lo >= span_hi) {  // no row of the block attends any key
               zero_rows(dq_block, rows, dq2s, D);
+              weightless_rows();
               dq_out.store();
               continue;
             }
@@ -244,6 +285,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               block_rows_product(ds, rs, width, rows, q_block, q2s, D, dk_head + c0 * dk2s, dk2s);
             }
             transpose(dqt.data(), rs, D, rows, dq_block, dq2s);  // dq[r][d] = dQt[d][r]
+            weightless_rows();
             dq_out.store();
           }
         }

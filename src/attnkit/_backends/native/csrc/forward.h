@@ -37,6 +37,14 @@
 namespace attnkit_native {
 namespace {
 
+// The output of a row whose attended scores are all -inf: each attended value weighed by 0, which
+// is 0 but NaN wherever a value holds NaN or inf (0 x inf, as the definition's products give);
+// zeros for a row with no key.
+void zero_weighted_values(const float* v_head, int64_t v2s, int64_t Dv, int64_t lo, int64_t hi, float* out) {
+  std::fill(out, out + Dv, 0.0f);
+  for (int64_t t = lo; t < hi; ++t) axpy(out, 0.0f, v_head + t * v2s, Dv);
+}
+
 // One query row by its attended pairs only, for rows where the block's products met a non-finite
 // value: scores s_t = scale q . k_t for t in [lo, hi), weights exp(s_t - max) / sum, output
 // sum_t w_t f_t v_t in IEEE arithmetic (a weight of 0 times an infinite value is NaN), lse. A NaN
@@ -60,11 +68,12 @@ void exact_forward_row(const float* q_row, const float* k_head, int64_t k2s, con
     *lse = std::numeric_limits<float>::quiet_NaN();
     return;
   }
-  std::fill(out, out + Dv, 0.0f);
   if (row_max == kNegInf) {
+    zero_weighted_values(v_head, v2s, Dv, lo, hi, out);
     *lse = kNegInf;
     return;
   }
+  std::fill(out, out + Dv, 0.0f);
   float sum = 0.0f;
   for (int64_t t = lo; t < hi; ++t) {
     const float e = exp_nonpositive(s[t - lo] - row_max);
@@ -229,7 +238,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
                                 mods, first + j, dropout, row_keys[j], exact_scores, acc, l_block + j);
             }
           } else {  // no key, or only scores of -inf
-            std::fill(acc, acc + Dv, 0.0f);
+            zero_weighted_values(v_head, v2s, Dv, row_lo[j], row_hi[j], acc);
             l_block[j] = kNegInf;
           }
         }
