@@ -19,7 +19,7 @@ import torch
 
 import attnkit
 from attnkit import masks
-from attnkit._backends import native, numerics
+from attnkit._backends import native, numerics, reference
 from attnkit._backends.tiled_plan import tuning
 
 try:
@@ -250,6 +250,30 @@ def test_a_used_lse_of_a_call_with_an_inf_gets_its_gradient(kernel):
         want_grads = torch.autograd.grad(loss, [t for t in oracle_inputs if t.requires_grad])
         for got, want in zip(grads, want_grads):
             _same_pattern(got, want, f"gradient ({kernel}, {wants})")
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "tiled", "tiled on PyTorch's kernels", "auto"])
+def test_beyond_the_pairwise_limit_no_pairwise_product_is_built(backend, monkeypatch):
+    """``PAIRWISE_LIMIT`` caps the pairwise products (``B x H x Lq x Lk x D`` elements): beyond it
+    the kernels' result stands, forward and backward. It was declared and never applied, so a NaN
+    in one padding key of a ``[1, 8, 2048, 64]`` call built 8 GiB of products. The limit is lowered
+    under this test's call; NaN sits in keys the mask removes, and an inf in the output gradient."""
+    monkeypatch.setattr(numerics, "PAIRWISE_LIMIT", 1000)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pairwise products built beyond PAIRWISE_LIMIT")
+
+    for module in (numerics, reference):
+        monkeypatch.setattr(module, "pairwise_scores", refuse)
+        monkeypatch.setattr(module, "pairwise_values", refuse)
+    q, k, v, scale = _plant("padding key and value")
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    up = torch.randn(2, HEADS, LENGTH, DIM, generator=torch.Generator().manual_seed(1))
+    up[1, 0, 3, 1] = float("inf")
+    with _engine(backend):
+        out = attnkit.attention(*inputs, mask=MASK, scale=scale, backend="tiled" if backend.startswith("tiled") else backend)
+        grads = torch.autograd.grad(out, inputs, up)
+    assert out.shape == q.shape and all(g.shape == t.shape for g, t in zip(grads, (q, k, v)))
 
 
 @pytest.mark.parametrize("where", CASES)

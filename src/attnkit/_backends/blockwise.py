@@ -186,7 +186,11 @@ def forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, b
     """``(output [N, H, Lq, Dv], lse [N, H, Lq])``; lse float32 for half-precision inputs. ``dense``:
     one call per sequence over every key with the mask as a tensor (what PyTorch's fused kernel
     runs on a dense mask; its causal path when ``causal_only``), instead of the block plan."""
-    if _exact_instead(query, key, value, scale):
+    # Where an input holds NaN or inf (or a score could overflow) and the products fit, the
+    # definition's pairwise products instead: PyTorch's kernel cannot be checked from its output
+    # there (a block row whose scores are all -inf or NaN comes out as zeros with lse 0, which the
+    # merge counts as a row of mass 1: finite and wrong; a +inf score with a bias as lse +inf)
+    if numerics.needs_pairwise(query, key, value, scale):
         with torch.no_grad():
             return dense_attention(query, key, value, lo, hi, bias, scale, dropout, seed, exact=True,
                                    softcap=softcap, alibi=alibi)[:2]
@@ -223,15 +227,6 @@ def forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, b
         out.masked_fill_(~covered[:, None, :, None].to(out.device), 0.0)
         lse.masked_fill_(~covered[:, None, :].to(lse.device), float("-inf"))
     return out.to(query.dtype), lse
-
-
-def _exact_instead(query: Tensor, key: Tensor, value: Tensor, scale: float) -> bool:
-    """Whether the forward runs the definition's pairwise products instead of PyTorch's kernel: an
-    input holds NaN or inf, or a score could overflow, and the products fit. The kernel cannot be
-    checked from its output there: a block row whose scores are all -inf or NaN comes out as zeros
-    with lse 0, which the merge then counts as a row of mass 1 (finite, wrong), and a +inf score
-    with a bias as zeros with lse +inf."""
-    return numerics.needs_pairwise(query, key, value, scale) and numerics.pairwise_fits(query, key)
 
 
 def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
@@ -312,7 +307,7 @@ def pairwise_if_not_finite(out: Tensor, lse: Tensor, query: Tensor, key: Tensor,
         return out, lse
     if numerics.all_finite(out) and not numerics.keyed_rows_not_finite(lse, lo, hi):
         return out, lse
-    if not numerics.needs_pairwise(query, key, value, scale) or not numerics.pairwise_fits(query, key):
+    if not numerics.needs_pairwise(query, key, value, scale):
         return out, lse
     return dense_attention(query, key, value, lo, hi, bias, scale, dropout, seed, exact=True, softcap=softcap,
                            alibi=alibi, sinks=sinks)[:2]

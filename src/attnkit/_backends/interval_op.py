@@ -44,7 +44,7 @@ from .. import _torch_private
 from . import blockwise, native, policy
 from . import dropout as _dropout
 from .interval_inputs import KERNELS, TENSOR_FIELDS, IntervalInputs
-from .numerics import all_finite, can_read, fold_sinks, needs_pairwise, work_dtype
+from .numerics import all_finite, can_read, fold_sinks, needs_pairwise, pairwise_fits, work_dtype
 
 __all__ = ["interval_attention", "IntervalAttention", "IntervalInputs", "run", "forward_op", "backward_op", "gradients"]
 
@@ -253,11 +253,12 @@ def _needs_dense_backward(grad_out: Tensor, ran: Tensor | None, inputs: Interval
     """Whether the kernels' backward could differ from the definition where it meets NaN or inf:
     the block kernels multiply masked-out pairs, so whenever an input is not finite; the native
     kernel keeps them out itself, but a NaN or inf in grad_out meets delta = rowsum(dO * O), which
-    differs from autograd's sum over the keys there."""
+    differs from autograd's sum over the keys there. Not beyond the pairwise products' limit
+    (``numerics.pairwise_fits``): the kernels' gradients then stand."""
     if not can_read(inputs.query, grad_out):
         return False
     if _runs_native(ran, inputs):
-        return not all_finite(grad_out)
+        return pairwise_fits(inputs.query, inputs.key) and not all_finite(grad_out)
     return needs_pairwise(inputs.query, inputs.key, inputs.value, inputs.scale, grad_out)
 
 

@@ -172,8 +172,11 @@ def needs_pairwise(query: Tensor, key: Tensor, value: Tensor, scale: float, grad
     overflow (``|q.k| * scale <= D * max|q| * max|k| * |scale|``; NaN and inf propagate into the
     bound). Either could put a non-finite number into a masked-out pair, which matrix products and
     additive masks would let into the row. A backward passes its ``grad_out`` too, which must then
-    be finite as well (one read of the device for all four). False when :func:`can_read` says no."""
-    if not can_read(query, key, value):
+    be finite as well (one read of the device for all four). False when :func:`can_read` says no,
+    and beyond :data:`PAIRWISE_LIMIT` (:func:`pairwise_fits`): the kernels' result then stands, as
+    the paths that redo a call when this is True would build the pairwise products (or its weights)
+    and could exhaust the memory instead (a NaN in one key of a ``[1, 8, 2048, 64]`` call: 8 GiB)."""
+    if not can_read(query, key, value) or not pairwise_fits(query, key):
         return False
     q, k, v, *g = _largest(query, key, value, *([] if grad_out is None else [grad_out]))
     return not (math.isfinite(v) and all(math.isfinite(x) for x in g)
