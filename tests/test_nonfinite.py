@@ -202,19 +202,22 @@ def _rows_case(case):
     return q, k, v
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch", "tiled", "tiled on PyTorch's kernels",
+@pytest.mark.parametrize("backend", ["reference", "torch", "torch, weights asked", "tiled", "tiled on PyTorch's kernels",
                                      "tiled on the Triton kernel", "auto"])
 @pytest.mark.parametrize("case", ROWS)
 def test_rows_with_keys_but_no_weight_follow_the_definition(backend, case):
     """The output, lse and gradients of rows whose scores are all NaN, NaN among -inf or all -inf
     (with NaN or inf among their values or keys) have the oracle's NaN / inf pattern on every
-    backend, with no mask (SDPA's unmasked path) and on the tiled backend's kernels."""
+    backend, with no mask (SDPA's unmasked path; with weights asked, the materialised path, whose
+    softmax made a row of -inf scores NaN) and on the tiled backend's kernels."""
     q, k, v = _rows_case(case)
     scale = DIM**-0.5
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-    name = "tiled" if backend.startswith("tiled") else backend
+    name = "tiled" if backend.startswith("tiled") else backend.split(",")[0]
+    weights = {"return_weights": True} if backend.endswith("weights asked") else {}
     with _engine(backend), (tuning(kernel="native") if backend == "tiled" else contextlib.nullcontext()):
-        out = attnkit.attention(*inputs, scale=scale, backend=name)
+        out = attnkit.attention(*inputs, scale=scale, backend=name, **weights)
+        out = out[0] if weights else out
         up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
         grads = torch.autograd.grad(out, inputs, up)
         lse = attnkit.attention(q, k, v, scale=scale, backend="tiled", return_lse=True)[1] if name == "tiled" else None

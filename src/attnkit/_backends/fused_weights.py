@@ -12,10 +12,10 @@ Grouped-query attention folds the query heads of a group into the row dimension,
 value are never repeated. Rows with no allowed key get a harmless key before the softmax
 and are zeroed after it: the softmax never sees an all ``-inf`` row, so neither the weights
 nor the gradients can become NaN. That costs one extra pass over the weights, taken only
-when a row can be empty (an explicit mask, or causal with ``Lq > Lk``). A masked call whose
-inputs hold NaN or inf (or whose scores could overflow) runs the reference formula's pairwise
-products instead, which never
-multiply a masked-out pair (:mod:`.numerics`).
+when a row can be empty (an explicit mask, or causal with ``Lq > Lk``). A call whose inputs hold
+NaN or inf (or whose scores could overflow) runs the reference formula instead: pairwise products
+that never multiply a masked-out pair (:mod:`.numerics`), and a row whose scores are all -inf
+weighs its keys 0 (``torch.softmax`` makes it NaN).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from .reference import drop_weights, reference_attention
 
 def fused_weights_attention(call: AttentionCall) -> tuple[Tensor, Tensor]:
     query, key, value = call.query, call.key, call.value
-    if (call.mask is not None or call.causal) and needs_pairwise(query, key, value, call.scale):
-        # a masked-out pair's NaN would enter the products (0 * NaN): the exact pairwise formula
+    if needs_pairwise(query, key, value, call.scale):
+        # a masked-out pair's NaN would enter the products (0 * NaN), and softmax makes a row whose
+        # scores are all -inf NaN, where the definition weighs its keys 0: the reference formula
         output, weights = reference_attention(call)
         return output, weights
     lead, dtype = query.shape[:-2], query.dtype
