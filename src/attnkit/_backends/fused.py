@@ -18,7 +18,7 @@ from torch import Tensor
 from .._call import AttentionCall
 from .empty_rows import give_empty_rows_a_key
 from .fused_weights import fused_weights_attention
-from .numerics import all_finite, needs_pairwise, zero_or_non_finite_row
+from .numerics import all_finite, needs_pairwise, zero_sum_or_non_finite_row
 from .reference import reference_attention
 
 # Device types whose SDPA kernels already return zeros (and finite gradients) for query rows
@@ -89,14 +89,14 @@ def _may_differ_from_definition(output: Tensor) -> bool:
     - a non-finite output: with a mask SDPA adds it to the scores, so a masked-out NaN or inf score
       turned its row NaN; without one, a bf16 row with a +inf score came out NaN in only some
       features (``[2, 2, 128, 65]``), where the definition makes the whole row NaN;
-    - on the CPU, a row of zeros: SDPA's CPU kernel takes its row maximum with NaN skipped, so a
-      row whose scores are all NaN, or NaN among -inf, reads as a row with no key and gives zeros
-      where the definition gives NaN (torch 2.13: a NaN query row over fewer than 8 keys, NaN among
+    - on the CPU, a row of zeros (read as a row that sums to 0): SDPA's CPU kernel takes its row
+      maximum with NaN skipped, so a row whose scores are all NaN, or NaN among -inf, reads as a row
+      with no key and gives zeros where the definition gives NaN (torch 2.13: a NaN query row over fewer than 8 keys, NaN among
       -inf scores at any length), and so does a half-precision row with a +inf score over 16 keys
       or more (test_nonfinite.py). An empty row's zeros are right, and cost the check of the inputs.
     A finite output with no zero row is right: every non-finite attended score reaches it."""
     if output.device.type in EMPTY_ROWS_GIVE_ZEROS:
-        return zero_or_non_finite_row(output)
+        return zero_sum_or_non_finite_row(output)
     return not all_finite(output)
 
 
