@@ -52,6 +52,24 @@ def test_more_queries_than_keys_with_causal_leaves_the_first_rows_empty(backend)
     assert (out[:, :, :4] == 0).all()  # bottom-right: query i sees keys j <= i - 4
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch", "tiled", "auto"])
+@pytest.mark.parametrize("weights", [False, True])
+def test_a_call_where_no_row_attends_a_key_keeps_its_inputs_in_the_graph(backend, weights):
+    """Every sequence's keys past its padding, every row's window before it: no row attends a key.
+    The output is zeros with a graph, and query, key and value get gradients of 0 (the tiled
+    backend's weights path built every piece as zeros outside the graph, and backward() refused:
+    "element 0 of tensors does not require grad", found by fuzzing)."""
+    mask = masks.sliding_window(48) & masks.padding([74, 257, 130])
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 2, 16, generator=g).requires_grad_()
+    k, v = (torch.randn(3, 2, 600, 16, generator=g).requires_grad_() for _ in range(2))
+    result = attnkit.attention(q, k, v, mask=mask, backend=backend, return_weights=weights)
+    out = result[0] if weights else result
+    assert (out == 0).all() and out.requires_grad
+    for grad in torch.autograd.grad(out.sum(), (q, k, v)):
+        assert (grad == 0).all()
+
+
 @pytest.mark.parametrize("backend", ["reference", "torch", "tiled"])
 def test_huge_scores_stay_finite_and_exact(backend):
     q = torch.randn(1, 2, 7, 8, dtype=torch.float64) * 300  # scores ~ 1e5: a naive exp overflows

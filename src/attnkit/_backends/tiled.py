@@ -236,7 +236,14 @@ def _with_weights(call: AttentionCall, query: Tensor, key: Tensor, value: Tensor
         outs.append(torch.cat(out_rows, dim=2))
         weights.append(torch.cat(weight_rows, dim=2))
         lses.append(torch.cat(lse_rows, dim=2))
-    return torch.cat(outs), torch.cat(weights), torch.cat(lses)
+    results = torch.cat(outs), torch.cat(weights), torch.cat(lses)
+    inputs = [t for t in (query, key, value, bias) if t is not None and t.requires_grad]
+    if inputs and torch.is_grad_enabled() and not results[0].requires_grad:
+        # no row attends any key: every piece is zeros made here, outside the graph; a 0 summed
+        # from empty slices of the inputs puts them in it (gradients of 0, whatever they hold)
+        link = sum(t.reshape(-1)[:0].sum() for t in inputs)
+        results = tuple(r + link.to(r.dtype) for r in results)
+    return results
 
 
 def _dense_weights(call: AttentionCall, query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor,
