@@ -202,8 +202,8 @@ def _rows_case(case):
     return q, k, v
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch", "torch, weights asked", "tiled", "tiled on PyTorch's kernels",
-                                     "tiled on the Triton kernel", "auto"])
+@pytest.mark.parametrize("backend", ["reference", "torch", "torch, weights asked", "tiled",
+                                     "tiled on PyTorch's kernels", "tiled on the Triton kernel", "auto"])
 @pytest.mark.parametrize("case", ROWS)
 def test_rows_with_keys_but_no_weight_follow_the_definition(backend, case):
     """The output, lse and gradients of rows whose scores are all NaN, NaN among -inf or all -inf
@@ -267,7 +267,8 @@ def test_random_calls_with_nan_and_inf_are_non_finite_exactly_where_the_definiti
     key or value: the output and the three gradients are non-finite exactly where the oracle's are
     (NaN against inf may differ: attnkit's kernel takes exp as 0 where float32 still has subnormal
     weights, 0 x inf against a subnormal x inf). This is how the hidden rows above were found."""
-    batch, kv_heads, group = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2)), data.draw(st.sampled_from([1, 2]))
+    batch, kv_heads = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))
+    group = data.draw(st.sampled_from([1, 2]))
     q_len, k_len, dim = data.draw(st.integers(1, 24)), data.draw(st.integers(1, 24)), data.draw(st.integers(1, 8))
     kind = data.draw(st.sampled_from(["none", "causal", "structured"]))
     mask, causal = None, kind == "causal"
@@ -321,7 +322,8 @@ def test_beyond_the_pairwise_limit_no_pairwise_product_is_built(backend, monkeyp
     up = torch.randn(2, HEADS, LENGTH, DIM, generator=torch.Generator().manual_seed(1))
     up[1, 0, 3, 1] = float("inf")
     with _engine(backend):
-        out = attnkit.attention(*inputs, mask=MASK, scale=scale, backend="tiled" if backend.startswith("tiled") else backend)
+        name = "tiled" if backend.startswith("tiled") else backend
+        out = attnkit.attention(*inputs, mask=MASK, scale=scale, backend=name)
         grads = torch.autograd.grad(out, inputs, up)
     assert out.shape == q.shape and all(g.shape == t.shape for g, t in zip(grads, (q, k, v)))
 

@@ -91,9 +91,10 @@ def _may_differ_from_definition(output: Tensor) -> bool:
       features (``[2, 2, 128, 65]``), where the definition makes the whole row NaN;
     - on the CPU, a row of zeros (read as a row that sums to 0): SDPA's CPU kernel takes its row
       maximum with NaN skipped, so a row whose scores are all NaN, or NaN among -inf, reads as a row
-      with no key and gives zeros where the definition gives NaN (torch 2.13: a NaN query row over fewer than 8 keys, NaN among
-      -inf scores at any length), and so does a half-precision row with a +inf score over 16 keys
-      or more (test_nonfinite.py). An empty row's zeros are right, and cost the check of the inputs.
+      with no key and gives zeros where the definition gives NaN (torch 2.13: a NaN query row over
+      fewer than 8 keys, NaN among -inf scores at any length), and so does a half-precision row
+      with a +inf score over 16 keys or more (test_nonfinite.py). An empty row's zeros are right,
+      and cost the check of the inputs.
     A finite output with no zero row is right: every non-finite attended score reaches it."""
     if output.device.type in EMPTY_ROWS_GIVE_ZEROS:
         return zero_sum_or_non_finite_row(output)

@@ -241,7 +241,7 @@ def _with_weights(call: AttentionCall, query: Tensor, key: Tensor, value: Tensor
     if inputs and torch.is_grad_enabled() and not results[0].requires_grad:
         # no row attends any key: every piece is zeros made here, outside the graph; a 0 summed
         # from empty slices of the inputs puts them in it (gradients of 0, whatever they hold)
-        link = sum(t.reshape(-1)[:0].sum() for t in inputs)
+        link = sum(t.narrow(-1, 0, 0).sum() for t in inputs)
         results = tuple(r + link.to(r.dtype) for r in results)
     return results
 
