@@ -263,10 +263,11 @@ def test_a_used_lse_of_a_call_with_an_inf_gets_its_gradient(kernel):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_calls_with_nan_and_inf_are_non_finite_exactly_where_the_definition_is(backend, data):
-    """Any shape, GQA, structured mask (or none, or causal), with NaN and inf planted in the query,
-    key or value: the output and the three gradients are non-finite exactly where the oracle's are
-    (NaN against inf may differ: attnkit's kernel takes exp as 0 where float32 still has subnormal
-    weights, 0 x inf against a subnormal x inf). This is how the hidden rows above were found."""
+    """Any shape, GQA, structured mask (or none, or causal), dtype, weights asked or not, with NaN
+    and inf planted in the query, key or value: the output and the three gradients are non-finite
+    exactly where the oracle's are (NaN against inf may differ: attnkit's kernel takes exp as 0
+    where float32 still has subnormal weights, 0 x inf against a subnormal x inf). This is how the
+    hidden rows above were found."""
     batch, kv_heads = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))
     group = data.draw(st.sampled_from([1, 2]))
     q_len, k_len, dim = data.draw(st.integers(1, 24)), data.draw(st.integers(1, 24)), data.draw(st.integers(1, 8))
@@ -284,13 +285,17 @@ def test_random_calls_with_nan_and_inf_are_non_finite_exactly_where_the_definiti
         target = data.draw(st.sampled_from([q, k, v]))
         where = tuple(data.draw(st.integers(0, n - 1)) for n in target.shape)
         target[where] = data.draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    weights = {"return_weights": True} if data.draw(st.booleans()) else {}
     scale = dim**-0.5
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     name = "tiled" if backend.startswith("tiled") else backend
     try:
         with _engine(backend), (tuning(kernel="native") if backend == "tiled" else contextlib.nullcontext()):
-            out = attnkit.attention(*inputs, mask=mask, causal=causal, scale=scale, backend=name)
-            up = torch.randn(out.shape, generator=g)
+            result = attnkit.attention(*inputs, mask=mask, causal=causal, scale=scale, backend=name, **weights)
+            out = result[0] if weights else result
+            up = torch.randn(out.shape, generator=g).to(dtype)
             grads = torch.autograd.grad(out, inputs, up)
     except ValueError as error:  # a mask that does not fit these lengths
         assert "mask" in str(error)
