@@ -546,6 +546,8 @@ CLI_ERRORS = {
     "scale not a number": (["explain", "--scale", "big"], "argument --scale: expected a number, got 'big'"),
     "negative layer": (["explain", "--layer", "-1"], "argument --layer: expected an integer >= 0, got '-1'"),
     "head not a number": (["show", "--head", "x"], "attnkit show: error: argument --head: expected an integer >= 0"),
+    "negative steps": (["train", "--steps", "-1"], "argument --steps: expected an integer >= 1, got '-1'"),  # said >= 0
+    "zero steps": (["train", "--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
     "text for the toy": (["explain", "my text"], "the toy model has one fixed sentence"),
     "scale for a real model": (["explain", "--model", "minilm", "--scale", "2"], "--scale applies to the toy model only"),
     "layer out of range": (["explain", "hi", "--model", "minilm", "--layer", "9"], "layer must be in [0, 5]"),

@@ -71,12 +71,16 @@ def _learning_rate(text: str) -> float:
 
 
 def _index(text: str) -> int:
+    return _at_least(0, text)
+
+
+def _at_least(least: int, text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}")
     return value
 
 
@@ -154,10 +158,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _positive(text: str) -> int:
-    value = _index(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
+    return _at_least(1, text)
 
 
 def _train(args: argparse.Namespace) -> int:
