@@ -12,9 +12,9 @@ a masked pair: O(Lq x Lk x D) memory, taken only then (:func:`needs_pairwise`: a
 could overflow, which makes rows NaN whose masked-out weights would then spread it) and only up to
 :data:`PAIRWISE_LIMIT`. The fused paths check their output instead (one pass, cheaper than the
 inputs): a finite output means no non-finite value reached any product, unless a row that has keys
-came out as zeros (:func:`zero_sum_or_non_finite_row`, :func:`keyed_rows_not_finite`), which PyTorch's CPU
-kernel gives a row whose scores are all NaN, or whose +inf score met a bias (its lse then +inf).
-Under ``torch.compile`` the checks would break the graph and are skipped: masked-out NaN may then
+came out as zeros, as PyTorch's CPU kernel gives a row whose scores are all NaN (SDPA's output:
+:func:`zero_sum_or_non_finite_row`; FlexAttention's lse: :func:`keyed_rows_not_finite`). Under
+``torch.compile`` the checks would break the graph and are skipped: masked-out NaN may then
 spread into rows, and such rows read as zeros.
 """
 

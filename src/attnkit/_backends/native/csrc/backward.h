@@ -59,6 +59,11 @@ void exact_backward_chunk(int64_t rows, int64_t width, int64_t c0, const int64_t
   }
 }
 
+// FlashAttention's row term of the backward, dO . O - dlse (the lse's gradient, 0 when unused).
+inline float row_delta(const float* go_row, const float* o_row, int64_t Dv, const float* grad_lse) {
+  return dot(go_row, o_row, Dv) - (grad_lse ? *grad_lse : 0.0f);
+}
+
 // The gradients of a row that attends the keys [lo, hi) but whose scores there were all -inf (lse
 // -inf; block_span gives it no keys, so the tiles skip it): its weights are all 0, so each pair's
 // dS = scale * 0 * (f dP - delta) and dV's term 0 * dO are zeros, or NaN where what they multiply
@@ -198,8 +203,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 const auto [g_rows, g_stride] = grads_given.head(b, h, first, first + rows);
                 const auto [o_rows, o_stride] = outputs.head(b, h, first, first + rows);
                 const float* go_row = g_rows + (first + j) * g_stride;
-                const float grad_lse = gl ? gl[(b * H + h) * Lq + first + j] : 0.0f;
-                const float delta = dot(go_row, o_rows + (first + j) * o_stride, Dv) - grad_lse;  // as r.delta
+                const float delta = row_delta(go_row, o_rows + (first + j) * o_stride, Dv,
+                                              gl ? gl + (b * H + h) * Lq + first + j : nullptr);
                 const auto [k_rows, k_stride] = keys.head(b, kv, a, z);
                 const auto [v_rows, v_stride] = values.head(b, kv, a, z);
                 zero_weight_gradients(q_rows + (first + j) * q_stride, go_row, delta, k_rows, k_stride, v_rows,
@@ -238,8 +243,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               r.lse[j] = real ? l_block[j] : 0.0f;
               // FlashAttention's D term: dS = P * (f dP - delta), and a row's sum of f * P * dP is
               // dO . O whatever the dropout factors f
-              const float delta = real ? dot(go_block + j * g2s, o_block + j * o2s, Dv) : 0.0f;
-              r.delta[j] = real && gl ? delta - gl_block[j] : delta;
+              const float* grad_lse_j = gl_block ? gl_block + j : nullptr;
+              r.delta[j] = real ? row_delta(go_block + j * g2s, o_block + j * o2s, Dv, grad_lse_j) : 0.0f;
             }
             for (int64_t j = 0; j < rs; j += L::kWidth) {
               const int64_t whole = std::min(rows, j + L::kWidth);

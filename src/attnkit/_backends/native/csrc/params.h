@@ -119,9 +119,9 @@ std::pair<int64_t, int64_t> key_span(const int64_t* lo, const int64_t* hi, int64
 }
 
 // The intervals of a block's `rows` rows clipped to the keys [0, Lk) into row_lo, row_hi (a row
-// whose lse is -inf, when `lse` is given, gets none: its weights are all 0, and so are its
-// gradients, unless an attended query or key holds inf: the op's backward then runs its dense
-// path, interval_op._needs_dense_backward); returns their key_span.
+// whose lse is -inf, when `lse` is given, gets none: its weights are all 0, so the tiles have nothing
+// to add, and the backward multiplies those zeros itself where an input is infinite,
+// zero_weight_gradients); returns their key_span.
 std::pair<int64_t, int64_t> block_span(const int64_t* lo, const int64_t* hi, int64_t rows, int64_t Lk,
                                               const float* lse, int64_t* row_lo, int64_t* row_hi) {
   for (int64_t j = 0; j < rows; ++j) {
