@@ -553,3 +553,73 @@ def test_transformers_models_with_softcap_sinks_and_windows_run_the_gpu_route(na
         results[implementation] = logits, tokens
     torch.testing.assert_close(results["attnkit"][0], results["eager"][0], atol=1e-4, rtol=0)
     assert torch.equal(results["attnkit"][1], results["eager"][1])
+
+
+def _pairwise_oracle(q, k, v, allowed, scale, sinks=None):
+    """Attention from the definition in float64, pair by pair: a pair the mask removes is replaced
+    before any product (never ``0 x inf``, not even through autograd); ``sinks [H]`` join each
+    row's normaliser with no value."""
+    pair = allowed[..., None]
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+    scores = (torch.where(pair, q[..., :, None, :], 0.0) * torch.where(pair, k[..., None, :, :], 0.0)).sum(-1)
+    scores = (scores * scale).masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
+    peak = scores.detach().amax(-1, keepdim=True)
+    exp = torch.exp(scores - torch.where(torch.isfinite(peak), peak, 0.0))
+    total = exp.sum(-1, keepdim=True)
+    weights = (exp / torch.where(torch.isfinite(total), torch.where(total > 0, total, 1.0), float("nan")))
+    weights = weights[..., : allowed.shape[-1]]
+    return (torch.where(pair, weights[..., None], 0.0) * torch.where(pair, v[..., None, :, :], 0.0)).sum(-2)
+
+
+def _infinite_input_case(case, device):
+    """(q, k, v, mask, sinks) in float32 on ``device``: ``"masked-out key of inf"``, a padding key
+    no row attends, so every output stays finite while a backward multiplying whole blocks would
+    put ``0 x inf`` into ``dQ``; ``"row of -inf scores, sinks"``, a query of -inf against keys whose
+    first feature is positive, so its keys' gradients are ``0 x inf`` (NaN) and, sinks in the
+    normaliser, its lse is finite."""
+    q, k, v = (t.float() for t in _inputs(64, 64, heads=4, kv_heads=2, head_dim=16))
+    mask, sinks = masks.sliding_window(6) & masks.padding([60, 64]), None
+    if case == "masked-out key of inf":
+        k[0, 1, 62, 3] = float("inf")
+    else:
+        k[..., 0] = k[..., 0].abs() + 0.1
+        q[1, 2, 30] = 0.0
+        q[1, 2, 30, 0] = float("-inf")
+        sinks = torch.tensor([0.5, -0.3, 1.0, 0.0])
+    return (*(t.to(device) for t in (q, k, v)), mask, None if sinks is None else sinks.to(device))
+
+
+def _gradients_follow_the_definition(case, device, context):
+    q, k, v, mask, sinks = _infinite_input_case(case, device)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    with context:
+        out = attnkit.attention(*inputs, mask=mask, sinks=sinks, backend="tiled")
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    grads = torch.autograd.grad(out, inputs, up)
+    allowed = mask.dense(64, 64, ndim=4).cpu()
+    oracle_inputs = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    want = _pairwise_oracle(*oracle_inputs, allowed, 0.25, None if sinks is None else sinks.cpu().double())
+    want_grads = torch.autograd.grad(want, oracle_inputs, up.cpu().double())
+    assert torch.isfinite(want).all(), "the case is meant to keep the output finite"
+    assert not all(torch.isfinite(g).all() for g in want_grads[1:]) or case == "masked-out key of inf"
+    for got, expected, name in zip((out, *grads), (want, *want_grads), ("output", "dq", "dk", "dv")):
+        got = got.detach().cpu().double()
+        for test in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(test(got), test(expected)), (case, name, test.__name__)
+        finite = torch.isfinite(expected)
+        torch.testing.assert_close(got[finite], expected[finite], atol=1e-4, rtol=1e-4, msg=f"{case}: {name}")
+
+
+@pytest.mark.parametrize("engine", ["flex", "triton"])
+@pytest.mark.parametrize("case", ["masked-out key of inf", "row of -inf scores, sinks"])
+def test_gradients_on_the_gpu_engines_follow_the_definition_where_the_output_shows_nothing(engine, case):
+    """An infinite input whose mark is only in the gradients: FlexAttention's backward multiplies
+    whole blocks (``0 x inf`` of a masked-out key reaches ``dQ``) and, with sinks, a row of all -inf
+    scores has a finite lse, so the forward's check of its output cannot see either; the route
+    redoes such a call pairwise whenever gradients will flow and an input is not finite."""
+    from attnkit._backends.tiled_plan import tuning
+
+    _gradients_follow_the_definition(case, CUDA, tuning(kernel=engine))

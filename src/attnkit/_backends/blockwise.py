@@ -298,14 +298,19 @@ def pairwise_if_not_finite(out: Tensor, lse: Tensor, query: Tensor, key: Tensor,
                            sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of a kernel that multiplies whole blocks (FlexAttention's), or the call redone
     by :func:`dense_attention`'s pairwise products where an input holds NaN or inf (or a score could
-    overflow), the products fit, and the result shows a sign of it: ``out`` came out non-finite (a
-    ``0 x inf`` inside a partly masked block lets a masked-out value into its row), or a row with
-    keys has an lse that is not finite (all its scores -inf or NaN, read as no key). Differentiable
-    where the caller's autograd is on. Reads values: not while tracing (:func:`numerics.can_read`).
-    PyTorch's kernels block by block check their inputs instead (:func:`forward`)."""
+    overflow), the products fit, and the result may show it: ``out`` came out non-finite (a
+    ``0 x inf`` inside a partly masked block lets a masked-out value into its row), a row with keys
+    has an lse that is not finite (all its scores -inf or NaN, read as no key), or a gradient will
+    flow. The backward is the reason for the last: it multiplies whole blocks too, so an infinite
+    key that the mask removes reaches ``dQ`` as ``0 x inf`` while the output stays finite, and with
+    ``sinks`` the lse of a row of all -inf scores is the sink's, finite. Differentiable where the
+    caller's autograd is on. Reads values: not while tracing (:func:`numerics.can_read`). PyTorch's
+    kernels block by block check their inputs instead (:func:`forward`)."""
     if not numerics.can_read(out, lse):
         return out, lse
-    if numerics.all_finite(out) and not numerics.keyed_rows_not_finite(lse, lo, hi):
+    gradients_flow = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, sinks, alibi))
+    if not gradients_flow and numerics.all_finite(out) and not numerics.keyed_rows_not_finite(lse, lo, hi):
         return out, lse
     if not numerics.needs_pairwise(query, key, value, scale):
         return out, lse
