@@ -33,6 +33,12 @@ CONFIGS = {
     "additive mask": dict(
         shape=(2, 4, 3), lk=5, dv=2,
         kwargs=dict(mask=torch.randn(4, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64))),
+    # 4-d inputs, one head per kv head and dv = dk: PyTorch's fused CPU kernel (others take its math path)
+    "4-d causal": dict(shape=(1, 2, 5, 3), lk=5, dv=3, kwargs=dict(causal=True)),
+    "4-d bool mask": dict(shape=(1, 2, 4, 3), lk=6, dv=3,
+                          kwargs=dict(mask=torch.rand(4, 6, generator=torch.Generator().manual_seed(2)) < 0.7)),
+    "decoding, gqa": dict(shape=(1, 4, 1, 3), lk=6, dv=2, heads_kv=2, kwargs=dict(causal=True)),
+    "alibi": dict(shape=(1, 2, 4, 3), lk=4, dv=2, kwargs=dict(causal=True, alibi_slopes=torch.tensor([0.5, 0.25]))),
     "additive -inf row": dict(
         shape=(4, 3), lk=5, dv=2,
         kwargs=dict(mask=torch.tensor([[0.0] * 5, [float("-inf")] * 5, [0.5, -1.0, float("-inf"), 0, 0], [0.0] * 5],
@@ -47,6 +53,34 @@ def test_gradcheck(backend, name):
     q, k, v = _inputs(*config["shape"], lk=config["lk"], dv=config["dv"], heads_kv=config.get("heads_kv"))
     fn = lambda q, k, v: attnkit.attention(q, k, v, backend=backend, **config["kwargs"])  # noqa: E731
     assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["auto"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gradgradcheck(backend, name):
+    """Second-order gradients (create_graph=True, then another backward: gradient penalties, MAML)
+    on every backend and on whatever "auto" picks. SDPA's fused kernels have no derivative of their
+    backward: "torch" and "auto"'s SDPA picks recompute by the reference formula there
+    (second_order.py); the tiled op recomputes densely."""
+    config = CONFIGS[name]
+    q, k, v = _inputs(*config["shape"], lk=config["lk"], dv=config["dv"], heads_kv=config.get("heads_kv"))
+    fn = lambda q, k, v: attnkit.attention(q, k, v, backend=backend, **config["kwargs"])  # noqa: E731
+    assert torch.autograd.gradgradcheck(fn, (q, k, v))
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_sdpa_first_order_gradients_are_sdpas_own(backend):
+    """The node that makes SDPA's output differentiable twice passes a first-order gradient straight
+    to SDPA's own backward (the same bits as calling F.scaled_dot_product_attention)."""
+    q, k, v = (t.float().detach().requires_grad_() for t in _inputs(1, 2, 8, 16, lk=8, dv=16))
+    out = attnkit.attention(q, k, v, causal=True, backend=backend)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    got = torch.autograd.grad(out, (q, k, v), up)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    expected = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True),
+                                   leaves, up)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

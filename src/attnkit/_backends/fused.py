@@ -11,6 +11,8 @@ or a score could overflow (SDPA lets a masked-out one spread into the row).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -20,6 +22,7 @@ from .empty_rows import give_empty_rows_a_key
 from .fused_weights import fused_weights_attention
 from .numerics import all_finite, needs_pairwise, zero_sum_or_non_finite_row
 from .reference import reference_attention
+from .second_order import twice_differentiable
 
 # Device types whose SDPA kernels already return zeros (and finite gradients) for query rows
 # with no allowed key; verified by the test suite for torch >= 2.5 on CPU. Elsewhere such
@@ -29,8 +32,6 @@ EMPTY_ROWS_GIVE_ZEROS = {"cpu"}
 def _with_alibi_as_mask(call: AttentionCall) -> AttentionCall:
     """The call with its ALiBi bias ``[N, H, Lq, Lk]`` (float32 for half precision) folded into the
     mask, causal included."""
-    from dataclasses import replace
-
     from .._call import bias_dtype
     from . import layout
     from .reference import alibi_of
@@ -79,6 +80,9 @@ def torch_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         output = output.masked_fill(no_key, 0.0)
     if _may_differ_from_definition(output) and needs_pairwise(query, key, value, call.scale):
         return reference_attention(call)
+    if attn_mask is None or not attn_mask.requires_grad:  # a mask's gradient comes from SDPA's backward only
+        output = twice_differentiable(output, lambda q, k, v: reference_attention(
+            replace(call, query=q, key=k, value=v))[0], query, key, value)
     return output, None
 
 
