@@ -139,6 +139,86 @@ def test_torch_func_grad_vmap_and_jacrev_match_the_reference(kernel):
     torch.testing.assert_close(jacobian, expected, **CLOSE)
 
 
+def _masked_reference(query, key, value, allowed):
+    """Plain float64 attention written out here (no attnkit code), for transforms of any order."""
+    scores = (query @ key.transpose(-1, -2) / query.shape[-1] ** 0.5).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, -1) @ value
+
+
+TWICE = {
+    "hessian": torch.func.hessian,
+    "jacrev(jacrev)": lambda f: jacrev(jacrev(f)),
+    "jacfwd(jacfwd)": lambda f: torch.func.jacfwd(torch.func.jacfwd(f)),
+    "grad(grad)": lambda f: grad(lambda x: grad(f)(x).sin().sum()),
+}
+
+
+@pytest.mark.parametrize("transform", list(TWICE))
+@pytest.mark.parametrize("mask_kind", ["window", "causal", "none"])
+@pytest.mark.parametrize("backend", ["tiled", "auto", "torch"])
+def test_torch_func_transforms_that_differentiate_twice_match_plain_ops(transform, mask_kind, backend, kernel):
+    """hessian and the nested jacobians and grads: the op's backward and forward-mode rule are
+    kernels, which an outer level would take for constants (the tiled backend's jacrev(jacrev(f))
+    gave second derivatives missing terms, silently), and SDPA's have no derivative at all: such
+    transforms run the call in plain ops. The same mask object is used before, inside and after
+    them (a cache filled inside a transform held tensors that later calls found escaped)."""
+    q, k, v = (t[:1, :2, :6, :3].double() for t in _qkv())
+    mask = {"window": masks.sliding_window(3), "causal": masks.causal(), "none": None}[mask_kind]
+    allowed = torch.ones(6, 6, dtype=torch.bool) if mask is None else mask.dense(6, 6)
+    attnkit.attention(q, k, v, mask=mask, backend=backend)  # fills the caches outside any transform
+
+    def loss(fn):
+        return lambda x: fn(x).square().sum()
+
+    got = TWICE[transform](loss(lambda x: attnkit.attention(x, k, v, mask=mask, backend=backend)))(q)
+    expected = TWICE[transform](loss(lambda x: _masked_reference(x, k, v, allowed)))(q)
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(got, expected)
+    after = attnkit.attention(q, k, v, mask=mask, backend=backend)  # nothing escaped into a cache
+    torch.testing.assert_close(after, _masked_reference(q, k, v, allowed))
+
+
+@pytest.mark.parametrize("backend", ["tiled", "auto", "torch"])
+@pytest.mark.parametrize("api", ["torch.func.jvp", "forward_ad"])
+def test_forward_mode_ad_matches_the_reference(backend, api, kernel):
+    """jvp (forward-mode AD), through torch.func and through torch.autograd.forward_ad's dual
+    tensors, with GQA, a structured mask, soft-capping, ALiBi and sinks: the output's tangent and
+    the lse's equal the reference backend's (plain ops, float64). SDPA has no forward-mode rule:
+    such calls take the materialised formula; the op's rule recomputes densely."""
+    from torch.autograd import forward_ad
+
+    q, k, v = (t[:, :, :10].double() for t in _qkv())
+    tangents = tuple(torch.randn_like(t) for t in (q, k, v))
+    options = dict(mask=masks.sliding_window(4) & masks.padding([10, 7]), softcap=3.0,
+                   alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64),
+                   sinks=torch.tensor([0.1, -0.2, 0.3, 0.0], dtype=torch.float64))
+    if backend == "torch":
+        options = dict(mask=options["mask"])  # SDPA's route: its own inputs
+
+    def run(name, *inputs):
+        return attnkit.attention(*inputs, backend=name, **options)
+
+    if api == "torch.func.jvp":
+        _, got = torch.func.jvp(lambda *x: run(backend, *x), (q, k, v), tangents)
+    else:
+        with forward_ad.dual_level():
+            out = run(backend, *(forward_ad.make_dual(p, t) for p, t in zip((q, k, v), tangents)))
+            got = forward_ad.unpack_dual(out).tangent
+    _, expected = torch.func.jvp(lambda *x: run("reference", *x), (q, k, v), tangents)
+    torch.testing.assert_close(got, expected)
+    if backend == "tiled":  # the lse's tangent, without the score modifiers: a plain logsumexp
+        mask = options["mask"]
+        allowed = mask.dense(10, 10, ndim=4)
+
+        def lse_by_plain_ops(query, key, value):
+            scores = query @ key.repeat_interleave(2, 1).transpose(-1, -2) / query.shape[-1] ** 0.5
+            return scores.masked_fill(~allowed, float("-inf")).logsumexp(-1)
+
+        _, got = torch.func.jvp(lambda *x: attnkit.attention(*x, mask=mask, backend="tiled", return_lse=True)[1],
+                                (q, k, v), tangents)
+        torch.testing.assert_close(got, torch.func.jvp(lse_by_plain_ops, (q, k, v), tangents)[1])
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_gradient_penalties_get_the_reference_second_order_gradients(kernel, dropout):
     """create_graph=True then a second backward (a gradient penalty): the tiled backend's

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _torch_private
 from . import masks as _masks
 
 
@@ -31,8 +32,9 @@ DENSE_CACHE_LIMIT = 1 << 20
 
 def built_for(call: AttentionCall, device: torch.device) -> dict | None:
     """The cache entry of the call's structured mask on ``device`` (None: no structured mask to key
-    it by, or ``torch.compile`` tracing)."""
-    if call.structure is None or torch.compiler.is_compiling():
+    it by, ``torch.compile`` tracing, or a ``torch.func`` transform running, whose levels may
+    wrap what is built there and would then find it escaped in a later call)."""
+    if call.structure is None or torch.compiler.is_compiling() or _torch_private.functorch_active():
         return None
     return _PER_MASK.setdefault(call.structure, {}).setdefault((call.q_len, call.k_len, call.causal, device), {})
 

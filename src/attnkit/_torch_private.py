@@ -22,6 +22,10 @@ the test suite runs on.
 - ``torch._C._functorch.is_functorch_wrapped_tensor``, ``torch._subclasses``' fake and functional
   tensors: tensors (inside ``torch.func`` transforms, compile-time tracing) whose values cannot steer
   Python control flow.
+- ``torch.autograd.forward_ad._current_level``, ``torch._C._functorch.peek_interpreter_stack``,
+  ``TransformType`` and ``retrieve_all_functorch_interpreters``: whether forward-mode AD is under
+  way (:func:`forward_ad_active`), which SDPA's fused kernels and attnkit's custom op lack, and
+  whether transforms differentiate twice (:func:`nested_differentiation`).
 
 Outside :data:`TESTED` the native kernel is not loaded and the per-block kernel falls back to plain
 tensor ops (:func:`flash_cpu_ops` returns None): slower, never wrong.
@@ -79,6 +83,43 @@ def without_values(tensor: torch.Tensor) -> bool:
 
     return (tensor.device.type == "meta" or bool(torch._C._functorch.is_functorch_wrapped_tensor(tensor))
             or is_fake(tensor) or isinstance(tensor, FunctionalTensor))
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ...) is running eagerly
+    (never while ``torch.compile`` traces: Dynamo cannot trace the stack's walk)."""
+    return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def nested_differentiation() -> bool:
+    """Whether two or more differentiating ``torch.func`` levels (``grad``, ``vjp``'s, ``jvp``) are
+    running: ``hessian``, ``jacfwd(jacfwd(f))``, ``grad(grad(f))``, ``jacrev(jacrev(f))``. One
+    level under ``vmap`` (``vmap(grad(f))``, ``jacrev``, ``jacfwd``) is not."""
+    if not functorch_active():
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return sum(level.key() in (TransformType.Grad, TransformType.Jvp)
+               for level in retrieve_all_functorch_interpreters()) >= 2
+
+
+def forward_ad_active() -> bool:
+    """Whether forward-mode AD may be under way: a dual level of ``torch.autograd.forward_ad`` is
+    open (its private ``_current_level``), or a ``torch.func.jvp`` transform (``jacfwd``,
+    ``hessian``) is on the functorch stack. Cheap when neither is (two reads, no stack walk)."""
+    from torch.autograd import forward_ad
+
+    if torch.compiler.is_compiling():
+        return False
+    if forward_ad._current_level >= 0:
+        return True
+    if not functorch_active():
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(level.key() == TransformType.Jvp for level in retrieve_all_functorch_interpreters())
 
 
 def schema_of(op) -> str:

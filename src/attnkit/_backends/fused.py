@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _torch_private
 from .._call import AttentionCall
 from .empty_rows import give_empty_rows_a_key
 from .fused_weights import fused_weights_attention
@@ -45,8 +46,10 @@ def _with_alibi_as_mask(call: AttentionCall) -> AttentionCall:
 
 
 def torch_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-    if call.softcap is not None or call.sinks is not None:
-        # no fused PyTorch kernel soft-caps scores or takes sinks: the materialised formula
+    if (call.softcap is not None or call.sinks is not None or _torch_private.forward_ad_active()
+            or _torch_private.nested_differentiation()):
+        # no fused PyTorch kernel soft-caps scores, takes sinks, has forward-mode AD (jvp) or a
+        # backward that torch.func can differentiate again: the materialised formula
         output, weights = reference_attention(call)
         return output, weights if call.return_weights else None
     if call.alibi_slopes is not None:  # SDPA takes ALiBi as a dense float32 bias

@@ -351,16 +351,86 @@ class IntervalAttention(torch.autograd.Function):
     backward = staticmethod(_backward)
 
 
+class IntervalAttentionForwardMode(IntervalAttention):
+    """:class:`IntervalAttention` with a forward-mode rule, for calls under forward-mode AD only
+    (Dynamo refuses to trace a Function that defines ``jvp``)."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _setup_context(ctx, inputs, output)
+        tensors = IntervalInputs(*inputs).tensors()
+        ctx.save_for_forward(*(t for t in tensors if t is not None))
+        ctx.present = tuple(t is not None for t in tensors)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        """Forward-mode AD (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``): the
+        tangents of ``(out, lse)`` through the call recomputed densely in plain ops, as second-order
+        gradients are (:func:`_dense_backward`): by ``torch.func.jvp`` inside ``torch.func``
+        transforms, else by two reverse passes (the tangent is the derivative of ``vjp(u) .
+        tangent`` with respect to ``u``), as forward mode cannot nest inside ``forward_ad``'s dual
+        level and reverse mode cannot run on a transform's tensors."""
+        saved = iter(ctx.saved_tensors)
+        tensors = [next(saved) if present else None for present in ctx.present]
+        inputs = IntervalInputs(**dict(zip(TENSOR_FIELDS, tensors)), **ctx.scalars)
+        tangent_of = dict(zip(_NAMES, tangents))
+        moving = [name for name in ("query", "key", "value", "bias", "alibi_slopes", "sinks")
+                  if getattr(inputs, name) is not None and tangent_of[name] is not None]
+        if not moving:
+            return None, None, None
+
+        def recomputed(*values):
+            given = dict(zip(moving, values))
+            value_of = lambda name: given.get(name, getattr(inputs, name))  # noqa: E731
+            out, lse, _ = blockwise.dense_attention(
+                value_of("query"), value_of("key"), value_of("value"), inputs.lo, inputs.hi, value_of("bias"),
+                inputs.scale, inputs.dropout, inputs.seed, exact=False, softcap=inputs.softcap,
+                alibi=value_of("alibi_slopes"), sinks=value_of("sinks"))
+            return out, lse.masked_fill(torch.isneginf(lse), 0.0)  # rows with no key: a constant
+
+        primals, directions = [getattr(inputs, name) for name in moving], [tangent_of[name] for name in moving]
+        if _torch_private.functorch_active():
+            _, (out_tangent, lse_tangent) = torch.func.jvp(recomputed, tuple(primals), tuple(directions))
+            return out_tangent, lse_tangent, None
+        with torch.enable_grad():
+            primals = [t.detach().requires_grad_() for t in primals]
+            out, lse = recomputed(*primals)
+            directions = [torch.zeros_like(out, requires_grad=True), torch.zeros_like(lse, requires_grad=True)]
+            vjps = torch.autograd.grad((out, lse), primals, directions, create_graph=True, allow_unused=True)
+            used = [(vjp, tangent_of[name]) for vjp, name in zip(vjps, moving) if vjp is not None and vjp.requires_grad]
+            if not used:
+                return torch.zeros_like(out), torch.zeros_like(lse), None
+            found = torch.autograd.grad([vjp for vjp, _ in used], directions, [t for _, t in used], allow_unused=True)
+        out_tangent, lse_tangent = (torch.zeros_like(d) if t is None else t for d, t in zip(directions, found))
+        return out_tangent.detach(), lse_tangent.detach(), None
+
+
 def run(inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
     """``(out [N, H, Lq, Dv], lse [N, H, Lq])`` of the op on ``inputs``, differentiable. In plain
     eager calls the op itself (its registered autograd is the same): ``autograd.Function.apply``
     with ``setup_context`` binds its arguments by ``inspect.signature`` on every call, a quarter of
     a small call's host time (measured: 0.24 of 0.9 ms, benchmarks/gpu_overhead.py's profile)."""
-    if torch.compiler.is_compiling() or any(_torch_private.without_values(t) for t in inputs.tensors()
-                                             if t is not None):
+    if _torch_private.nested_differentiation():
+        return _plain_ops(inputs)
+    if _torch_private.forward_ad_active():
+        out, lse, _ = IntervalAttentionForwardMode.apply(*inputs.as_tuple())
+    elif torch.compiler.is_compiling() or any(_torch_private.without_values(t) for t in inputs.tensors()
+                                               if t is not None):
         out, lse, _ = IntervalAttention.apply(*inputs.as_tuple())
     else:
         out, lse, _ = torch.ops.attnkit.interval_attention(*inputs.as_tuple())
+    return out, lse
+
+
+def _plain_ops(inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of the call in plain differentiable ops over the whole score matrix, for
+    ``torch.func`` transforms that differentiate twice (``hessian``, ``jacfwd(jacfwd(f))``,
+    ``grad(grad(f))``, ``jacrev(jacrev(f))``): the op's backward and its forward-mode rule are
+    kernels that the outer level cannot differentiate, and would take for constants (second
+    derivatives silently missing terms), where plain ops compose at every level."""
+    out, lse, _ = blockwise.dense_attention(inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi,
+                                            inputs.bias, inputs.scale, inputs.dropout, inputs.seed, exact=False,
+                                            softcap=inputs.softcap, alibi=inputs.alibi_slopes, sinks=inputs.sinks)
     return out, lse
 
 

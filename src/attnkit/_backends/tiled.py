@@ -113,7 +113,7 @@ def _row_bounds_on(call: AttentionCall, device: torch.device) -> tuple[Tensor, T
     """:func:`row_bounds` of the call on ``device`` (copied without stalling a GPU, cached per mask:
     a model's layers share one mask object; on the CPU they took ~0.1 ms a call to build, a sixth of
     a [1, 8, 128, 64] window call's time). Nothing writes into them."""
-    if call.structure is None and not torch.compiler.is_compiling():
+    if call.structure is None and not torch.compiler.is_compiling() and not _torch_private.functorch_active():
         return _unstructured_bounds(call.causal, call.q_len, call.k_len, device)
     cache = built_for(call, device)
     if cache is not None and "bounds" in cache:
