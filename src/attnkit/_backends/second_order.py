@@ -14,8 +14,9 @@ The node returns SDPA's output as a view, not a copy (a copy would be one more o
 activation per layer in training), so a result that records a graph may not be changed in place
 (``out += x``; PyTorch's error says to clone it). SDPA's fused kernels refuse that already where
 they keep their output for the backward, as PyTorch 2.13's CPU kernel does. Calls that record no
-graph, and calls under ``torch.compile`` or a ``torch.func`` transform, do not take the node
-(nothing to differentiate twice there, or a transform that differentiates on its own levels).
+graph, and calls under ``torch.compile``, ``torch.jit.trace`` or a ``torch.func`` transform, do
+not take the node (nothing to differentiate twice there, a trace that cannot hold a Python
+Function, or a transform that differentiates on its own levels).
 """
 
 from __future__ import annotations
@@ -59,5 +60,7 @@ def twice_differentiable(output: Tensor, recompute: Callable[[Tensor, Tensor, Te
     ``recompute`` (the same attention in plain ops) where it records a graph; else ``output`` itself."""
     inputs = (query, key, value)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs) or not can_read(output, *inputs):
+        return output
+    if torch.jit.is_tracing():  # a Python Function would enter the traced graph as an opaque call
         return output
     return _RecomputedWhenDifferentiatedTwice.apply(output, recompute, query, key, value)
