@@ -219,6 +219,37 @@ def test_forward_mode_ad_matches_the_reference(backend, api, kernel):
         torch.testing.assert_close(got, torch.func.jvp(lse_by_plain_ops, (q, k, v), tangents)[1])
 
 
+@pytest.mark.parametrize("backend", ["tiled", "auto", "torch", "reference"])
+def test_vmap_with_dropout_follows_its_randomness_flag(backend, kernel):
+    """vmap(randomness="same"): every sample draws alike, so each equals its own call with the same
+    generator (output and gradients, on the reference backend: the pattern is every backend's);
+    the op folded samples into its batch, which gave each sample another pattern. "different":
+    identical samples come out different (the op refused a per-sample seed; "torch" had no batching
+    rule for its in-place softmax)."""
+    q, k, v = (t[:, :2, :12].double().expand(3, -1, -1, -1, -1).clone() for t in _qkv(batch=1))
+    q = q + torch.arange(3, dtype=torch.float64).view(3, 1, 1, 1, 1)  # samples of their own
+    mask = masks.sliding_window(5)
+
+    def call(name):
+        return lambda a, b, c: attnkit.attention(a, b, c, mask=mask, dropout=0.3, backend=name,
+                                                 generator=torch.Generator().manual_seed(7))
+
+    def loss(name):
+        return lambda a, b, c: call(name)(a, b, c).square().sum()
+
+    got = vmap(call(backend), randomness="same")(q, k, v)
+    grads = vmap(grad(loss(backend), argnums=(0, 1, 2)), randomness="same")(q, k, v)
+    for index in range(3):
+        sample = (q[index], k[index], v[index])
+        torch.testing.assert_close(got[index], call("reference")(*sample))
+        for got_grad, expected in zip(grads, grad(loss("reference"), argnums=(0, 1, 2))(*sample)):
+            torch.testing.assert_close(got_grad[index], expected)
+    same_inputs = (q[:1].expand(3, -1, -1, -1, -1), k, v)
+    different = vmap(lambda a, b, c: attnkit.attention(a, b, c, mask=mask, dropout=0.3, backend=backend),
+                     randomness="different")(*same_inputs)
+    assert not torch.equal(different[0], different[1]) and not torch.equal(different[1], different[2])
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_gradient_penalties_get_the_reference_second_order_gradients(kernel, dropout):
     """create_graph=True then a second backward (a gradient penalty): the tiled backend's

@@ -25,6 +25,7 @@ import math
 import torch
 from torch import Tensor
 
+from .. import _torch_private
 from .._call import AttentionCall
 from .empty_rows import give_empty_rows_a_key
 from .numerics import needs_pairwise, work_dtype
@@ -63,7 +64,7 @@ def fused_weights_attention(call: AttentionCall) -> tuple[Tensor, Tensor]:
             mask = ~removed
         scores.masked_fill_(~mask, float("-inf"))
 
-    in_place = not call.needs_grad
+    in_place = not call.needs_grad and not _torch_private.functorch_active()  # vmap has no rule for softmax(out=)
     if in_place:
         weights = torch.softmax(scores, dim=-1, out=scores)
     else:

@@ -471,7 +471,6 @@ def _unbatched(name: str, dim: int | None) -> None:
 
 def _folded(inputs: IntervalInputs, dims: IntervalInputs, size: int) -> IntervalInputs:
     """The record with the vmapped dim folded into the batch (see the helpers above)."""
-    _unbatched("dropout seed", dims.seed)
     _unbatched("set of sinks", dims.sinks)
     query = _fold(inputs.query, dims.query, size)
     batch = query.shape[0] // size
@@ -482,9 +481,30 @@ def _folded(inputs: IntervalInputs, dims: IntervalInputs, size: int) -> Interval
         alibi_slopes=_fold_slopes(inputs.alibi_slopes, dims.alibi_slopes, size, batch))
 
 
+def _sample(inputs: IntervalInputs, dims: IntervalInputs, index: int) -> IntervalInputs:
+    """Sample ``index`` of a vmapped record: each vmapped tensor at that index, the others as they are."""
+    return inputs.replace(**{name: getattr(inputs, name).select(getattr(dims, name), index)
+                             for name in TENSOR_FIELDS if getattr(dims, name) is not None})
+
+
+def _stacked(results: list[tuple], dims: list[int | None]) -> tuple:
+    """Per-sample results of the op stacked along a new vmapped dim 0 where ``dims`` says 0."""
+    return tuple(torch.stack(parts) if dim == 0 else parts[0] for parts, dim in zip(zip(*results), dims))
+
+
+# With dropout each sample runs on its own: the pattern is a function of (seed, batch, head, row,
+# key), so folding samples into the batch would give each its own pattern under vmap's
+# randomness="same" (where every sample must draw alike), and "different" gives each sample a seed.
+
+
 @torch.library.register_vmap("attnkit::interval_attention")
 def _(info, in_dims, *args):
     size = info.batch_size
+    if IntervalInputs(*args).dropout > 0:
+        original, dims = IntervalInputs(*args), IntervalInputs(*in_dims)
+        _unbatched("set of sinks", dims.sinks)
+        results = [forward_op(_sample(original, dims, index)) for index in range(size)]
+        return _stacked(results, [0, 0, None]), (0, 0, None)
     inputs = _folded(IntervalInputs(*args), IntervalInputs(*in_dims), size)
     out, lse, ran = forward_op(inputs)
     batch = out.shape[0] // size
@@ -498,6 +518,13 @@ def _(info, in_dims, grad_out, grad_lse, out, lse, ran, *args):
     *fields, bias_grad = args
     dims = IntervalInputs(*in_dims[5:5 + len(fields)])
     original = IntervalInputs(*fields)
+    if original.dropout > 0:  # each sample on its own, as its forward ran
+        _unbatched("set of sinks", dims.sinks)
+        given = [(grad_out, go_dim), (grad_lse, gl_dim), (out, o_dim), (lse, l_dim)]
+        results = [backward_op(*(t if t is None or d is None else t.select(d, index) for t, d in given), ran,
+                               _sample(original, dims, index), bias_grad) for index in range(size)]
+        return _stacked(results, [0, 0, 0, 0 if bias_grad else None, 0 if original.sinks is not None else None]), \
+            (0, 0, 0, 0 if bias_grad else None, 0 if original.sinks is not None else None)
     inputs = _folded(original, dims, size)
     batch = inputs.query.shape[0] // size
     if original.bias is not None:  # per sample when its gradient is asked: every sample's own copy
