@@ -379,30 +379,23 @@ class IntervalAttentionForwardMode(IntervalAttention):
         if not moving:
             return None, None, None
 
-        def recomputed(*values):
-            given = dict(zip(moving, values))
-            value_of = lambda name: given.get(name, getattr(inputs, name))  # noqa: E731
-            out, lse, _ = blockwise.dense_attention(
-                value_of("query"), value_of("key"), value_of("value"), inputs.lo, inputs.hi, value_of("bias"),
-                inputs.scale, inputs.dropout, inputs.seed, exact=False, softcap=inputs.softcap,
-                alibi=value_of("alibi_slopes"), sinks=value_of("sinks"))
-            return out, lse.masked_fill(torch.isneginf(lse), 0.0)  # rows with no key: a constant
+        def recomputed(*values):  # the call in plain ops; the lse of a row with no key a constant
+            out, lse = _plain_ops(inputs.replace(**dict(zip(moving, values))))
+            return out, lse.masked_fill(torch.isneginf(lse), 0.0)
 
-        primals, directions = [getattr(inputs, name) for name in moving], [tangent_of[name] for name in moving]
+        primals = tuple(getattr(inputs, name) for name in moving)
+        directions = tuple(tangent_of[name] for name in moving)
         if _torch_private.functorch_active():
-            _, (out_tangent, lse_tangent) = torch.func.jvp(recomputed, tuple(primals), tuple(directions))
-            return out_tangent, lse_tangent, None
+            return (*torch.func.jvp(recomputed, primals, directions)[1], None)
         with torch.enable_grad():
-            primals = [t.detach().requires_grad_() for t in primals]
-            out, lse = recomputed(*primals)
-            directions = [torch.zeros_like(out, requires_grad=True), torch.zeros_like(lse, requires_grad=True)]
-            vjps = torch.autograd.grad((out, lse), primals, directions, create_graph=True, allow_unused=True)
-            used = [(vjp, tangent_of[name]) for vjp, name in zip(vjps, moving) if vjp is not None and vjp.requires_grad]
-            if not used:
-                return torch.zeros_like(out), torch.zeros_like(lse), None
-            found = torch.autograd.grad([vjp for vjp, _ in used], directions, [t for _, t in used], allow_unused=True)
-        out_tangent, lse_tangent = (torch.zeros_like(d) if t is None else t for d, t in zip(directions, found))
-        return out_tangent.detach(), lse_tangent.detach(), None
+            primals = tuple(t.detach().requires_grad_() for t in primals)
+            outputs = recomputed(*primals)
+            cotangents = [torch.zeros_like(t, requires_grad=True) for t in outputs]
+            vjps = torch.autograd.grad(outputs, primals, cotangents, create_graph=True, allow_unused=True)
+            used = [(vjp, t) for vjp, t in zip(vjps, directions) if vjp is not None and vjp.requires_grad]
+            found = torch.autograd.grad([vjp for vjp, _ in used], cotangents, [t for _, t in used],
+                                        allow_unused=True) if used else (None, None)
+        return (*(torch.zeros_like(c) if t is None else t.detach() for c, t in zip(cotangents, found)), None)
 
 
 def run(inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
