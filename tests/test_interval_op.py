@@ -180,15 +180,19 @@ def test_torch_func_transforms_that_differentiate_twice_match_plain_ops(transfor
 
 @pytest.mark.parametrize("backend", ["tiled", "auto", "torch"])
 @pytest.mark.parametrize("api", ["torch.func.jvp", "forward_ad"])
-def test_forward_mode_ad_matches_the_reference(backend, api, kernel):
+@pytest.mark.parametrize("moving", ["query, key and value", "value alone"])
+def test_forward_mode_ad_matches_the_reference(backend, api, moving, kernel):
     """jvp (forward-mode AD), through torch.func and through torch.autograd.forward_ad's dual
     tensors, with GQA, a structured mask, soft-capping, ALiBi and sinks: the output's tangent and
     the lse's equal the reference backend's (plain ops, float64). SDPA has no forward-mode rule:
-    such calls take the materialised formula; the op's rule recomputes densely."""
+    such calls take the materialised formula; the op's rule recomputes densely. With the value
+    alone moving, the lse does not move (the rule asked autograd for its gradient and failed)."""
     from torch.autograd import forward_ad
 
     q, k, v = (t[:, :, :10].double() for t in _qkv())
     tangents = tuple(torch.randn_like(t) for t in (q, k, v))
+    if moving == "value alone":
+        tangents = (torch.zeros_like(q), torch.zeros_like(k), tangents[2])
     options = dict(mask=masks.sliding_window(4) & masks.padding([10, 7]), softcap=3.0,
                    alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64),
                    sinks=torch.tensor([0.1, -0.2, 0.3, 0.0], dtype=torch.float64))
@@ -200,6 +204,9 @@ def test_forward_mode_ad_matches_the_reference(backend, api, kernel):
 
     if api == "torch.func.jvp":
         _, got = torch.func.jvp(lambda *x: run(backend, *x), (q, k, v), tangents)
+    elif moving == "value alone":
+        with forward_ad.dual_level():
+            got = forward_ad.unpack_dual(run(backend, q, k, forward_ad.make_dual(v, tangents[2]))).tangent
     else:
         with forward_ad.dual_level():
             out = run(backend, *(forward_ad.make_dual(p, t) for p, t in zip((q, k, v), tangents)))

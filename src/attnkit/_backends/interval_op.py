@@ -390,12 +390,14 @@ class IntervalAttentionForwardMode(IntervalAttention):
         with torch.enable_grad():
             primals = tuple(t.detach().requires_grad_() for t in primals)
             outputs = recomputed(*primals)
-            cotangents = [torch.zeros_like(t, requires_grad=True) for t in outputs]
-            vjps = torch.autograd.grad(outputs, primals, cotangents, create_graph=True, allow_unused=True)
+            moved = [t for t in outputs if t.requires_grad]  # the lse does not move with the values
+            cotangents = [torch.zeros_like(t, requires_grad=True) for t in moved]
+            vjps = torch.autograd.grad(moved, primals, cotangents, create_graph=True, allow_unused=True)
             used = [(vjp, t) for vjp, t in zip(vjps, directions) if vjp is not None and vjp.requires_grad]
-            found = torch.autograd.grad([vjp for vjp, _ in used], cotangents, [t for _, t in used],
-                                        allow_unused=True) if used else (None, None)
-        return (*(torch.zeros_like(c) if t is None else t.detach() for c, t in zip(cotangents, found)), None)
+            found = iter(torch.autograd.grad([vjp for vjp, _ in used], cotangents, [t for _, t in used],
+                                             allow_unused=True) if used else [None] * len(moved))
+        tangents_out = [next(found) if t.requires_grad else None for t in outputs]
+        return (*(torch.zeros_like(o) if t is None else t.detach() for o, t in zip(outputs, tangents_out)), None)
 
 
 def run(inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
