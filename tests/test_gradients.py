@@ -68,6 +68,19 @@ def test_gradgradcheck(backend, name):
     assert torch.autograd.gradgradcheck(fn, (q, k, v))
 
 
+@pytest.mark.parametrize("backend", BACKENDS + ["auto"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gradcheck_forward_mode_and_batched_gradients(backend, name):
+    """gradcheck's other checks: forward-mode AD (jvp), output gradients batched by the older vmap
+    (``is_grads_batched``: ``torch.autograd.functional.jacobian(vectorize=True)``; the op's backward
+    read their values and failed) and batched tangents."""
+    config = CONFIGS[name]
+    q, k, v = _inputs(*config["shape"], lk=config["lk"], dv=config["dv"], heads_kv=config.get("heads_kv"))
+    fn = lambda q, k, v: attnkit.attention(q, k, v, backend=backend, **config["kwargs"])  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v), check_forward_ad=True, check_batched_grad=True,
+                                    check_batched_forward_grad=True)
+
+
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_sdpa_first_order_gradients_are_sdpas_own(backend):
     """The node that makes SDPA's output differentiable twice passes a first-order gradient straight

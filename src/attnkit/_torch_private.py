@@ -26,6 +26,8 @@ the test suite runs on.
   ``TransformType`` and ``retrieve_all_functorch_interpreters``: whether forward-mode AD is under
   way (:func:`forward_ad_active`), which SDPA's fused kernels and attnkit's custom op lack, and
   whether transforms differentiate twice (:func:`nested_differentiation`).
+- ``torch._C._dispatch_keys``: whether a gradient is batched by ``torch._vmap_internals``
+  (:func:`legacy_batched`).
 
 Outside :data:`TESTED` the native kernel is not loaded and the per-block kernel falls back to plain
 tensor ops (:func:`flash_cpu_ops` returns None): slower, never wrong.
@@ -120,6 +122,16 @@ def forward_ad_active() -> bool:
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
     return any(level.key() == TransformType.Jvp for level in retrieve_all_functorch_interpreters())
+
+
+def legacy_batched(tensor: torch.Tensor | None) -> bool:
+    """Whether ``tensor`` is batched by the older vmap of ``torch._vmap_internals``, which
+    ``torch.autograd.grad(..., is_grads_batched=True)`` (``torch.autograd.functional.jacobian`` and
+    ``hessian`` with ``vectorize=True``) applies to the output gradients: its ``Batched`` dispatch
+    key, read from the key set's name (no Python name exists for it; ~1.5 us, so only backwards
+    ask)."""
+    keys = str(torch._C._dispatch_keys(tensor)).removeprefix("DispatchKeySet(").removesuffix(")") if tensor is not None else ""
+    return "Batched" in keys.split(", ")
 
 
 def schema_of(op) -> str:

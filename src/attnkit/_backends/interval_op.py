@@ -255,7 +255,7 @@ def _needs_dense_backward(grad_out: Tensor, ran: Tensor | None, inputs: Interval
     kernel keeps them out itself, but a NaN or inf in grad_out meets delta = rowsum(dO * O), which
     differs from autograd's sum over the keys there. Not beyond the pairwise products' limit
     (``numerics.pairwise_fits``): the kernels' gradients then stand."""
-    if not can_read(inputs.query, grad_out):
+    if not can_read(inputs.query, grad_out) or _torch_private.legacy_batched(grad_out):
         return False
     if _runs_native(ran, inputs):
         return pairwise_fits(inputs.query, inputs.key) and not all_finite(grad_out)
@@ -397,7 +397,7 @@ class IntervalAttentionForwardMode(IntervalAttention):
             found = iter(torch.autograd.grad([vjp for vjp, _ in used], cotangents, [t for _, t in used],
                                              allow_unused=True) if used else [None] * len(moved))
         tangents_out = [next(found) if t.requires_grad else None for t in outputs]
-        return (*(torch.zeros_like(o) if t is None else t.detach() for o, t in zip(outputs, tangents_out)), None)
+        return (*(torch.zeros_like(o) if t is None else t for o, t in zip(outputs, tangents_out)), None)
 
 
 def run(inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
