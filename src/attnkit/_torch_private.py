@@ -36,6 +36,7 @@ tensor ops (:func:`flash_cpu_ops` returns None): slower, never wrong.
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad  # noqa: F401  (forward_ad_active reads it)
 
 #: (major, minor) releases of torch the test suite runs on; pyproject.toml admits the same range.
 TESTED = ((2, 13),)
@@ -110,12 +111,8 @@ def forward_ad_active() -> bool:
     """Whether forward-mode AD may be under way: a dual level of ``torch.autograd.forward_ad`` is
     open (its private ``_current_level``), or a ``torch.func.jvp`` transform (``jacfwd``,
     ``hessian``) is on the functorch stack. Cheap when neither is (two reads, no stack walk)."""
-    from torch.autograd import forward_ad
-
-    if torch.compiler.is_compiling():
-        return False
-    if forward_ad._current_level >= 0:
-        return True
+    if torch.autograd.forward_ad._current_level >= 0:  # a module attribute: ~0.1 us where an import took 1
+        return not torch.compiler.is_compiling()
     if not functorch_active():
         return False
     from torch._C._functorch import TransformType
