@@ -623,3 +623,28 @@ def test_gradients_on_the_gpu_engines_follow_the_definition_where_the_output_sho
     from attnkit._backends.tiled_plan import tuning
 
     _gradients_follow_the_definition(case, CUDA, tuning(kernel=engine))
+
+
+@pytest.mark.parametrize("engine", ["flex", "triton"])
+def test_gradient_penalties_on_the_gpu_engines_match_the_reference(engine):
+    """create_graph=True then another backward on CUDA: FlexAttention's backward has no derivative,
+    so its engine's output takes second_order's node (the reference formula, recomputed, is
+    differentiated); the Triton kernel's op recomputes densely. Against float64 on the CPU."""
+    from attnkit._backends.tiled_plan import tuning
+
+    q, k, v = (t.float() for t in _inputs(48, 48, kv_heads=2, head_dim=16))
+    v = v[..., :16].contiguous()
+    mask = masks.sliding_window(8) & masks.padding([48, 30])
+
+    def second_order(device, dtype, context):
+        leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+        with context:
+            out = attnkit.attention(*leaves, mask=mask, backend="tiled")
+        first = torch.autograd.grad(out.square().sum(), leaves, create_graph=True)
+        return torch.autograd.grad(sum(g.square().sum() for g in first), leaves)
+
+    got = second_order(CUDA, torch.float32, tuning(kernel=engine))
+    expected = second_order("cpu", torch.float64, tuning(kernel="dense"))
+    for a, b in zip(got, expected):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a.cpu().double(), b, atol=2e-3, rtol=2e-3)

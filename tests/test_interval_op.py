@@ -226,6 +226,34 @@ def test_forward_mode_ad_matches_the_reference(backend, api, moving, kernel):
         torch.testing.assert_close(got, torch.func.jvp(lse_by_plain_ops, (q, k, v), tangents)[1])
 
 
+@pytest.mark.parametrize("transform", ["jvp", "hessian"])
+def test_the_flex_engine_hands_forward_mode_and_nested_transforms_to_the_op(transform):
+    """FlexAttention has no forward-mode rule and its backward no derivative: under jvp or hessian
+    the tiled backend's Flex engine (the GPU route's first; eager on the CPU) gives the call to the
+    interval op, whose rule and plain ops handle them."""
+    from attnkit._backends.tiled_plan import tuning
+
+    q, k, v = (t[:1, :2, :6, :3].double() for t in _qkv())
+    mask = masks.sliding_window(3)
+    allowed = mask.dense(6, 6)
+
+    def on(fn):
+        return lambda x: fn(x, k, v).square().sum()
+
+    def flex(x, key, value):
+        with tuning(kernel="flex"):
+            return attnkit.attention(x, key, value, mask=mask, backend="tiled")
+
+    if transform == "jvp":
+        direction = torch.randn_like(q)
+        got = torch.func.jvp(lambda x: flex(x, k, v), (q,), (direction,))[1]
+        expected = torch.func.jvp(lambda x: _masked_reference(x, k, v, allowed), (q,), (direction,))[1]
+    else:
+        got = torch.func.hessian(on(flex))(q)
+        expected = torch.func.hessian(on(lambda x, key, value: _masked_reference(x, key, value, allowed)))(q)
+    torch.testing.assert_close(got, expected)
+
+
 @pytest.mark.parametrize("backend", ["tiled", "auto", "torch", "reference"])
 def test_vmap_with_dropout_follows_its_randomness_flag(backend, kernel):
     """vmap(randomness="same"): every sample draws alike, so each equals its own call with the same

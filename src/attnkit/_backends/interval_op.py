@@ -380,7 +380,7 @@ class IntervalAttentionForwardMode(IntervalAttention):
             return None, None, None
 
         def recomputed(*values):  # the call in plain ops; the lse of a row with no key a constant
-            out, lse = _plain_ops(inputs.replace(**dict(zip(moving, values))))
+            out, lse = plain_ops(inputs.replace(**dict(zip(moving, values))))
             return out, lse.masked_fill(torch.isneginf(lse), 0.0)
 
         primals = tuple(getattr(inputs, name) for name in moving)
@@ -406,7 +406,7 @@ def run(inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
     with ``setup_context`` binds its arguments by ``inspect.signature`` on every call, a quarter of
     a small call's host time (measured: 0.24 of 0.9 ms, benchmarks/gpu_overhead.py's profile)."""
     if _torch_private.nested_differentiation():
-        return _plain_ops(inputs)
+        return plain_ops(inputs)
     if _torch_private.forward_ad_active():
         out, lse, _ = IntervalAttentionForwardMode.apply(*inputs.as_tuple())
     elif torch.compiler.is_compiling() or any(_torch_private.without_values(t) for t in inputs.tensors()
@@ -417,7 +417,7 @@ def run(inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
-def _plain_ops(inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
+def plain_ops(inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of the call in plain differentiable ops over the whole score matrix, for
     ``torch.func`` transforms that differentiate twice (``hessian``, ``jacfwd(jacfwd(f))``,
     ``grad(grad(f))``, ``jacrev(jacrev(f))``): the op's backward and its forward-mode rule are

@@ -1,4 +1,4 @@
-"""Second-order gradients through PyTorch's fused SDPA kernels.
+"""Second-order gradients through PyTorch's fused SDPA kernels (and FlexAttention's).
 
 SDPA's fused kernels have no derivative of their backward (on the CPU, PyTorch 2.13:
 ``derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented``),
@@ -8,7 +8,8 @@ puts one node after SDPA's output: a first-order backward passes the gradient st
 own backward (the same kernels, the same bits), and a backward that builds a graph
 (``torch.is_grad_enabled()`` inside it) computes the gradients instead by autograd through the
 reference formula recomputed from the saved inputs, which can be differentiated again (as the
-interval op's backward does: ``interval_op._dense_backward``).
+interval op's backward does: ``interval_op._dense_backward``). FlexAttention's backward has no
+derivative either: the GPU route's Flex engine takes the same node (``tiled._flex``).
 
 The node returns SDPA's output as a view, not a copy (a copy would be one more output-sized
 activation per layer in training), so a result that records a graph may not be changed in place

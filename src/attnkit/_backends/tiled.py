@@ -34,6 +34,7 @@ from .engines import GpuEngines
 from .transfer import to_device
 from .interval_inputs import IntervalInputs
 from .policy import Route
+from .second_order import twice_differentiable
 from . import tiled_plan
 from .tiled_plan import BlockRun, Problem, block_ranges, combined, intervals, row_bounds, settings
 
@@ -77,6 +78,8 @@ def tiled_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None, Tensor]
         out, weights, lse = _dense_weights(call, query, key, value, lo, hi, bias)
     elif call.return_weights:
         out, weights, lse = _with_weights(call, query, key, value, lo, hi, bias)
+    elif inputs.kernel == "flex" and (_torch_private.forward_ad_active() or _torch_private.nested_differentiation()):
+        out, lse = interval_op.run(_instead_of_flex(inputs))  # FlexAttention has no forward-mode rule
     elif inputs.kernel == "flex":
         out, lse = _flex(call, inputs)
     else:
@@ -159,9 +162,13 @@ def _flex(call: AttentionCall, inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
     except flex.FlexUnavailable as error:  # never FlexAttention unfused: the op's interval kernels instead
         _warn_once(f"{error}: running attnkit's interval kernels instead")
         return interval_op.run(_instead_of_flex(inputs))
-    return blockwise.pairwise_if_not_finite(out, lse, inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi,
-                                            None, inputs.scale, 0.0, None, softcap=inputs.softcap,
-                                            alibi=inputs.alibi_slopes, sinks=inputs.sinks)
+    out, lse = blockwise.pairwise_if_not_finite(out, lse, inputs.query, inputs.key, inputs.value, inputs.lo,
+                                                inputs.hi, None, inputs.scale, 0.0, None, softcap=inputs.softcap,
+                                                alibi=inputs.alibi_slopes, sinks=inputs.sinks)
+    if inputs.sinks is None or not inputs.sinks.requires_grad:  # FlexAttention's backward has no derivative
+        out = twice_differentiable(out, lambda q, k, v: interval_op.plain_ops(inputs.replace(
+            query=q, key=k, value=v))[0], inputs.query, inputs.key, inputs.value)
+    return out, lse
 
 
 def _instead_of_flex(inputs: IntervalInputs) -> IntervalInputs:
