@@ -91,3 +91,28 @@ def test_stable_for_logits_up_to_1e4(backend, seed, lq, lk):
     output = attnkit.attention(query, key, value, scale=1.0, backend=backend)
     assert torch.isfinite(output).all()
     assert _max_error(output, exact) <= 2 * _max_error(plain, exact) + 1e-5
+
+
+def test_under_autocast_every_backend_computes_as_sdpa_does():
+    """torch.autocast lists SDPA among its lower-precision ops: float32 inputs run in the autocast
+    dtype and the output comes back in it. Every backend and "auto"'s every pick does the same (the
+    native kernel computed float32 and returned it, SDPA bfloat16), within twice SDPA's own error
+    against float64 (the FlashAttention rule), gradients reaching the float32 inputs."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 200, 32, generator=g) for _ in range(3))
+    window = attnkit.masks.sliding_window(64)
+    allowed = window.dense(200, 200)
+    expected = oracle_attention(q.double(), k.double(), v.double(), mask=allowed)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    sdpa_error = (sdpa.double() - expected).abs().max()
+    for backend in BACKENDS:
+        for mask in (window, None):
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = attnkit.attention(*inputs, mask=mask, backend=backend)
+            assert out.dtype == torch.bfloat16, (backend, mask)
+            want = expected if mask is not None else oracle_attention(q.double(), k.double(), v.double())[0]
+            assert (out.double() - want).abs().max() <= 2 * sdpa_error, (backend, mask)
+            out.float().sum().backward()
+            assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in inputs)

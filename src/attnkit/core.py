@@ -137,6 +137,14 @@ def attention(
         # # # # .
         # # # # #
     """
+    autocast = _autocast_dtype(query)
+    if autocast is not None:  # as autocast treats SDPA: float32 inputs in its dtype, then no autocast inside
+        query, key, value = (t.to(autocast) if isinstance(t, Tensor) and t.dtype == torch.float32 else t
+                             for t in (query, key, value))
+        with torch.autocast(query.device.type, enabled=False):
+            return attention(query, key, value, mask=mask, causal=causal, scale=scale, dropout=dropout,
+                             generator=generator, return_weights=return_weights, backend=backend,
+                             return_lse=return_lse, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     call = make_call(
         query, key, value,
         mask=mask, causal=causal, scale=scale, dropout=dropout,
@@ -144,6 +152,19 @@ def attention(
         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
     )
     return _run(call, backend, None)
+
+
+def _autocast_dtype(query: object) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` gives ``F.scaled_dot_product_attention`` (one of its
+    lower-precision ops on the CPU and CUDA) where it is on for the query's device, else None.
+    Without this, what autocast did to a call depended on the backend ``"auto"`` picked: SDPA
+    computed in bfloat16 and returned it, attnkit's kernels computed in float32."""
+    if not isinstance(query, Tensor):
+        return None
+    device_type = query.device.type
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 def attention_piece(query: Tensor, key: Tensor, value: Tensor, *, seed: Tensor | None, heads: int = 0,
