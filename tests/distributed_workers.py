@@ -179,6 +179,18 @@ def _traffic(rank, world):
 
 
 def _errors(rank, world):
+    # a gradient penalty: the ring and Ulysses have no second order, and say so (the ring's
+    # error named attnkit's backward op and its missing autograd formula)
+    for method in (ring_attention, ulysses_attention):
+        q, k, v = (shard(t, rank, world).requires_grad_() for t in _inputs(8 * world, 2 * world, 2 * world))
+        out = method(q, k, v, mask=attnkit.masks.sliding_window(5))
+        first = torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=True)
+        try:
+            (out.sum() + sum(g.square().sum() for g in first)).backward()
+        except RuntimeError as error:
+            assert "differentiate twice" in str(error), error
+        else:
+            raise AssertionError(f"{method.__name__} gave a second-order gradient it does not compute")
     q, k, v = (shard(t, rank, world) for t in _inputs(8 * world, 4, 1))
     try:
         ulysses_attention(q, k, v)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .. import masks as _masks
 from .._backends import dropout as _dropout
@@ -387,6 +388,7 @@ class _Ring(_ShardFunction):
         return _forward(query, key, value, seed, settings)
 
     @staticmethod
+    @once_differentiable  # the pieces' gradients come from the kernels and the exchanges: no second order
     def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
         query, key, value, out, lse, seed = ctx.saved_tensors
         if grad_out is None:
