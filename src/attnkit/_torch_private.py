@@ -121,6 +121,12 @@ def forward_ad_active() -> bool:
     return any(level.key() == TransformType.Jvp for level in retrieve_all_functorch_interpreters())
 
 
+def beyond_first_order() -> bool:
+    """Forward-mode AD or ``torch.func`` transforms that differentiate twice: what PyTorch's fused
+    kernels (SDPA's, FlexAttention's) have no rules for."""
+    return forward_ad_active() or nested_differentiation()
+
+
 def legacy_batched(tensor: torch.Tensor | None) -> bool:
     """Whether ``tensor`` is batched by the older vmap of ``torch._vmap_internals``, which
     ``torch.autograd.grad(..., is_grads_batched=True)`` (``torch.autograd.functional.jacobian`` and

@@ -46,8 +46,7 @@ def _with_alibi_as_mask(call: AttentionCall) -> AttentionCall:
 
 
 def torch_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-    if (call.softcap is not None or call.sinks is not None or _torch_private.forward_ad_active()
-            or _torch_private.nested_differentiation()):
+    if call.softcap is not None or call.sinks is not None or _torch_private.beyond_first_order():
         # no fused PyTorch kernel soft-caps scores, takes sinks, has forward-mode AD (jvp) or a
         # backward that torch.func can differentiate again: the materialised formula
         output, weights = reference_attention(call)

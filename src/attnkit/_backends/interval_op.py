@@ -518,8 +518,8 @@ def _(info, in_dims, grad_out, grad_lse, out, lse, ran, *args):
         given = [(grad_out, go_dim), (grad_lse, gl_dim), (out, o_dim), (lse, l_dim)]
         results = [backward_op(*(t if t is None or d is None else t.select(d, index) for t, d in given), ran,
                                _sample(original, dims, index), bias_grad) for index in range(size)]
-        return _stacked(results, [0, 0, 0, 0 if bias_grad else None, 0 if original.sinks is not None else None]), \
-            (0, 0, 0, 0 if bias_grad else None, 0 if original.sinks is not None else None)
+        stacked_dims = [0, 0, 0, 0 if bias_grad else None, 0 if original.sinks is not None else None]
+        return _stacked(results, stacked_dims), tuple(stacked_dims)
     inputs = _folded(original, dims, size)
     batch = inputs.query.shape[0] // size
     if original.bias is not None:  # per sample when its gradient is asked: every sample's own copy

@@ -78,7 +78,7 @@ def tiled_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None, Tensor]
         out, weights, lse = _dense_weights(call, query, key, value, lo, hi, bias)
     elif call.return_weights:
         out, weights, lse = _with_weights(call, query, key, value, lo, hi, bias)
-    elif inputs.kernel == "flex" and (_torch_private.forward_ad_active() or _torch_private.nested_differentiation()):
+    elif inputs.kernel == "flex" and _torch_private.beyond_first_order():
         out, lse = interval_op.run(_instead_of_flex(inputs))  # FlexAttention has no forward-mode rule
     elif inputs.kernel == "flex":
         out, lse = _flex(call, inputs)
