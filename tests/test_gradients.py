@@ -46,13 +46,18 @@ CONFIGS = {
 }
 
 
+def _configured(backend, name):
+    """``(attention on backend with CONFIGS[name]'s arguments, its float64 (q, k, v))``."""
+    config = CONFIGS[name]
+    inputs = _inputs(*config["shape"], lk=config["lk"], dv=config["dv"], heads_kv=config.get("heads_kv"))
+    return (lambda q, k, v: attnkit.attention(q, k, v, backend=backend, **config["kwargs"])), inputs
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_gradcheck(backend, name):
-    config = CONFIGS[name]
-    q, k, v = _inputs(*config["shape"], lk=config["lk"], dv=config["dv"], heads_kv=config.get("heads_kv"))
-    fn = lambda q, k, v: attnkit.attention(q, k, v, backend=backend, **config["kwargs"])  # noqa: E731
-    assert torch.autograd.gradcheck(fn, (q, k, v))
+    fn, inputs = _configured(backend, name)
+    assert torch.autograd.gradcheck(fn, inputs)
 
 
 @pytest.mark.parametrize("backend", BACKENDS + ["auto"])
@@ -62,10 +67,8 @@ def test_gradgradcheck(backend, name):
     on every backend and on whatever "auto" picks. SDPA's fused kernels have no derivative of their
     backward: "torch" and "auto"'s SDPA picks recompute by the reference formula there
     (second_order.py); the tiled op recomputes densely."""
-    config = CONFIGS[name]
-    q, k, v = _inputs(*config["shape"], lk=config["lk"], dv=config["dv"], heads_kv=config.get("heads_kv"))
-    fn = lambda q, k, v: attnkit.attention(q, k, v, backend=backend, **config["kwargs"])  # noqa: E731
-    assert torch.autograd.gradgradcheck(fn, (q, k, v))
+    fn, inputs = _configured(backend, name)
+    assert torch.autograd.gradgradcheck(fn, inputs)
 
 
 @pytest.mark.parametrize("backend", BACKENDS + ["auto"])
@@ -74,10 +77,8 @@ def test_gradcheck_forward_mode_and_batched_gradients(backend, name):
     """gradcheck's other checks: forward-mode AD (jvp), output gradients batched by the older vmap
     (``is_grads_batched``: ``torch.autograd.functional.jacobian(vectorize=True)``; the op's backward
     read their values and failed) and batched tangents."""
-    config = CONFIGS[name]
-    q, k, v = _inputs(*config["shape"], lk=config["lk"], dv=config["dv"], heads_kv=config.get("heads_kv"))
-    fn = lambda q, k, v: attnkit.attention(q, k, v, backend=backend, **config["kwargs"])  # noqa: E731
-    assert torch.autograd.gradcheck(fn, (q, k, v), check_forward_ad=True, check_batched_grad=True,
+    fn, inputs = _configured(backend, name)
+    assert torch.autograd.gradcheck(fn, inputs, check_forward_ad=True, check_batched_grad=True,
                                     check_batched_forward_grad=True)
 
 
