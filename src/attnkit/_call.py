@@ -30,6 +30,12 @@ _PER_MASK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 DENSE_CACHE_LIMIT = 1 << 20
 
 
+def records_graph(*tensors: Tensor | None) -> bool:
+    """Whether autograd records a graph through an op on ``tensors``: grad mode on, and one of them
+    (None ones skipped) requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def built_for(call: AttentionCall, device: torch.device) -> dict | None:
     """The cache entry of the call's structured mask on ``device`` (None: no structured mask to key
     it by, ``torch.compile`` tracing, or a ``torch.func`` transform running, whose levels may
@@ -107,9 +113,8 @@ class AttentionCall:
     def needs_grad(self) -> bool:
         """Whether a backward may run through the call: grad mode on, and the query, key, value or
         a floating mask requires grad."""
-        tensors = (self.query, self.key, self.value) + ((self.mask,) if self.mask is not None
-                                                        and self.mask.is_floating_point() else ())
-        return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        floating_mask = self.mask if self.mask is not None and self.mask.is_floating_point() else None
+        return records_graph(self.query, self.key, self.value, floating_mask)
 
     @property
     def scores_shape(self) -> torch.Size:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 import torch.autograd.forward_ad  # noqa: F401  (forward_ad_active reads it)
+from torch._C._functorch import TransformType
 
 #: (major, minor) releases of torch the test suite runs on; pyproject.toml admits the same range.
 TESTED = ((2, 13),)
@@ -94,17 +95,21 @@ def functorch_active() -> bool:
     return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
 
 
+def _transforms() -> list:
+    """The kinds (``TransformType``) of the ``torch.func`` transforms running, outermost first;
+    empty when none is (or while ``torch.compile`` traces)."""
+    if not functorch_active():
+        return []
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return [level.key() for level in retrieve_all_functorch_interpreters()]
+
+
 def nested_differentiation() -> bool:
     """Whether two or more differentiating ``torch.func`` levels (``grad``, ``vjp``'s, ``jvp``) are
     running: ``hessian``, ``jacfwd(jacfwd(f))``, ``grad(grad(f))``, ``jacrev(jacrev(f))``. One
     level under ``vmap`` (``vmap(grad(f))``, ``jacrev``, ``jacfwd``) is not."""
-    if not functorch_active():
-        return False
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    return sum(level.key() in (TransformType.Grad, TransformType.Jvp)
-               for level in retrieve_all_functorch_interpreters()) >= 2
+    return sum(kind in (TransformType.Grad, TransformType.Jvp) for kind in _transforms()) >= 2
 
 
 def forward_ad_active() -> bool:
@@ -113,12 +118,7 @@ def forward_ad_active() -> bool:
     ``hessian``) is on the functorch stack. Cheap when neither is (two reads, no stack walk)."""
     if torch.autograd.forward_ad._current_level >= 0:  # a module attribute: ~0.1 us where an import took 1
         return not torch.compiler.is_compiling()
-    if not functorch_active():
-        return False
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    return any(level.key() == TransformType.Jvp for level in retrieve_all_functorch_interpreters())
+    return TransformType.Jvp in _transforms()
 
 
 def beyond_first_order() -> bool:
@@ -133,7 +133,9 @@ def legacy_batched(tensor: torch.Tensor | None) -> bool:
     ``hessian`` with ``vectorize=True``) applies to the output gradients: its ``Batched`` dispatch
     key, read from the key set's name (no Python name exists for it; ~1.5 us, so only backwards
     ask)."""
-    keys = str(torch._C._dispatch_keys(tensor)).removeprefix("DispatchKeySet(").removesuffix(")") if tensor is not None else ""
+    if tensor is None:
+        return False
+    keys = str(torch._C._dispatch_keys(tensor)).removeprefix("DispatchKeySet(").removesuffix(")")
     return "Batched" in keys.split(", ")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -138,20 +140,19 @@ def attention(
         # # # # #
     """
     autocast = _autocast_dtype(query)
+    inside = contextlib.nullcontext()
     if autocast is not None:  # as autocast treats SDPA: float32 inputs in its dtype, then no autocast inside
         query, key, value = (t.to(autocast) if isinstance(t, Tensor) and t.dtype == torch.float32 else t
                              for t in (query, key, value))
-        with torch.autocast(query.device.type, enabled=False):
-            return attention(query, key, value, mask=mask, causal=causal, scale=scale, dropout=dropout,
-                             generator=generator, return_weights=return_weights, backend=backend,
-                             return_lse=return_lse, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
-    call = make_call(
-        query, key, value,
-        mask=mask, causal=causal, scale=scale, dropout=dropout,
-        generator=generator, return_weights=return_weights, return_lse=return_lse,
-        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-    )
-    return _run(call, backend, None)
+        inside = torch.autocast(query.device.type, enabled=False)
+    with inside:
+        call = make_call(
+            query, key, value,
+            mask=mask, causal=causal, scale=scale, dropout=dropout,
+            generator=generator, return_weights=return_weights, return_lse=return_lse,
+            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        )
+        return _run(call, backend, None)
 
 
 def _autocast_dtype(query: object) -> torch.dtype | None:

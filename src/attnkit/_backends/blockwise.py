@@ -31,7 +31,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from .._call import bias_dtype
+from .._call import bias_dtype, records_graph
 from . import dropout as _dropout
 from . import kernels, numerics
 from .tiled_plan import BlockRun, Problem, dense_plan, plans, settings
@@ -308,9 +308,7 @@ def pairwise_if_not_finite(out: Tensor, lse: Tensor, query: Tensor, key: Tensor,
     kernels block by block check their inputs instead (:func:`forward`)."""
     if not numerics.can_read(out, lse):
         return out, lse
-    gradients_flow = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, sinks, alibi))
-    if not gradients_flow and numerics.all_finite(out) and not numerics.keyed_rows_not_finite(lse, lo, hi):
+    if not records_graph(query, key, value, sinks, alibi) and numerics.all_finite(out) and not numerics.keyed_rows_not_finite(lse, lo, hi):
         return out, lse
     if not numerics.needs_pairwise(query, key, value, scale):
         return out, lse

@@ -44,7 +44,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from .. import _torch_private
 from ..masks import StructuredMask
 from ..masks.structured import _Causal, _Document, _Intersection, _SlidingWindow
-from .numerics import fold_sinks, work_dtype
+from .numerics import fold_sinks, rows_with_keys, work_dtype
 from .transfer import device_scalar, to_device
 
 try:  # torch >= 2.9: auxiliary outputs by request; ``return_lse`` is deprecated there
@@ -312,7 +312,7 @@ def flex_interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tenso
     # same): enforced here whatever a backend gives, which also stops any gradient into them.
     lse = lse.to(work)
     if not every_row_attends:
-        has_key = (lo < hi).any(1)[:, None]  # [S, 1, Lq]
+        has_key = rows_with_keys(lo, hi)
         lse = torch.where(has_key, lse, float("-inf"))
         out = torch.where(has_key[..., None], out, 0.0)
     if sinks is not None:

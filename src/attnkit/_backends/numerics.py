@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .. import _torch_private
 
-__all__ = ["work_dtype", "softmax_rows", "softmax_with_lse", "fold_sinks", "soft_cap", "alibi_bias", "can_read", "all_finite", "zero_sum_or_non_finite_row", "keyed_rows_not_finite", "needs_pairwise", "pairwise_fits", "pairwise_scores", "pairwise_values"]
+__all__ = ["work_dtype", "softmax_rows", "softmax_with_lse", "fold_sinks", "soft_cap", "alibi_bias", "can_read", "all_finite", "zero_sum_or_non_finite_row", "rows_with_keys", "keyed_rows_not_finite", "needs_pairwise", "pairwise_fits", "pairwise_scores", "pairwise_values"]
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -145,6 +145,12 @@ def zero_sum_or_non_finite_row(t: Tensor) -> bool:
     return low == 0 or not math.isfinite(high)
 
 
+def rows_with_keys(lo: Tensor, hi: Tensor) -> Tensor:
+    """``[S, 1, Lq]`` bool: which rows' ranges ``[lo, hi)`` (``[S, R, Lq]``) hold a key (broadcasts
+    against ``[N, H, Lq]``)."""
+    return (lo < hi).any(1)[:, None, :]
+
+
 def keyed_rows_not_finite(lse: Tensor, lo: Tensor, hi: Tensor) -> bool:
     """Whether a row whose ranges ``[lo, hi)`` (``[S, R, Lq]``) hold a key has an lse that is not
     finite (``lse [N, H, Lq]``, N = S or S = 1): -inf where every score it attends was -inf (or a
@@ -152,8 +158,7 @@ def keyed_rows_not_finite(lse: Tensor, lo: Tensor, hi: Tensor) -> bool:
     :func:`can_read` says no."""
     if not can_read(lse, lo, hi):
         return False
-    has_key = (lo < hi).any(1)[:, None, :]
-    return bool((~torch.isfinite(lse) & has_key.to(lse.device)).any())
+    return bool((~torch.isfinite(lse) & rows_with_keys(lo, hi).to(lse.device)).any())
 
 
 #: float32's largest value, with a margin: scores below it in magnitude cannot overflow.

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .._call import records_graph
 from .numerics import can_read
 
 
@@ -45,22 +46,20 @@ class _RecomputedWhenDifferentiatedTwice(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):
         if not torch.is_grad_enabled():  # first order: SDPA's own backward
             return grad_output, None, None, None, None
-        inputs = ctx.saved_tensors
-        wanted = [t for t, needed in zip(inputs, ctx.needs_input_grad[2:]) if needed]
-        recomputed = ctx.recompute(*inputs)
-        found = iter(torch.autograd.grad(recomputed, wanted, grad_output, create_graph=True, allow_unused=True))
-        grads = [next(found) if needed else None for needed in ctx.needs_input_grad[2:]]
-        grads = [torch.zeros_like(t) if needed and g is None else g
-                 for t, g, needed in zip(inputs, grads, ctx.needs_input_grad[2:])]
-        return None, None, *grads
+        inputs, needs = ctx.saved_tensors, ctx.needs_input_grad[2:]
+        wanted = [t for t, needed in zip(inputs, needs) if needed]
+        found = iter(torch.autograd.grad(ctx.recompute(*inputs), wanted, grad_output, create_graph=True,
+                                         allow_unused=True))
+        grads = [(next(found) if needed else None) for needed in needs]
+        return None, None, *(torch.zeros_like(t) if needed and g is None else g
+                             for t, g, needed in zip(inputs, grads, needs))
 
 
 def twice_differentiable(output: Tensor, recompute: Callable[[Tensor, Tensor, Tensor], Tensor], query: Tensor,
                          key: Tensor, value: Tensor) -> Tensor:
     """``output`` of a fused kernel on ``query``, ``key``, ``value``, made differentiable twice by
     ``recompute`` (the same attention in plain ops) where it records a graph; else ``output`` itself."""
-    inputs = (query, key, value)
-    if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs) or not can_read(output, *inputs):
+    if not records_graph(query, key, value) or not can_read(output, query, key, value):
         return output
     if torch.jit.is_tracing():  # a Python Function would enter the traced graph as an opaque call
         return output

@@ -151,7 +151,7 @@ def _flex(call: AttentionCall, inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
             block_mask = flex.block_mask_from_bounds(inputs.lo, inputs.hi, q_len, k_len, mask_mod=mask_mod)
             if cache is not None:  # once per mask: whether any row is empty (a host sync, then never)
                 cache["block_mask"] = block_mask
-                cache["every_row_attends"] = bool((inputs.lo < inputs.hi).any(1).all())
+                cache["every_row_attends"] = bool(numerics.rows_with_keys(inputs.lo, inputs.hi).all())
         every_row_attends = cache is not None and cache["every_row_attends"]
     try:
         out, lse = flex.flex_interval_attention(
