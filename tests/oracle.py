@@ -71,3 +71,30 @@ def output_and_gradients(fn, inputs: tuple[Tensor, ...], grad_out: Tensor, dtype
     out = fn(*leaves)
     out.backward(grad_out.to(dtype))
     return [out.detach()] + [t.grad for t in leaves]
+
+
+def pairwise_oracle(query: Tensor, key: Tensor, value: Tensor, scale: float, allowed: Tensor,
+                    sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` pair by pair, for inputs holding NaN or inf (computed in the inputs' dtype):
+    a pair that ``allowed`` removes is replaced before any product, so it never enters one (not even
+    as ``0 * NaN``) and autograd sees no path through it; an attended NaN or +inf score makes its row
+    NaN (softmax's inf / inf), -inf scores weigh 0. ``key``/``value`` with fewer heads than
+    ``query`` are shared by groups of heads (GQA); ``sinks [H]`` join each row's normaliser with no
+    value."""
+    repeat = query.shape[1] // key.shape[1] if query.dim() == 4 else 1
+    key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    pair = allowed[..., None]
+    scores = (torch.where(pair, query[..., :, None, :], 0.0) * torch.where(pair, key[..., None, :, :], 0.0)).sum(-1)
+    scores = (scores * scale).masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
+    peak = scores.detach().amax(-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    exp = torch.exp(scores - peak)
+    total = exp.sum(-1, keepdim=True)
+    broken = ~torch.isfinite(total)
+    divisor = torch.where(broken, torch.full_like(total, float("nan")), torch.where(total > 0, total, 1.0))
+    weights = (exp / divisor)[..., : allowed.shape[-1]]
+    out = (torch.where(pair, weights[..., None], 0.0) * torch.where(pair, value[..., None, :, :], 0.0)).sum(-2)
+    lse = torch.where(broken, float("nan"), torch.where(total > 0, torch.log(divisor) + peak, float("-inf")))
+    return out, lse[..., 0]

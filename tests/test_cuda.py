@@ -27,7 +27,7 @@ from attnkit._backends import dropout as _dropout
 from attnkit._backends import policy
 from attnkit._call import make_call
 from attnkit.core import attention_piece
-from oracle import oracle_attention
+from oracle import oracle_attention, pairwise_oracle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -555,25 +555,6 @@ def test_transformers_models_with_softcap_sinks_and_windows_run_the_gpu_route(na
     assert torch.equal(results["attnkit"][1], results["eager"][1])
 
 
-def _pairwise_oracle(q, k, v, allowed, scale, sinks=None):
-    """Attention from the definition in float64, pair by pair: a pair the mask removes is replaced
-    before any product (never ``0 x inf``, not even through autograd); ``sinks [H]`` join each
-    row's normaliser with no value."""
-    pair = allowed[..., None]
-    repeat = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
-    scores = (torch.where(pair, q[..., :, None, :], 0.0) * torch.where(pair, k[..., None, :, :], 0.0)).sum(-1)
-    scores = (scores * scale).masked_fill(~allowed, float("-inf"))
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
-    peak = scores.detach().amax(-1, keepdim=True)
-    exp = torch.exp(scores - torch.where(torch.isfinite(peak), peak, 0.0))
-    total = exp.sum(-1, keepdim=True)
-    weights = (exp / torch.where(torch.isfinite(total), torch.where(total > 0, total, 1.0), float("nan")))
-    weights = weights[..., : allowed.shape[-1]]
-    return (torch.where(pair, weights[..., None], 0.0) * torch.where(pair, v[..., None, :, :], 0.0)).sum(-2)
-
-
 def _infinite_input_case(case, device):
     """(q, k, v, mask, sinks) in float32 on ``device``: ``"masked-out key of inf"``, a padding key
     no row attends, so every output stays finite while a backward multiplying whole blocks would
@@ -601,7 +582,7 @@ def _gradients_follow_the_definition(case, device, context):
     grads = torch.autograd.grad(out, inputs, up)
     allowed = mask.dense(64, 64, ndim=4).cpu()
     oracle_inputs = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
-    want = _pairwise_oracle(*oracle_inputs, allowed, 0.25, None if sinks is None else sinks.cpu().double())
+    want = pairwise_oracle(*oracle_inputs, 0.25, allowed, None if sinks is None else sinks.cpu().double())[0]
     want_grads = torch.autograd.grad(want, oracle_inputs, up.cpu().double())
     assert torch.isfinite(want).all(), "the case is meant to keep the output finite"
     assert not all(torch.isfinite(g).all() for g in want_grads[1:]) or case == "masked-out key of inf"

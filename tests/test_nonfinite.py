@@ -24,6 +24,7 @@ from attnkit import masks
 from attnkit._backends import native, numerics, reference
 from attnkit._backends.tiled_plan import tuning
 
+from oracle import pairwise_oracle
 from strategies import mask_cases
 
 try:
@@ -37,22 +38,9 @@ ALLOWED = MASK.dense(LENGTH, LENGTH, ndim=4)  # [2, 1, L, L]
 
 
 def _oracle(q, k, v, scale, allowed=ALLOWED):
-    """Pair by pair (in float64, or in the inputs' dtype when the scores are meant to overflow it):
-    a masked pair is replaced before any product, so it never enters one (not even as 0 * NaN), and
-    autograd sees no path through it."""
-    pair = allowed[..., None]
-    scores = (torch.where(pair, q[..., :, None, :], 0.0) * torch.where(pair, k[..., None, :, :], 0.0)).sum(-1) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    peak = scores.detach().amax(-1, keepdim=True)
-    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    exp = torch.exp(scores - peak)
-    total = exp.sum(-1, keepdim=True)
-    broken = ~torch.isfinite(total)  # a NaN or +inf score: the row is NaN (softmax's inf / inf)
-    divisor = torch.where(broken, torch.full_like(total, float("nan")), torch.where(total > 0, total, 1.0))
-    weights = exp / divisor
-    out = (torch.where(pair, weights[..., None], 0.0) * torch.where(pair, v[..., None, :, :], 0.0)).sum(-2)
-    lse = torch.where(broken, float("nan"), torch.where(total > 0, torch.log(divisor) + peak, float("-inf")))
-    return out, lse[..., 0]
+    """The definition pair by pair (tests/oracle.py), in float64 or in the inputs' dtype when the
+    scores are meant to overflow it."""
+    return pairwise_oracle(q, k, v, scale, allowed)
 
 
 def _inputs():
