@@ -1,6 +1,6 @@
-// The native kernel's register tiles alone, their data in L1: the forward's two products
-// (block_scores: S = K Qt, block_values: Ot += V P) for W keys against one group of 32 rows,
-// D = 64, one thread. Built and run by benchmarks/native_tiles.py with the kernel's own flags
+// The native kernel's register tiles alone: the forward's two products (block_scores: S = K Qt,
+// block_values: Ot += V P) and the backward's product over rows (block_rows_product: dK += dS^T Q,
+// dV += P^T dO) for W keys against one group of 32 rows, D = 64, one thread. Built and run by benchmarks/native_tiles.py with the kernel's own flags
 // (the 256-bit build, or the 512-bit one where the flags say so). Prints GFLOP/s (2 per
 // multiply-add), best of 15 runs of about 0.1 s each: noise from other jobs only slows a run.
 #include <algorithm>
@@ -33,14 +33,16 @@ int main(int argc, char** argv) {
   for (int a = 1; a < argc; ++a) {
     const int64_t W = std::atol(argv[a]);
     // the kernel's own scratch memory, aligned to a cache line
-    Floats qt(D * rs, 0.01f), k(W * D, 0.02f), s(W * rs), ot(D * rs, 0.0f), rescale(rs, 1.0f);
+    Floats qt(D * rs, 0.01f), k(W * D, 0.02f), s(W * rs), ot(D * rs, 0.0f), rescale(rs, 1.0f), dk(W * D, 0.0f);
     const Start keep = Start::kKeep;
     const double flops = 2.0 * W * D * rs;
     const double scores = best_rate(flops, [&] { block_scores(k.data(), D, W, D, qt.data(), rs, s.data()); });
     const double values = best_rate(flops, [&] {
       block_values(k.data(), D, W, D, s.data(), rs, ot.data(), &keep, rescale.data());
     });
-    std::printf("%ld %.1f %.1f\n", static_cast<long>(W), scores, values);
+    // the rows of a block (Q or dO, row-major) against its key-major weights, into W key rows of D
+    const double rows = best_rate(flops, [&] { block_rows_product(s.data(), rs, W, rs, qt.data(), D, D, dk.data(), D); });
+    std::printf("%ld %.1f %.1f %.1f\n", static_cast<long>(W), scores, values, rows);
   }
   return 0;
 }

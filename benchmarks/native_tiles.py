@@ -1,11 +1,13 @@
-"""The native kernel's register tiles alone, their data in L1, against the core's FMA peak.
+"""The native kernel's register tiles alone, their data in L1 (L2 for long key spans), against the
+core's FMA peak.
 
     python benchmarks/native_tiles.py                 # W = 32, 64, 128 keys
     python benchmarks/native_tiles.py --keys 64 256
 
 ``native_tiles.cpp`` includes ``csrc/tiles.h`` and is compiled with the kernel's own flags
 (``building.flags()``: the 256-bit build, or the 512-bit one on an AVX-512 CPU), so it times the
-tiles the kernel runs: the forward's scores (S = K Qt) and values (Ot += V P) products for W keys
+tiles the kernel runs: the forward's scores (S = K Qt) and values (Ot += V P) products and the
+backward's product over rows (dK += dS^T Q, dV += P^T dO, which writes W key rows of D) for W keys
 against one group of 32 rows, D = 64, one thread, best of 15 runs of ~0.1 s; ``fma_peak.c``'s
 one-thread peak beside them (not measured where a tile beats it: the machine was busy). A tile far
 below the peak limits every call; one near it leaves the rest of a call's time to the softmax and
@@ -52,10 +54,10 @@ def main() -> None:
     share = (lambda rate: f"{float(rate) / peak:.0%}") if peak else (lambda rate: "n/a")
     print(f"# register tiles alone in L1, 32 rows, D = 64, one thread ({describe_machine()}; "
           f"{'512' if building.wide() else '256'}-bit build); best of 15 runs\n")
-    print("| keys W | scores GFLOP/s | / FMA peak | values GFLOP/s | / FMA peak |")
-    print("|---:|---:|---:|---:|---:|")
-    for keys, scores, values in rows:
-        print(f"| {keys} | {float(scores):.0f} | {share(scores)} | {float(values):.0f} | {share(values)} |")
+    print("| keys W | scores GFLOP/s | / FMA peak | values GFLOP/s | / FMA peak | rows product GFLOP/s | / FMA peak |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for keys, *rates in rows:
+        print(f"| {keys} | " + " | ".join(f"{float(rate):.0f} | {share(rate)}" for rate in rates) + " |")
     print(f"\nFMA peak: {f'{peak:.0f} GFLOP/s ({how})' if peak else how}")
 
 
