@@ -45,6 +45,19 @@ def _key_ranges(q_len: int, k_len: int, two: bool) -> masks.StructuredMask:
     return masks.key_ranges([lo, lo2], [hi, lo2 + torch.randint(0, 30, (q_len,), generator=g)])
 
 
+def _key_ranges_with_empty_rows(q_len: int, k_len: int) -> masks.StructuredMask:
+    """The random rows of :func:`_key_ranges`, but the first 32 rows empty, as ``lo == hi`` or
+    ``lo > hi`` off the block boundaries (an empty range touches no block: rounding its ends out
+    to blocks must not make one)."""
+    g = torch.Generator().manual_seed(q_len + k_len)
+    lo = torch.randint(0, k_len, (q_len,), generator=g)
+    hi = lo + torch.randint(0, 12, (q_len,), generator=g)
+    rows = min(32, q_len)
+    lo[:rows] = torch.arange(rows) % 7 + 3
+    hi[:rows] = lo[:rows] - torch.arange(rows) % 3  # equal, or below
+    return masks.key_ranges(lo, hi)
+
+
 def _document_ids(q_len: int, k_len: int) -> masks.StructuredMask:
     """Two sequences packed differently ([2, T]), T = Lk: per-sequence block masks (S = 2)."""
     cut = [min(10, k_len), max(k_len - 7, 0)]
@@ -71,6 +84,7 @@ CASES = {
     "first_keys_or_window": (lambda q, k: masks.first_keys(4) | masks.sliding_window(16), False),
     "key_ranges": (lambda q, k: _key_ranges(q, k, two=False), False),
     "key_ranges_two": (lambda q, k: _key_ranges(q, k, two=True), False),
+    "key_ranges_with_empty_rows": (_key_ranges_with_empty_rows, False),
     "varlen": (lambda q, k: masks.varlen([q // 2, q], [k - 5, k]) & masks.causal(), False),
 }
 #: The cases mask_mod_for answers with its arithmetic rule (the others read the intervals).

@@ -97,6 +97,10 @@ def block_mask_from_bounds(lo: Tensor, hi: Tensor, q_len: int, k_len: int, *,
         raise ValueError(f"lo and hi must be [S, R, Lq={q_len}], got {tuple(lo.shape)} and {tuple(hi.shape)}")
     nq, nk = -(-q_len // q_block), -(-k_len // k_block)
     lo, hi = lo.clamp(0, k_len), hi.clamp(0, k_len)
+    # An empty range touches no block, but its ends rounded out to blocks would (lo = hi = 5 spans
+    # key block 0): it becomes [0, 0), empty on both roundings.
+    empty = lo >= hi
+    lo, hi = lo.masked_fill(empty, 0), hi.masked_fill(empty, 0)
     # Every bound lands in [0, nk], so a row's +1/-1 stays inside its query block's nk + 1 slots.
     touched = _rows_per_block(lo // k_block, (hi + k_block - 1) // k_block, q_block, nq, nk)
     covered = _rows_per_block((lo + k_block - 1) // k_block, hi // k_block, q_block, nq, nk)
