@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["IntervalInputs", "KERNELS", "TENSOR_FIELDS"]
+__all__ = ["IntervalInputs", "INTERVALS_ONLY", "KERNELS", "TENSOR_FIELDS"]
 
 #: The interval op's kernels, by name. Their index is what the forward op returns and its backward
 #: reads, so a call's backward runs the kernel its forward ran (:mod:`.interval_op`).
@@ -26,6 +26,8 @@ __all__ = ["IntervalInputs", "KERNELS", "TENSOR_FIELDS"]
 #:  flex     PyTorch's FlexAttention on a block mask built from the intervals (:mod:`.flex`); it has
 #:           its own autograd, so the tiled backend calls it directly, never through the op
 KERNELS = ("native", "blocks", "dense", "triton", "flex")
+#: The kernels that read only the intervals: none of them applies a dense mask (``bias``).
+INTERVALS_ONLY = ("native", "triton", "flex")
 
 
 @dataclass(frozen=True, eq=False)

@@ -32,7 +32,7 @@ from .._call import AttentionCall, bias_dtype, built_for
 from . import blockwise, flex, interval_op, kernels, layout, numerics
 from .engines import GpuEngines
 from .transfer import to_device
-from .interval_inputs import IntervalInputs
+from .interval_inputs import INTERVALS_ONLY, IntervalInputs
 from .policy import Route
 from .second_order import twice_differentiable
 from . import tiled_plan
@@ -47,6 +47,12 @@ def interval_inputs(call: AttentionCall) -> IntervalInputs:
     ``lo, hi [S, R, Lq]`` on the inputs' device, the dense mask as an additive bias ``[Nm, Hm, Lq,
     Lk]`` (None without one), the score modifiers, dropout, and the kernel the call's route names
     (``""``: the op chooses; an explicit ``backend="tiled"`` leaves the dense kernel out)."""
+    route = call.route if call.route is not None else Route("tiled")
+    kernel = route.kernel or _forced_kernel()
+    if call.mask is not None and kernel in INTERVALS_ONLY:  # before anything is built or cached
+        raise ValueError(f"the {kernel!r} kernel (tuning(kernel={kernel!r})) reads only each row's key intervals and "
+                         f"cannot apply a dense tensor mask of shape {tuple(call.mask.shape)}: pass a structured "
+                         f"mask (attnkit.masks), or leave the kernel to the backend")
     query, key, value = (layout.fold(t) for t in (call.query, call.key, call.value))
     lo, hi = _row_bounds_on(call, query.device)
     bias = None
@@ -56,8 +62,6 @@ def interval_inputs(call: AttentionCall) -> IntervalInputs:
             allowed = bias
             bias = torch.zeros(allowed.shape, dtype=bias_dtype(query.dtype), device=query.device)
             bias = bias.masked_fill_(~allowed, float("-inf"))
-    route = call.route if call.route is not None else Route("tiled")
-    kernel = route.kernel or _forced_kernel()
     return IntervalInputs(query, key, value, lo, hi, bias, call.alibi_slopes, call.sinks, call.scale, call.softcap,
                           call.dropout, call.seed, causal_only(call), not route.dense_allowed, kernel)
 
@@ -139,8 +143,6 @@ def _flex(call: AttentionCall, inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
     BlockMask built from the intervals; differentiable through FlexAttention's own autograd."""
     if inputs.dropout > 0:
         raise ValueError("FlexAttention has no dropout: use the Triton kernel (tuning(kernel='triton')) or 'auto'")
-    if inputs.bias is not None:
-        raise ValueError("FlexAttention takes no dense tensor mask here: pass a structured mask, or use 'auto'")
     q_len, k_len = inputs.query.shape[2], inputs.key.shape[2]
     block_mask, every_row_attends = None, False
     if q_len and k_len:
