@@ -16,6 +16,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import Tensor
 from torch.nn.attention import flex_attention as flex_api
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
@@ -178,6 +180,37 @@ def test_block_mask_matches_create_block_mask(name, q_len, k_len, block_size):
     # mask_mod_for (rule or intervals) and the blocks together give exactly the mask
     assert torch.equal(_as_a_kernel_applies(got, dense.shape[0]), dense.expand(lo.shape[0], -1, -1))
     assert mask_mod.__name__ == ("rule_mask" if name in RULES else "interval_mask")
+
+
+@st.composite
+def _any_intervals(draw):
+    """Arbitrary rows: S sequences, R = 1 or 2 ranges a row, bounds anywhere in [-3, Lk + 3] (empty
+    ranges as lo == hi or lo > hi, off and on block boundaries), blocks square or not."""
+    q_len, k_len = draw(st.integers(1, 90)), draw(st.integers(1, 90))
+    sequences, ranges = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    lo = torch.randint(-3, k_len + 4, (sequences, ranges, q_len), generator=g)
+    hi = lo + torch.randint(-4, k_len + 1, (sequences, ranges, q_len), generator=g)
+    if ranges == 2:  # disjoint: the second range starts where the first ends, or later
+        lo[:, 1] = torch.maximum(lo[:, 1], hi[:, 0].clamp(min=lo[:, 0]))
+    block_size = draw(st.sampled_from([16, 32, (16, 32), (32, 16)]))
+    return lo, hi, q_len, k_len, block_size
+
+
+@given(_any_intervals())
+def test_block_mask_of_any_intervals_matches_create_block_mask(case):
+    """The block classes from the intervals alone equal create_block_mask's over the dense mask, for
+    rows with any bounds (an empty range once made a key block partial: lo = hi = 5 rounded out to
+    key block 0)."""
+    lo, hi, q_len, k_len, block_size = case
+    keys = torch.arange(k_len)
+    dense = ((keys >= lo[..., None]) & (keys < hi[..., None])).any(1)  # [S, Lq, Lk]
+    expected = create_block_mask(_dense_mask_mod(dense), dense.shape[0], 1, q_len, k_len, device="cpu",
+                                 BLOCK_SIZE=block_size)
+    got = flex.block_mask_from_bounds(lo, hi, q_len, k_len, block_size=block_size)
+    assert torch.equal(_classes(got), _classes(expected).expand_as(_classes(got)))
+    assert torch.equal(_q_classes(got), _q_classes(expected).expand_as(_q_classes(got)))
+    assert torch.equal(_as_a_kernel_applies(got, dense.shape[0]), dense)
 
 
 @pytest.mark.parametrize("name", ["causal", "document_ids", "first_keys_or_window", "key_ranges_two", "varlen"])
