@@ -466,7 +466,6 @@ def _unbatched(name: str, dim: int | None) -> None:
 
 def _folded(inputs: IntervalInputs, dims: IntervalInputs, size: int) -> IntervalInputs:
     """The record with the vmapped dim folded into the batch (see the helpers above)."""
-    _unbatched("set of sinks", dims.sinks)
     query = _fold(inputs.query, dims.query, size)
     batch = query.shape[0] // size
     return inputs.replace(
@@ -495,13 +494,12 @@ def _stacked(results: list[tuple], dims: list[int | None]) -> tuple:
 @torch.library.register_vmap("attnkit::interval_attention")
 def _(info, in_dims, *args):
     size = info.batch_size
-    if IntervalInputs(*args).dropout > 0:
-        original, dims = IntervalInputs(*args), IntervalInputs(*in_dims)
-        _unbatched("set of sinks", dims.sinks)
+    original, dims = IntervalInputs(*args), IntervalInputs(*in_dims)
+    _unbatched("set of sinks", dims.sinks)
+    if original.dropout > 0:
         results = [forward_op(_sample(original, dims, index)) for index in range(size)]
         return _stacked(results, [0, 0, None]), (0, 0, None)
-    inputs = _folded(IntervalInputs(*args), IntervalInputs(*in_dims), size)
-    out, lse, ran = forward_op(inputs)
+    out, lse, ran = forward_op(_folded(original, dims, size))
     batch = out.shape[0] // size
     return (out.reshape(size, batch, *out.shape[1:]), lse.reshape(size, batch, *lse.shape[1:]), ran), (0, 0, None)
 
@@ -513,8 +511,8 @@ def _(info, in_dims, grad_out, grad_lse, out, lse, ran, *args):
     *fields, bias_grad = args
     dims = IntervalInputs(*in_dims[5:5 + len(fields)])
     original = IntervalInputs(*fields)
+    _unbatched("set of sinks", dims.sinks)
     if original.dropout > 0:  # each sample on its own, as its forward ran
-        _unbatched("set of sinks", dims.sinks)
         given = [(grad_out, go_dim), (grad_lse, gl_dim), (out, o_dim), (lse, l_dim)]
         results = [backward_op(*(t if t is None or d is None else t.select(d, index) for t, d in given), ran,
                                _sample(original, dims, index), bias_grad) for index in range(size)]
