@@ -333,6 +333,14 @@ def _half_precision(rank, world):
             assert got.dtype == dtype and lse.dtype == torch.float32, (got.dtype, lse.dtype)
             error, single_error = ((t.double() - reference).abs().max().item() for t in (got, single))
             assert error <= 2 * single_error + 1e-6, (method, dtype, error, single_error)
+            # under autocast, float32 shards run as the same shards in its dtype do (as attnkit.attention
+            # and SDPA under autocast): same dtype, same bits, gradients back in float32
+            shards = [shard(t.float(), rank, world, layout="zigzag").requires_grad_() for t in (q, k, v)]
+            with torch.autocast("cpu", dtype=dtype):
+                cast = METHODS[method](*shards, causal=True, layout="zigzag")
+            assert cast.dtype == dtype and torch.equal(cast, got), (method, dtype, cast.dtype)
+            cast.float().sum().backward()
+            assert all(t.grad.dtype == torch.float32 and t.grad.isfinite().all() for t in shards), method
 
 
 def _subgroup_and_empty_shard(rank, world):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import Tensor
 
@@ -11,10 +9,12 @@ from dataclasses import replace
 
 from . import _backends, _steps
 from ._backends import dropout as _dropout
+from ._autocast import follows_autocast
 from ._call import AttentionCall, make_call
 from .masks import StructuredMask
 
 
+@follows_autocast
 def attention(
     query: Tensor,
     key: Tensor,
@@ -98,6 +98,9 @@ def attention(
         with finite gradients; never NaN. A masked-out (query, key) pair contributes nothing,
         whatever its query, key or value hold; NaN and inf in attended pairs propagate (an
         attended NaN or +inf score makes its row NaN), as in the reference backend.
+        Under ``torch.autocast`` (CPU or CUDA) the call is treated as autocast treats
+        ``F.scaled_dot_product_attention``: float32 inputs run in the autocast dtype and the
+        result comes back in it, whatever backend runs.
 
     Raises:
         TypeError or ValueError: a malformed argument, named with its shape and the one expected
@@ -139,33 +142,13 @@ def attention(
         # # # # .
         # # # # #
     """
-    autocast = _autocast_dtype(query)
-    inside = contextlib.nullcontext()
-    if autocast is not None:  # as autocast treats SDPA: float32 inputs in its dtype, then no autocast inside
-        query, key, value = (t.to(autocast) if isinstance(t, Tensor) and t.dtype == torch.float32 else t
-                             for t in (query, key, value))
-        inside = torch.autocast(query.device.type, enabled=False)
-    with inside:
-        call = make_call(
-            query, key, value,
-            mask=mask, causal=causal, scale=scale, dropout=dropout,
-            generator=generator, return_weights=return_weights, return_lse=return_lse,
-            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-        )
-        return _run(call, backend, None)
-
-
-def _autocast_dtype(query: object) -> torch.dtype | None:
-    """The dtype ``torch.autocast`` gives ``F.scaled_dot_product_attention`` (one of its
-    lower-precision ops on the CPU and CUDA) where it is on for the query's device, else None.
-    Without this, what autocast did to a call depended on the backend ``"auto"`` picked: SDPA
-    computed in bfloat16 and returned it, attnkit's kernels computed in float32."""
-    if not isinstance(query, Tensor):
-        return None
-    device_type = query.device.type
-    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
-        return None
-    return torch.get_autocast_dtype(device_type)
+    call = make_call(
+        query, key, value,
+        mask=mask, causal=causal, scale=scale, dropout=dropout,
+        generator=generator, return_weights=return_weights, return_lse=return_lse,
+        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+    )
+    return _run(call, backend, None)
 
 
 def attention_piece(query: Tensor, key: Tensor, value: Tensor, *, seed: Tensor | None, heads: int = 0,

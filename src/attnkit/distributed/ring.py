@@ -39,6 +39,7 @@ from .._backends import interval_op
 from .._backends.blockwise import _merge_into
 from .._backends.interval_inputs import IntervalInputs
 from .._backends.numerics import work_dtype
+from .._autocast import follows_autocast
 from .._call import make_call
 from . import comm
 from .agreement import agree, mask_fact
@@ -49,6 +50,7 @@ from .stream import Call, Item, Stream, backward_stream, default_size, forward_s
 __all__ = ["ring_attention"]
 
 
+@follows_autocast
 def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks.StructuredMask | None = None,
                    causal: bool = False, scale: float | None = None, dropout: float = 0.0,
                    generator: torch.Generator | None = None, group: dist.ProcessGroup | None = None,
@@ -97,6 +99,8 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks.St
 
     Returns:
         ``output [B, H, n, Dv]`` (and ``lse [B, H, n]`` with ``return_lse``), this rank's shard.
+        Under ``torch.autocast``, as :func:`attnkit.attention`: float32 shards run in the autocast
+        dtype, and the output comes back in it.
 
     Raises:
         ValueError: on every rank, when the ranks disagree on the call, or when a rank's own

@@ -33,6 +33,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import _backends
 from .. import masks as _masks
+from .._autocast import follows_autocast
 from .._call import make_call
 from ..core import attention_piece, piece_gradients
 from . import comm
@@ -51,6 +52,7 @@ __all__ = ["ulysses_attention"]
 MIN_GROUP_PAIRS = 1 << 24
 
 
+@follows_autocast
 def ulysses_attention(query: Tensor, key: Tensor, value: Tensor, *, mask: _masks.StructuredMask | None = None,
                       causal: bool = False, scale: float | None = None, dropout: float = 0.0,
                       generator: torch.Generator | None = None, group: dist.ProcessGroup | None = None,
