@@ -29,6 +29,21 @@ needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel
 HALF = [torch.bfloat16, torch.float16]
 
 
+@pytest.fixture
+def cpu_without_half_units(monkeypatch):
+    """The policy of a CPU with no half-precision matrix units (AVX2, Zen 3), on any CPU: on one
+    with AMX / AVX512-BF16, "auto" keeps PyTorch's kernels for half precision where they were
+    measured faster (see the last test), and these tests are about the kernel's route."""
+    from attnkit import _torch_private
+    from attnkit._backends.native import loading
+
+    monkeypatch.setattr(_torch_private, "cpu_multiplies_half_precision", lambda: False)
+    loading.serves_half_precision.cache_clear()
+    yield
+    monkeypatch.undo()
+    loading.serves_half_precision.cache_clear()
+
+
 def _same(got, want):
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
@@ -91,7 +106,7 @@ def _max_error(got, want):
 @needs_native
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name,mask,length", _cases())
-def test_within_twice_pytorchs_error_against_float64(dtype, name, mask, length):
+def test_within_twice_pytorchs_error_against_float64(dtype, name, mask, length, cpu_without_half_units):
     """Outputs and the three gradients against float64, beside SDPA in the same dtype over the
     same dense mask (GQA: 4 query heads on 2 key/value heads, the keys repeated for SDPA)."""
     g = torch.Generator().manual_seed(3)
@@ -118,7 +133,7 @@ def test_within_twice_pytorchs_error_against_float64(dtype, name, mask, length):
 
 @needs_native
 @pytest.mark.parametrize("dtype", HALF)
-def test_auto_sends_half_precision_structured_calls_to_the_native_kernel(dtype):
+def test_auto_sends_half_precision_structured_calls_to_the_native_kernel(dtype, cpu_without_half_units):
     q = torch.randn(1, 2, 512, 32, dtype=dtype)
     for mask in (masks.sliding_window(64), masks.document([200, 312]), masks.causal() & masks.padding([400])):
         assert auto_runs(_call(q, q, q, mask=mask)) == "tiled:native"
@@ -175,7 +190,7 @@ def test_mixed_dtypes_are_refused():
 
 
 @needs_native
-def test_half_precision_plain_causal_runs_the_kernel_at_every_length():
+def test_half_precision_plain_causal_runs_the_kernel_at_every_length(cpu_without_half_units):
     # the kernel's bf16 forward beat SDPA's causal one up to 32768 (0.75-0.99x, 2026-11-27), its
     # backward took a fifth to an eighth of SDPA's: no length sends these calls to SDPA
     for length in (128, 8192, 32768):
