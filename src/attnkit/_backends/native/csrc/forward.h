@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "aligned.h"
+#include "amx.h"
 #include "dropout.h"
 #include "half.h"
 #include "kept_memory.h"
@@ -142,6 +143,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   const SoftmaxRows<L> softmax = pick_softmax_rows<L>(c.plain(), dropout.active);  // one per call
 
   const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
+  const bool amx = amx_forward_applies(c.dtype, D, Dv, Lk);  // the products on AMX tiles (amx.h)
   // Tasks are (batch, head, block) in order, and threads claim runs of `claim` consecutive ones as
   // they go (consecutive blocks share most keys): a range split in halves waits for the slower
   // thread, and on a shared machine one core often is (window, L = 16384, 2 threads: 84-87 or
@@ -153,7 +155,14 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   const int64_t claim = std::clamp<int64_t>(tasks / (32 * at::get_num_threads()), 1, 64);
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    Floats qt(D * padded), scores(chunk * padded), ot(Dv * padded);
+    // scores: a chunk's rows rounded up to whole tiles of keys (the tiles write past W)
+    Floats qt(amx ? 0 : D * padded), scores((chunk + kTile) * padded), ot(Dv * padded);
+    TileScope tiles(amx);
+    std::vector<uint32_t> packed_queries(amx ? padded * D / 2 : 0);
+    std::vector<uint32_t> packed_weights(amx ? padded * round_up(chunk, kTileK) / 2 : 0);
+    std::vector<uint16_t> spare_keys(amx ? kTile * D : 0);
+    std::optional<TransposedValues> transposed;
+    if (amx) transposed.emplace(c.v, Lk);
     BlockRows r(padded);
     std::vector<Start> start(padded / kGroup);
     std::vector<int64_t> row_lo(padded), row_hi(padded);
@@ -183,11 +192,18 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           std::fill(l_block, l_block + rows, kNegInf);
           continue;
         }
-        // after the check: an empty block's span would make the threads' converted rows start over
-        const auto [q_head, q2s] = queries.head(b, h, first, first + rows);
-        const auto [k_head, k2s] = keys.head(b, h / c.group, span_lo, span_hi);
-        const auto [v_head, v2s] = values.head(b, h / c.group, span_lo, span_hi);
-        const float* q_block = q_head + first * q2s;
+        // after the check: an empty block's span would make the threads' converted rows start over.
+        // On the tiles the products read the bfloat16 rows, and float32 rows are converted only for
+        // the rows redone below.
+        const float *q_head = nullptr, *k_head = nullptr, *v_head = nullptr;
+        int64_t q2s = 0, k2s = 0, v2s = 0;
+        const auto float_rows = [&] {
+          if (k_head != nullptr) return;
+          std::tie(q_head, q2s) = queries.head(b, h, first, first + rows);
+          std::tie(k_head, k2s) = keys.head(b, h / c.group, span_lo, span_hi);
+          std::tie(v_head, v2s) = values.head(b, h / c.group, span_lo, span_hi);
+        };
+        if (!amx) float_rows();
         // Rows past the block's last (padding up to a whole group, queries 0) attend the whole span, so
         // that they do not narrow the keys all rows of their vector attend; their results are dropped.
         for (int64_t j = rows; j < rs; ++j) row_lo[j] = span_lo, row_hi[j] = span_hi;
@@ -202,23 +218,40 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           r.all_lo[j / L::kWidth] = std::max<int64_t>(0, *std::max_element(lo_j, lo_j + L::kWidth));
           r.all_hi[j / L::kWidth] = std::min<int64_t>(Lk, *std::min_element(hi_j, hi_j + L::kWidth));
         }
-        // Qt[d][r] = q_r[d], padding rows 0
-        transpose(q_block, q2s, rows, D, qt.data(), rs);
-        for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
+        const auto* k_bf16 = reinterpret_cast<const uint16_t*>(c.k.at(b, h / c.group, 0));
+        if (amx) {
+          pack_queries(reinterpret_cast<const uint16_t*>(c.q.at(b, h, first)), c.q.s2, rows, D, rs,
+                       packed_queries.data());
+        } else {  // Qt[d][r] = q_r[d], padding rows 0
+          transpose(q_head + first * q2s, q2s, rows, D, qt.data(), rs);
+          for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
+        }
         for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
           const int64_t width = std::min(chunk, span_hi - c0);
           if (c0 + chunk >= span_hi) {  // written next
             prefetch_rows(o.at(b, h, first), rows, o.s2 * o.bytes, Dv * o.bytes, true);
           }
           float* s = scores.data();
-          block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s);
+          if (amx) {
+            amx_scores(k_bf16 + c0 * c.k.s2, c.k.s2, width, Lk - c0, D, packed_queries.data(), rs, s,
+                       spare_keys.data());
+          } else {
+            block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s);
+          }
           for (int64_t j = 0; j < rs; j += L::kWidth) softmax(s + j, rs, width, c0, r, j, mods, first + j, dropout);
           for (int64_t g = 0; g < rs / kGroup; ++g) {
             const float* rescale = r.rescale.data() + g * kGroup;
             const bool ones = std::all_of(rescale, rescale + kGroup, [](float x) { return x == 1.0f; });
             start[g] = c0 == span_lo ? Start::kZero : ones ? Start::kKeep : Start::kRescale;
           }
-          block_values(v_head + c0 * v2s, v2s, width, Dv, s, rs, ot.data(), start.data(), r.rescale.data());
+          if (amx) {
+            pack_weights(s, rs, width, packed_weights.data());
+            const uint16_t* vt = transposed->columns(b, h / c.group, c0, c0 + round_up(width, kTileK));
+            amx_values(vt + c0, transposed->ld(), width, Dv, packed_weights.data(), rs, ot.data(), start.data(),
+                       r.rescale.data());
+          } else {
+            block_values(v_head + c0 * v2s, v2s, width, Dv, s, rs, ot.data(), start.data(), r.rescale.data());
+          }
         }
         transpose(ot.data(), rs, Dv, rows, o_block, o2s);  // out[r][dv] = Ot[dv][r], normalised below
         // A non-finite value in an accumulator came from a value the block multiplied by a weight:
@@ -234,10 +267,12 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
             if (scale_and_check(acc, Dv, 1.0f / sum)) {
               l_block[j] = r.max[j] + std::log(sum);
             } else {
-              exact_forward_row(q_block + j * q2s, k_head, k2s, v_head, v2s, D, Dv, row_lo[j], row_hi[j],
+              float_rows();
+              exact_forward_row(q_head + (first + j) * q2s, k_head, k2s, v_head, v2s, D, Dv, row_lo[j], row_hi[j],
                                 mods, first + j, dropout, row_keys[j], exact_scores, acc, l_block + j);
             }
           } else {  // no key, or only scores of -inf
+            float_rows();
             zero_weighted_values(v_head, v2s, Dv, row_lo[j], row_hi[j], acc);
             l_block[j] = kNegInf;
           }

@@ -11,6 +11,7 @@
 //   kept_memory.h  the allocator that keeps large outputs' mappings; the outputs' layout
 //   aligned.h      scratch buffers aligned to a cache line
 //   half.h         bfloat16 and float16 inputs read as float32 rows, outputs rounded once
+//   amx.h          the forward's products on AMX tiles for bfloat16 (where the CPU has them)
 //   params.h       the call's checked inputs, pointers, strides and sizes (Params)
 //   softmax.h      the row loops: running softmax, the backward's weights and score gradients
 //   tiles.h        register tiles, one template over the lane traits for both ISAs
@@ -42,6 +43,8 @@ TORCH_LIBRARY(attnkit_native, m) {
         "float softcap, Tensor? alibi_slopes, int dropout_head_start, int dropout_row_start, int dropout_key_start) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("release_kept_memory() -> int", &attnkit_native::release_kept_memory);
+  m.def("matrix_units_available() -> bool", &attnkit_native::matrix_units_available);
+  m.def("use_matrix_units(bool on) -> bool", &attnkit_native::use_matrix_units);
 }
 
 TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {

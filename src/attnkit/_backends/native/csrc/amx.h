@@ -1,0 +1,301 @@
+// The forward's two products on AMX tiles (bfloat16 in, float32 accumulated), where the CPU has
+// AMX-BF16 and the OS grants the tile state; the float32-convert path (half.h) everywhere else.
+//
+// The products keep the float32 kernel's layouts, so everything between them (softmax.h: masks,
+// soft-capping, ALiBi, dropout, the running max) is the same code:
+//   scores  S[t][r] = sum_d K[t][d] Q[r][d]: S^T = K Q^T, tiles of 16 keys x 16 rows. A is the key
+//           rows as the call holds them (read in place), B the block's query rows packed once per
+//           block into the tile layout (pairs of features, 32-bit words [pair][row]).
+//   values  Ot[dv][r] += sum_t V[t][dv] P[t][r]: tiles of 16 features x 16 rows. A is V^T, which a
+//           thread keeps for the (sequence, head) it works on (TransposedValues, extended as its
+//           blocks move along the keys, so each key is transposed about once per thread), B the
+//           chunk's weights, rounded to bfloat16 and packed by pairs of keys.
+// The weights are rounded to bfloat16 for the values' product (as PyTorch's bf16 CPU kernel and
+// FlashAttention do); the softmax, its sums and the lse stay float32. A call takes this path when
+// its dtype is bfloat16, D % 32 == 0 and Dv % 16 == 0 (whole tiles; others convert).
+//
+// Every tile is 16 rows x 64 bytes: tmm0-3 accumulate (2 x 2 tiles), tmm4-5 hold A, tmm6-7 B.
+// The functions carry their ISA in a target attribute, so the library still loads on CPUs without
+// it; matrix_units() decides at run time (CPUID, XCR0, and Linux's per-process tile permission).
+
+#pragma once
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "aligned.h"
+#include "half.h"
+#include "tiles.h"
+
+#define ATTNKIT_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+namespace attnkit_native {
+namespace {
+
+// AMX-BF16 and AVX512-BF16 (its conversions) on the CPU, the tile state enabled by the OS (XCR0
+// bits 17-18), and Linux's permission to use it in this process (arch_prctl ARCH_REQ_XCOMP_PERM;
+// refused on kernels before 5.16 and where a hypervisor hides the state).
+bool cpu_grants_amx_bf16() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool avx512 = (b & (1u << 16)) && (b & (1u << 30));                  // F, BW
+  const bool tiles = (d & (1u << 24)) && (d & (1u << 22));                   // AMX-TILE, AMX-BF16
+  if (!avx512 || !tiles) return false;
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;  // AVX512-BF16
+  unsigned xcr0 = 0, high = 0;
+  asm volatile("xgetbv" : "=a"(xcr0), "=d"(high) : "c"(0));
+  if ((xcr0 & (3u << 17)) != (3u << 17)) return false;
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;
+  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+}
+
+std::atomic<bool> matrix_units_on{true};  // attnkit_native::use_matrix_units (tests compare paths)
+
+bool matrix_units_available() {
+  static const bool granted = cpu_grants_amx_bf16();
+  return granted;
+}
+
+bool matrix_units() { return matrix_units_available() && matrix_units_on.load(std::memory_order_relaxed); }
+
+// Sets whether bfloat16 calls use the tiles where available; returns the previous setting.
+bool use_matrix_units(bool on) { return matrix_units_on.exchange(on); }
+
+constexpr int64_t kTile = 16;     // rows of a tile, and float32 columns of an accumulator
+constexpr int64_t kTileK = 32;    // bfloat16 elements in a tile row: the products' inner step
+constexpr int64_t kMaxTransposedBytes = int64_t{64} << 20;  // per thread; longer keys convert instead
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// The forward takes the tiles for this call: bfloat16, whole tiles of features, V^T within bounds.
+bool amx_forward_applies(at::ScalarType type, int64_t D, int64_t Dv, int64_t Lk) {
+  return type == at::kBFloat16 && D % kTileK == 0 && Dv % kTile == 0 &&
+         Dv * (round_up(Lk, 64) + 64) * 2 <= kMaxTransposedBytes && matrix_units();
+}
+
+// A thread's tile configuration, set for its work and released after (the OS then need not save
+// the tile data on a context switch).
+class TileScope {
+ public:
+  explicit TileScope(bool on) : on_(on) {
+    if (on_) configure();
+  }
+  ~TileScope() {
+    if (on_) release();
+  }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+
+ private:
+  struct alignas(64) Config {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  };
+  ATTNKIT_AMX static void configure() {
+    Config config;
+    for (int i = 0; i < 8; ++i) config.colsb[i] = 64, config.rows[i] = kTile;
+    // the whole object as the operand: GCC 12's _tile_loadconfig names only its first 8 bytes, and
+    // the stores of the tiles' shapes were dropped as dead (every tile instruction then faulted)
+    asm volatile("ldtilecfg %0" : : "m"(config));
+  }
+  ATTNKIT_AMX static void release() { _tile_release(); }
+  bool on_;
+};
+
+// The block's query rows in B's layout: for query tile qt (rows 16 qt ..) the 32-bit word
+// [qt][pair][r] holds q[16 qt + r][2 pair .. 2 pair + 1]; rows past `rows` are 0. q2s in elements.
+void pack_queries(const uint16_t* q, int64_t q2s, int64_t rows, int64_t D, int64_t rs, uint32_t* packed) {
+  const int64_t pairs = D / 2;
+  for (int64_t qt = 0; qt < rs / kTile; ++qt) {
+    uint32_t* tile = packed + qt * pairs * kTile;
+    for (int64_t r = 0; r < kTile; ++r) {
+      const int64_t row = qt * kTile + r;
+      if (row < rows) {
+        const uint16_t* from = q + row * q2s;
+        for (int64_t p = 0; p < pairs; ++p) std::memcpy(tile + p * kTile + r, from + 2 * p, 4);
+      } else {
+        for (int64_t p = 0; p < pairs; ++p) tile[p * kTile + r] = 0;
+      }
+    }
+  }
+}
+
+// S[t][r] = sum_d K[t][d] Q[r][d] for t < round_up(W, 16) (rows past W are scratch), r < rs. `k`:
+// the chunk's first key row (k2s elements apart), `readable` rows of it exist; a last tile reaching
+// past them is read from `spare` (16 x D), padded with zeros.
+ATTNKIT_AMX void amx_scores(const uint16_t* k, int64_t k2s, int64_t W, int64_t readable, int64_t D,
+                            const uint32_t* queries, int64_t rs, float* s, uint16_t* spare) {
+  const int64_t key_tiles = (W + kTile - 1) / kTile, steps = D / kTileK, pairs = D / 2;
+  const int64_t ss = rs * 4;
+  const auto rows_of = [&](int64_t kt, const uint16_t*& at, int64_t& stride) {
+    if ((kt + 1) * kTile <= readable) {
+      at = k + kt * kTile * k2s, stride = k2s * 2;
+      return;
+    }
+    const int64_t have = std::max<int64_t>(0, readable - kt * kTile);
+    for (int64_t j = 0; j < kTile; ++j) {
+      if (j < have) {
+        std::memcpy(spare + j * D, k + (kt * kTile + j) * k2s, D * 2);
+      } else {
+        std::memset(spare + j * D, 0, D * 2);
+      }
+    }
+    at = spare, stride = D * 2;
+  };
+  for (int64_t kt = 0; kt < key_tiles; kt += 2) {
+    const bool two = kt + 1 < key_tiles;
+    const uint16_t *a0 = nullptr, *a1 = nullptr;
+    int64_t s0 = 0, s1 = 0;
+    rows_of(kt, a0, s0);
+    if (two) rows_of(kt + 1, a1, s1);  // the spare holds at most the last tile, which is kt + 1 here
+    for (int64_t qt = 0; qt < rs / kTile; qt += 2) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint32_t* b0 = queries + qt * pairs * kTile;
+      const uint32_t* b1 = b0 + pairs * kTile;
+      for (int64_t step = 0; step < steps; ++step) {
+        _tile_loadd(4, a0 + step * kTileK, s0);
+        _tile_loadd(6, b0 + step * kTile * kTile, 64);
+        _tile_loadd(7, b1 + step * kTile * kTile, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, a1 + step * kTileK, s1);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      float* out = s + kt * kTile * rs + qt * kTile;
+      _tile_stored(0, out, ss);
+      _tile_stored(1, out + kTile, ss);
+      if (two) {
+        _tile_stored(2, out + kTile * rs, ss);
+        _tile_stored(3, out + kTile * rs + kTile, ss);
+      }
+    }
+  }
+}
+
+// The chunk's weights P[t][r] (key-major, t < W, rows as given in s) in B's layout for the values:
+// for query tile qt the 32-bit word [qt][pair][r] holds (P[2 pair][r], P[2 pair + 1][r]) rounded to
+// bfloat16 (nearest even), pairs up to round_up(W, 32) / 2, keys past W as 0.
+ATTNKIT_AMX void pack_weights(const float* s, int64_t rs, int64_t W, uint32_t* packed) {
+  const int64_t pairs = round_up(W, kTileK) / 2;
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t qt = 0; qt < rs / kTile; ++qt) {
+    uint32_t* tile = packed + qt * pairs * kTile;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t t = 2 * p;
+      const __m512 first = t < W ? _mm512_loadu_ps(s + t * rs + qt * kTile) : _mm512_setzero_ps();
+      const __m512 second = t + 1 < W ? _mm512_loadu_ps(s + (t + 1) * rs + qt * kTile) : _mm512_setzero_ps();
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(second, first);  // first in 0-15
+      _mm512_storeu_si512(tile + p * kTile, _mm512_permutexvar_epi16(interleave, both));
+    }
+  }
+}
+
+// Ot[dv][r] (+)= sum_t V^T[dv][t] P[t][r] over the chunk's W keys: `vt` is V^T at the chunk's first
+// key (ld elements between features; columns up to round_up(W, 32) readable and finite), `weights`
+// from pack_weights. The accumulators of group g start as start[g] says (rescaled in memory first).
+ATTNKIT_AMX void amx_values(const uint16_t* vt, int64_t ld, int64_t W, int64_t Dv, const uint32_t* weights,
+                            int64_t rs, float* ot, const Start* start, const float* rescale) {
+  const int64_t pairs = round_up(W, kTileK) / 2, steps = pairs / kTile, feature_tiles = Dv / kTile;
+  const int64_t os = rs * 4;
+  for (int64_t g = 0; g < rs / kGroup; ++g) {
+    if (start[g] == Start::kRescale) {
+      const __m512 f0 = _mm512_loadu_ps(rescale + g * kGroup), f1 = _mm512_loadu_ps(rescale + g * kGroup + kTile);
+      for (int64_t dv = 0; dv < Dv; ++dv) {
+        float* row = ot + dv * rs + g * kGroup;
+        _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_loadu_ps(row), f0));
+        _mm512_storeu_ps(row + kTile, _mm512_mul_ps(_mm512_loadu_ps(row + kTile), f1));
+      }
+    }
+    const uint32_t* b0 = weights + 2 * g * pairs * kTile;
+    const uint32_t* b1 = b0 + pairs * kTile;
+    for (int64_t ft = 0; ft < feature_tiles; ft += 2) {
+      const bool two = ft + 1 < feature_tiles;
+      float* acc = ot + ft * kTile * rs + g * kGroup;
+      if (start[g] == Start::kZero) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      } else {
+        _tile_loadd(0, acc, os);
+        _tile_loadd(1, acc + kTile, os);
+        if (two) {
+          _tile_loadd(2, acc + kTile * rs, os);
+          _tile_loadd(3, acc + kTile * rs + kTile, os);
+        }
+      }
+      const uint16_t* a0 = vt + ft * kTile * ld;
+      const uint16_t* a1 = a0 + kTile * ld;
+      for (int64_t step = 0; step < steps; ++step) {
+        _tile_loadd(4, a0 + step * kTileK, ld * 2);
+        _tile_loadd(6, b0 + step * kTile * kTile, 64);
+        _tile_loadd(7, b1 + step * kTile * kTile, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, a1 + step * kTileK, ld * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, acc, os);
+      _tile_stored(1, acc + kTile, os);
+      if (two) {
+        _tile_stored(2, acc + kTile * rs, os);
+        _tile_stored(3, acc + kTile * rs + kTile, os);
+      }
+    }
+  }
+}
+
+// V^T of the (sequence, head) a thread works on, as bfloat16 [Dv][ld]: columns are keys, filled as
+// its blocks ask for them (a request starting inside the filled columns extends them; any other
+// starts over). Columns never filled are 0, so a tile reading past the last key reads zeros.
+class TransposedValues {
+ public:
+  TransposedValues(const Rows& values, int64_t keys)
+      : v_(values), keys_(keys), ld_(round_up(keys, 64) + 64), data_(values.width * ld_, 0) {}
+
+  int64_t ld() const { return ld_; }
+
+  // V^T with columns [first, last) filled (last clipped to the keys).
+  const uint16_t* columns(int64_t b, int64_t kv, int64_t first, int64_t last) {
+    last = std::min(last, keys_);
+    if (b != b_ || kv != kv_ || first < lo_ || first > hi_) b_ = b, kv_ = kv, lo_ = hi_ = first;
+    if (last > hi_) {
+      const int64_t Dv = v_.width;
+      for (int64_t t = hi_; t < last; ++t) {
+        const auto* row = reinterpret_cast<const uint16_t*>(v_.at(b, kv, t));
+        for (int64_t dv = 0; dv < Dv; ++dv) data_[dv * ld_ + t] = row[dv];
+      }
+      hi_ = last;
+    }
+    return data_.data();
+  }
+
+ private:
+  Rows v_;
+  int64_t keys_, ld_;
+  std::vector<uint16_t> data_;
+  int64_t b_ = -1, kv_ = -1, lo_ = 0, hi_ = 0;
+};
+
+}  // namespace
+}  // namespace attnkit_native
