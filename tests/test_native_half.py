@@ -64,7 +64,8 @@ def test_half_precision_is_the_float32_kernel_rounded_once(c, dtype, dropout, so
         v[-1, -1, -1, -1] = float("inf")
     slopes = torch.rand(q.shape[1]) if alibi else None
     options = dict(block=c["block"], chunk=c["chunk"], dropout=dropout, seed=7, softcap=softcap, alibi_slopes=slopes)
-    out, lse = native.interval_forward(q, k, v, c["lo"], c["hi"], c["scale"], **options)
+    with native.matrix_units(False):  # the float32-convert path (the AMX tiles: test_native_amx.py)
+        out, lse = native.interval_forward(q, k, v, c["lo"], c["hi"], c["scale"], **options)
     out32, lse32 = native.interval_forward(q.float(), k.float(), v.float(), c["lo"], c["hi"], c["scale"], **options)
     assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == out32.shape
     _same(out, out32.to(dtype))
@@ -153,7 +154,8 @@ def test_a_model_layout_keeps_its_layout_and_dtype(dtype):
     k = torch.randn(1, length, 2, 16, generator=g).to(dtype).transpose(1, 2)
     lo = torch.clamp(torch.arange(length) - 40, min=0)[None]
     hi = (torch.arange(length) + 1)[None]
-    out, lse = native.interval_forward(q, k, k, lo, hi, 0.2)
+    with native.matrix_units(False):  # the float32-convert path (the AMX tiles: test_native_amx.py)
+        out, lse = native.interval_forward(q, k, k, lo, hi, 0.2)
     assert out.dtype == dtype and out.transpose(1, 2).is_contiguous()
     _same(out, native.interval_forward(q.float(), k.float(), k.float(), lo, hi, 0.2)[0].to(dtype))
     grad_out = torch.ones_like(out)
@@ -203,13 +205,35 @@ def test_half_precision_plain_causal_runs_the_kernel_at_every_length(cpu_without
     assert auto_runs(_call(tiny, tiny, tiny, causal=True)) == "torch"  # below NATIVE_MIN_PAIRS
 
 
+@needs_native
+def test_where_the_kernel_multiplies_on_amx_tiles_it_serves_half_precision(monkeypatch):
+    """A CPU with AMX-BF16: the kernel's bf16 forward runs on the tiles and beat PyTorch's AMX
+    kernels in bf16 and fp16, forward and training (loading.serves_half_precision)."""
+    from attnkit import _torch_private
+    from attnkit._backends.native import loading, ops
+
+    monkeypatch.setattr(_torch_private, "cpu_multiplies_half_precision", lambda: True)
+    monkeypatch.setattr(ops, "matrix_units_available", lambda: True)
+    loading.serves_half_precision.cache_clear()
+    try:
+        assert native.serves("cpu", torch.bfloat16, False) and native.serves("cpu", torch.float16, False)
+        q = torch.randn(1, 2, 512, 32, dtype=torch.bfloat16)
+        assert auto_runs(_call(q, q, q, mask=masks.sliding_window(64))) == "tiled:native"
+    finally:
+        monkeypatch.undo()
+        loading.serves_half_precision.cache_clear()
+
+
 def test_where_the_cpu_multiplies_half_precision_pytorchs_kernels_keep_those_calls(monkeypatch):
-    """AMX / AVX512-BF16 CPUs: PyTorch's bf16 kernels use those units and the kernel has no such
-    path, so half-precision calls stay off it (float32 calls do not change)."""
+    """AVX512-BF16 CPUs without AMX (unmeasured): PyTorch's bf16 kernels use those units and the
+    kernel has no such path, so half-precision calls stay off it (float32 calls do not change)."""
     from attnkit import _torch_private
     from attnkit._backends.native import loading
 
+    from attnkit._backends.native import ops
+
     monkeypatch.setattr(_torch_private, "cpu_multiplies_half_precision", lambda: True)
+    monkeypatch.setattr(ops, "matrix_units_available", lambda: False)  # AVX512-BF16, no AMX
     loading.serves_half_precision.cache_clear()
     try:
         assert not native.serves("cpu", torch.bfloat16, False) and not native.serves("cpu", torch.float16, False)

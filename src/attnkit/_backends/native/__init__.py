@@ -22,9 +22,10 @@ otherwise; both give the same results up to float rounding, and the same dropout
 from .building import build, cache_dir, library_path
 from .loading import (applies, available, enabled, hint_if_not_built, loaded_from, serves, serves_half_precision,
                       turned_off, why_unavailable, wide)
-from .ops import interval_backward, interval_forward, release_kept_memory
+from .ops import interval_backward, interval_forward, matrix_units, matrix_units_available, release_kept_memory
 from .tile_tables import backward_tiles, computed_fraction, tiles
 
 __all__ = ["build", "cache_dir", "library_path", "applies", "available", "enabled", "hint_if_not_built", "loaded_from", "serves", "serves_half_precision", "turned_off",
-           "why_unavailable", "interval_forward", "interval_backward", "release_kept_memory", "tiles", "backward_tiles",
+           "why_unavailable", "interval_forward", "interval_backward", "matrix_units", "matrix_units_available",
+           "release_kept_memory", "tiles", "backward_tiles",
            "computed_fraction", "wide"]

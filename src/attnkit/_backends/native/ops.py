@@ -5,6 +5,9 @@ in the public custom op ``attnkit::interval_attention`` (autograd, fake tensors,
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -24,6 +27,8 @@ EXPECTED_SCHEMAS = {
                          "Tensor? alibi_slopes, int dropout_head_start, int dropout_row_start, "
                          "int dropout_key_start) -> (Tensor, Tensor, Tensor)",
     "release_kept_memory": "attnkit_native::release_kept_memory() -> int",
+    "matrix_units_available": "attnkit_native::matrix_units_available() -> bool",
+    "use_matrix_units": "attnkit_native::use_matrix_units(bool on) -> bool",
 }
 
 
@@ -102,6 +107,28 @@ def release_kept_memory() -> int:
     from .loading import available  # loading imports this module
 
     return int(torch.ops.attnkit_native.release_kept_memory()) if available() else 0
+
+
+def matrix_units_available() -> bool:
+    """Whether the kernel's bfloat16 forward runs its two products on AMX tiles in this process
+    (``csrc/amx.h``: the CPU has AMX-BF16 and the OS granted the tile state); False where the kernel
+    is not loaded."""
+    from .loading import available  # loading imports this module
+
+    return available() and bool(torch.ops.attnkit_native.matrix_units_available())
+
+
+@contextmanager
+def matrix_units(on: bool) -> Iterator[None]:
+    """Inside the ``with``, bfloat16 forwards take the AMX tiles where available (``on``) or the
+    float32-convert path (``csrc/half.h``), for tests and benchmarks that compare the two. The
+    setting is the kernel's, for the whole process (not one thread)."""
+    _require_library()
+    previous = bool(torch.ops.attnkit_native.use_matrix_units(on))
+    try:
+        yield
+    finally:
+        torch.ops.attnkit_native.use_matrix_units(previous)
 
 
 def _slopes(alibi_slopes: Tensor | None) -> Tensor | None:

@@ -144,6 +144,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
 
   const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
   const bool amx = amx_forward_applies(c.dtype, D, Dv, Lk);  // the products on AMX tiles (amx.h)
+  if (amx) chunk = round_up(std::max(chunk, kAmxChunk), kTileK);
   // Tasks are (batch, head, block) in order, and threads claim runs of `claim` consecutive ones as
   // they go (consecutive blocks share most keys): a range split in halves waits for the slower
   // thread, and on a shared machine one core often is (window, L = 16384, 2 threads: 84-87 or
@@ -226,7 +227,10 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           transpose(q_head + first * q2s, q2s, rows, D, qt.data(), rs);
           for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
         }
-        for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
+        // On the tiles chunks start at multiples of 32 keys (V^T's blocks): the keys before span_lo in
+        // the first are masked for every row, as any key outside a row's interval is.
+        const int64_t chunk_lo = amx ? span_lo / kTileK * kTileK : span_lo;
+        for (int64_t c0 = chunk_lo; c0 < span_hi; c0 += chunk) {
           const int64_t width = std::min(chunk, span_hi - c0);
           if (c0 + chunk >= span_hi) {  // written next
             prefetch_rows(o.at(b, h, first), rows, o.s2 * o.bytes, Dv * o.bytes, true);
@@ -242,13 +246,12 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           for (int64_t g = 0; g < rs / kGroup; ++g) {
             const float* rescale = r.rescale.data() + g * kGroup;
             const bool ones = std::all_of(rescale, rescale + kGroup, [](float x) { return x == 1.0f; });
-            start[g] = c0 == span_lo ? Start::kZero : ones ? Start::kKeep : Start::kRescale;
+            start[g] = c0 == chunk_lo ? Start::kZero : ones ? Start::kKeep : Start::kRescale;
           }
           if (amx) {
             pack_weights(s, rs, width, packed_weights.data());
-            const uint16_t* vt = transposed->columns(b, h / c.group, c0, c0 + round_up(width, kTileK));
-            amx_values(vt + c0, transposed->ld(), width, Dv, packed_weights.data(), rs, ot.data(), start.data(),
-                       r.rescale.data());
+            const uint16_t* vt = transposed->from(b, h / c.group, c0, c0 + width);
+            amx_values(vt, width, Dv, packed_weights.data(), rs, ot.data(), start.data(), r.rescale.data());
           } else {
             block_values(v_head + c0 * v2s, v2s, width, Dv, s, rs, ot.data(), start.data(), r.rescale.data());
           }

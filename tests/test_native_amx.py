@@ -1,0 +1,179 @@
+"""The native kernel's bfloat16 forward on AMX tiles (``csrc/amx.h``), where the CPU has them.
+
+The tiles round the weights to bfloat16 for the values' product (as PyTorch's bf16 CPU kernel
+does), so their results are not the float32 kernel's bits: they are held to the float64 reference
+by FlashAttention's rule (at most twice the error of PyTorch's own computation in bf16), for every
+mask kind and feature, and compared with the float32-convert path (``native.matrix_units(False)``)
+for what must not change: the lse (float32 scores), the dropout pattern, empty rows, NaN rows.
+Skipped on CPUs without AMX-BF16 (the same tests then have nothing to run).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnkit
+from attnkit import masks
+from attnkit._backends import native
+from attnkit._backends.tiled_plan import tuning
+
+needs_tiles = pytest.mark.skipif(not native.matrix_units_available(),
+                                 reason="the CPU has no AMX-BF16 (or the OS does not grant its state)")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernel not built")
+def test_the_tiles_are_used_where_the_cpu_lists_them():
+    """A CPU whose flags list AMX-BF16 (Linux enables the state it lists) gets the tiles: a broken
+    CPUID test or tile-permission request would otherwise fall back silently, at half the speed."""
+    if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= _cpu_flags():
+        pytest.skip("the CPU lists no AMX-BF16")
+    assert native.matrix_units_available()
+
+
+def _inputs(batch, heads, kv_heads, q_len, k_len, dim, dim_v, seed=0, layout="heads"):
+    g = torch.Generator().manual_seed(seed)
+    if layout == "model":  # projections viewed as heads: [B, L, H, D] in memory
+        q = torch.randn(batch, q_len, heads, dim, generator=g).transpose(1, 2)
+        k = torch.randn(batch, k_len, kv_heads, dim, generator=g).transpose(1, 2)
+        v = torch.randn(batch, k_len, kv_heads, dim_v, generator=g).transpose(1, 2)
+    else:
+        q = torch.randn(batch, heads, q_len, dim, generator=g)
+        k = torch.randn(batch, kv_heads, k_len, dim, generator=g)
+        v = torch.randn(batch, kv_heads, k_len, dim_v, generator=g)
+    return q, k, v
+
+
+def _lse(q, k, v, mask):
+    """The float64 log-sum-exp over each row's attended keys (-inf where none)."""
+    group = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
+    allowed = mask.dense(q.shape[2], k.shape[2], ndim=4)
+    return scores.masked_fill(~allowed, float("-inf")).logsumexp(-1)
+
+
+def _error(got, want):
+    return (got.double() - want.double()).abs().max().item()
+
+
+SHAPES = [  # (batch, heads, kv_heads, q_len, k_len, dim, dim_v, layout)
+    (1, 4, 2, 192, 192, 64, 64, "heads"),     # GQA
+    (2, 2, 2, 100, 100, 32, 16, "model"),     # one feature tile, rows past the last key tile
+    (1, 2, 1, 77, 130, 128, 48, "heads"),     # rectangular, an odd number of feature tiles
+    (1, 3, 3, 40, 2100, 64, 64, "heads"),     # keys longer than a chunk (1024): rescaling
+]
+MASKS = {
+    "window": masks.sliding_window(24),
+    "documents": masks.document([30, 50, 20]) & masks.causal(),
+    "causal+padding": masks.causal() & masks.padding([70]),
+    "prefix": masks.prefix_lm(33),
+}
+
+
+@needs_tiles
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:7])) + s[7])
+@pytest.mark.parametrize("name", list(MASKS))
+def test_forward_within_twice_pytorchs_bf16_error(shape, name):
+    batch, heads, kv_heads, q_len, k_len, dim, dim_v, layout = shape
+    mask = MASKS[name]
+    if name == "documents" and q_len != k_len:
+        mask = masks.document([k_len // 2, k_len - k_len // 2])  # documents cover the keys
+    q, k, v = _inputs(batch, heads, kv_heads, q_len, k_len, dim, dim_v, layout=layout)
+    lows = [t.bfloat16() for t in (q, k, v)]
+    want = attnkit.attention(*(t.double() for t in lows), mask=mask, backend="reference")
+    want_lse = _lse(*(t.double() for t in lows), mask)
+    pytorch = attnkit.attention(*lows, mask=mask, backend="reference")  # plain PyTorch ops in bf16
+    with tuning(kernel="native"):  # short calls would run PyTorch's dense kernel
+        got, lse = attnkit.attention(*lows, mask=mask, backend="tiled", return_lse=True)
+        with native.matrix_units(False):
+            converted, converted_lse = attnkit.attention(*lows, mask=mask, backend="tiled", return_lse=True)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert _error(got, want) <= 2 * _error(pytorch, want) + 1e-6, (_error(got, want), _error(pytorch, want))
+    assert not torch.equal(got, converted) or _error(converted, want) == 0  # the tiles did run
+    # the lse comes from float32 scores on both paths: equal up to float32 summation order
+    torch.testing.assert_close(lse, converted_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-4)
+    # rows with no key: zeros and -inf on both paths
+    empty = ~torch.isfinite(want_lse)
+    assert torch.equal(~torch.isfinite(lse), empty) and torch.equal(~torch.isfinite(converted_lse), empty)
+    assert got.masked_select(empty[..., None]).eq(0).all()
+
+
+@needs_tiles
+@pytest.mark.parametrize("feature", ["softcap", "alibi", "dropout", "scale"])
+def test_features_within_twice_pytorchs_bf16_error(feature):
+    q, k, v = _inputs(1, 4, 2, 160, 160, 64, 64, seed=3)
+    lows = [t.bfloat16() for t in (q, k, v)]
+    options = {"softcap": dict(softcap=1.5), "alibi": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625])),
+               "scale": dict(scale=0.3), "dropout": dict(dropout=0.3)}[feature]
+    mask = masks.sliding_window(40)
+
+    def run(inputs, backend):
+        extra = dict(generator=torch.Generator().manual_seed(11)) if feature == "dropout" else {}
+        with tuning(kernel="native" if backend == "tiled" else ""):
+            return attnkit.attention(*inputs, mask=mask, backend=backend, **options, **extra)
+
+    want = run([t.double() for t in lows], "reference")
+    pytorch = run(lows, "reference")
+    got = run(lows, "tiled")
+    assert _error(got, want) <= 2 * _error(pytorch, want) + 1e-6, (feature, _error(got, want), _error(pytorch, want))
+    if feature == "dropout":  # the same pattern as the float32-convert path: the same zeros
+        with native.matrix_units(False):
+            converted = run(lows, "tiled")
+        assert _error(got, converted) < 0.05
+
+
+@needs_tiles
+def test_gradients_after_the_tiles_forward_within_twice_pytorchs_bf16_error():
+    """Training: the tiles' forward, the float32-convert backward (from the tiles' output and lse)."""
+    q, k, v = _inputs(1, 4, 2, 192, 192, 64, 64, seed=5)
+    grad_out = torch.randn(1, 4, 192, 64, generator=torch.Generator().manual_seed(6))
+    mask = masks.document([64, 128]) & masks.sliding_window(48)
+    dense = mask.dense(192, 192, ndim=4)
+
+    def gradients(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(grad_out.to(dtype))
+        return [out.detach()] + [t.grad for t in leaves]
+
+    want = gradients(lambda a, b, c: attnkit.attention(a, b, c, mask=mask, backend="reference"), torch.float64)
+    pytorch = gradients(lambda a, b, c: F.scaled_dot_product_attention(
+        a, b.repeat_interleave(2, 1), c.repeat_interleave(2, 1), attn_mask=dense), torch.bfloat16)
+    got = gradients(lambda a, b, c: attnkit.attention(a, b, c, mask=mask, backend="tiled"), torch.bfloat16)
+    for what, mine, theirs, exact in zip(("output", "dq", "dk", "dv"), got, pytorch, want):
+        assert _error(mine, exact) <= 2 * _error(theirs, exact), (what, _error(mine, exact), _error(theirs, exact))
+
+
+@needs_tiles
+def test_non_finite_inputs_follow_the_float32_kernels_rules():
+    """NaN in an attended query makes its row NaN; NaN or inf in a key or value that no row attends
+    changes nothing (the tiles multiply it by a weight of 0: such rows are redone pair by pair)."""
+    q, k, v = (t.bfloat16() for t in _inputs(1, 2, 2, 96, 96, 64, 64, seed=8))
+    q[0, 0, 10, 3] = float("nan")
+    v[0, 1, 50, 7] = float("inf")   # key 50: attended by rows 50-65 only (window 16)
+    k[0, 1, 95, 0] = float("nan")   # key 95: row 95 only
+    mask = masks.sliding_window(16)
+    with tuning(kernel="native"):
+        got, lse = attnkit.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
+        with native.matrix_units(False):
+            converted, converted_lse = attnkit.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
+    assert torch.equal(got.isnan(), converted.isnan()) and torch.equal(lse.isnan(), converted_lse.isnan())
+    assert got[0, 0, 10].isnan().all() and not got[0, 0, 11:].isnan().any()
+    clean = torch.ones(96, dtype=torch.bool)
+    clean[50:66] = False
+    clean[95] = False
+    assert got[0, 1, clean].isfinite().all()
+    assert _error(got[0, 1, clean], converted[0, 1, clean]) < 0.05
