@@ -77,9 +77,10 @@ NATIVE_UNMASKED_MIN_PAIRS = {  # (dtype, a backward will run) -> pairs
     (torch.float16, False): 128 * 128, (torch.float16, True): 128 * 128,
 }
 NATIVE_UNMASKED_MAX_HEAD_DIM = 128
-#: Half precision runs the kernel where it serves it (CPUs without half-precision matrix units, see
-#: :func:`.native.serves_half_precision`): SDPA's bf16 / fp16 backward took 4.8x / 8x the kernel's
-#: time (causal, L = 4096, AVX2) and its forward is no faster at any length measured; structured
+#: Half precision runs the kernel where it serves it (CPUs without half-precision matrix units, or
+#: with AMX: see :func:`.native.serves_half_precision`): SDPA's bf16 / fp16 backward took 4.8x / 8x
+#: the kernel's time (causal, L = 4096, AVX2) and its forward is no faster at any length measured
+#: (with AMX: the kernel's causal forward 0.91x SDPA's time at L = 8192); structured
 #: masks in half precision always run the kernel, whose alternatives are the same SDPA kernels, per
 #: block or dense (docs/performance.md).
 
