@@ -219,6 +219,11 @@ def test_where_the_kernel_multiplies_on_amx_tiles_it_serves_half_precision(monke
         assert native.serves("cpu", torch.bfloat16, False) and native.serves("cpu", torch.float16, False)
         q = torch.randn(1, 2, 512, 32, dtype=torch.bfloat16)
         assert auto_runs(_call(q, q, q, mask=masks.sliding_window(64))) == "tiled:native"
+        # no mask, no backward: SDPA's AMX kernel below 1024 x 1024 (policy.NATIVE_UNMASKED_MIN_PAIRS_AMX)
+        assert auto_runs(_call(q, q, q)) == "torch"
+        assert auto_runs(_call(q, q.clone().requires_grad_(), q)) == "tiled:native"
+        wide = torch.randn(1, 2, 1024, 32, dtype=torch.bfloat16)
+        assert auto_runs(_call(wide, wide, wide)) == "tiled:native"
     finally:
         monkeypatch.undo()
         loading.serves_half_precision.cache_clear()

@@ -76,6 +76,11 @@ NATIVE_UNMASKED_MIN_PAIRS = {  # (dtype, a backward will run) -> pairs
     (torch.bfloat16, False): 512 * 512, (torch.bfloat16, True): 128 * 128,
     (torch.float16, False): 128 * 128, (torch.float16, True): 128 * 128,
 }
+#: On a CPU with AMX (the kernel's bfloat16 forward on the tiles, SDPA's on oneDNN's AMX kernels) the
+#: unmasked bfloat16 forward from 1024 x 1024: 1.21x / 1.27x SDPA's time at 256 / 512 keys, 0.85-0.88x
+#: from 1024 (Xeon, H = 8, D = 64, 2 threads, 2026-11-27); the other entries held there (bf16
+#: training 0.71-0.79x at 256-512 keys, 0.90-1.08x from 1024; fp16 forward 0.85-0.98x from 256).
+NATIVE_UNMASKED_MIN_PAIRS_AMX = {**NATIVE_UNMASKED_MIN_PAIRS, (torch.bfloat16, False): 1024 * 1024}
 NATIVE_UNMASKED_MAX_HEAD_DIM = 128
 #: Half precision runs the kernel where it serves it (CPUs without half-precision matrix units, or
 #: with AMX: see :func:`.native.serves_half_precision`): SDPA's bf16 / fp16 backward took 4.8x / 8x
@@ -134,7 +139,8 @@ def choose(call: AttentionCall) -> Route:
         # SDPA has no fused CPU kernel with dropout (its math path materialises every weight): the
         # native kernel took 0.02-0.77x its time from 32 x 32 pairs (docs/performance.md).
         return _TILED_CHOOSES
-    unmasked_from = NATIVE_UNMASKED_MIN_PAIRS.get((call.query.dtype, call.needs_grad))
+    table = NATIVE_UNMASKED_MIN_PAIRS_AMX if _native_matrix_units() else NATIVE_UNMASKED_MIN_PAIRS
+    unmasked_from = table.get((call.query.dtype, call.needs_grad))
     if (call.mask is None and not call.causal and call.q_len > 1 and unmasked_from is not None
             and call.q_len * call.k_len >= unmasked_from
             and max(call.query.shape[-1], call.value.shape[-1]) <= NATIVE_UNMASKED_MAX_HEAD_DIM
@@ -186,6 +192,12 @@ def _gpu_engines() -> GpuEngines:
 def _native_serves(device_type: str, dtype: torch.dtype, has_mask: bool) -> bool:
     """Process state (the kernel loaded, not turned off), read once per trace."""
     return native.serves(device_type, dtype, has_mask)
+
+
+@_torch_private.assume_constant_result
+def _native_matrix_units() -> bool:
+    """Process state (the kernel's bfloat16 forward on AMX tiles), read once per trace."""
+    return native.matrix_units_available()
 
 
 def kernel_for(inputs: IntervalInputs) -> str:
