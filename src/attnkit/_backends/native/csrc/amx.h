@@ -76,9 +76,10 @@ constexpr int64_t kMaxTransposedBytes = int64_t{64} << 20;  // per thread; longe
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// The forward takes the tiles for this call: bfloat16, whole tiles of features, V^T within bounds.
-bool amx_forward_applies(at::ScalarType type, int64_t D, int64_t Dv, int64_t Lk) {
-  return type == at::kBFloat16 && D % kTileK == 0 && Dv % kTile == 0 &&
+// The forward takes the tiles for this call: bfloat16, whole tiles of features, V^T within bounds,
+// value rows an even number of elements apart (V^T is filled by pairs of features).
+bool amx_forward_applies(at::ScalarType type, int64_t D, int64_t Dv, int64_t Lk, int64_t v_row_stride) {
+  return type == at::kBFloat16 && D % kTileK == 0 && Dv % kTile == 0 && v_row_stride % 2 == 0 &&
          Dv * (round_up(Lk, kTileK) + kTileK) * 2 <= kMaxTransposedBytes && matrix_units();
 }
 
@@ -285,22 +286,34 @@ class TransposedValues {
   const uint16_t* from(int64_t b, int64_t kv, int64_t first, int64_t last) {
     last = std::min(last, keys_);
     if (b != b_ || kv != kv_ || first < lo_ || first > hi_) b_ = b, kv_ = kv, lo_ = hi_ = first;
-    const int64_t Dv = v_.width;
-    for (; hi_ < last; hi_ += kTileK) {  // hi_ stays a multiple of 32
-      uint16_t* block = data_.data() + hi_ * Dv;
-      const int64_t keys = std::min(kTileK, keys_ - hi_);
-      for (int64_t t = 0; t < keys; ++t) {
-        const auto* row = reinterpret_cast<const uint16_t*>(v_.at(b, kv, hi_ + t));
-        for (int64_t dv = 0; dv < Dv; ++dv) block[dv * kTileK + t] = row[dv];
-      }
-    }
-    return data_.data() + first * Dv;
+    for (; hi_ < last; hi_ += kTileK) fill(b, kv, hi_);  // hi_ stays a multiple of 32
+    return data_.data() + first * v_.width;
   }
 
  private:
+  // The block of keys [t0, t0 + 32): pairs of features as 32-bit words, transposed 8 x 8 at a time
+  // (tiles.h, bit for bit), then each row of pairs split into its two features' rows.
+  ATTNKIT_AMX void fill(int64_t b, int64_t kv, int64_t t0) {
+    const int64_t Dv = v_.width, keys = std::min(kTileK, keys_ - t0);
+    if (pairs_.empty()) pairs_.resize(Dv / 2 * kTileK);
+    if (keys < kTileK) std::fill(pairs_.begin(), pairs_.end(), 0.0f);  // keys past the last read as 0
+    transpose(reinterpret_cast<const float*>(v_.at(b, kv, t0)), v_.s2 / 2, keys, Dv / 2, pairs_.data(), kTileK);
+    const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26,
+                                          24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+    uint16_t* block = data_.data() + t0 * Dv;
+    for (int64_t p = 0; p < Dv / 2; ++p) {
+      const __m512i low = _mm512_loadu_si512(pairs_.data() + p * kTileK);  // keys 0-15, two features each
+      const __m512i high = _mm512_loadu_si512(pairs_.data() + p * kTileK + kTile);
+      _mm512_storeu_si512(block + 2 * p * kTileK, _mm512_permutex2var_epi16(low, even, high));
+      _mm512_storeu_si512(block + (2 * p + 1) * kTileK, _mm512_permutex2var_epi16(low, odd, high));
+    }
+  }
+
   Rows v_;
   int64_t keys_;
   std::vector<uint16_t> data_;
+  Floats pairs_;  // one block as 32-bit words [Dv / 2][32]
   int64_t b_ = -1, kv_ = -1, lo_ = 0, hi_ = 0;
 };
 

@@ -136,6 +136,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   at::Tensor out = like_layout(query, B, H, Lq, Dv, c.dtype);
   at::Tensor lse = at::empty({B, H, Lq}, query.options().dtype(at::kFloat));
   if (lse.numel() == 0) return {out, lse};
+  const bool amx = amx_forward_applies(c.dtype, D, Dv, Lk, c.v.s2);  // the products on AMX tiles (amx.h)
   const int64_t blocks = (Lq + block - 1) / block;
   const Rows o(out);
   float* l = lse.data_ptr<float>();
@@ -143,7 +144,6 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   const SoftmaxRows<L> softmax = pick_softmax_rows<L>(c.plain(), dropout.active);  // one per call
 
   const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
-  const bool amx = amx_forward_applies(c.dtype, D, Dv, Lk);  // the products on AMX tiles (amx.h)
   if (amx) chunk = round_up(std::max(chunk, kAmxChunk), kTileK);
   // Tasks are (batch, head, block) in order, and threads claim runs of `claim` consecutive ones as
   // they go (consecutive blocks share most keys): a range split in halves waits for the slower
