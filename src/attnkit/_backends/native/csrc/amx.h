@@ -77,9 +77,11 @@ constexpr int64_t kMaxTransposedBytes = int64_t{64} << 20;  // per thread; longe
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // The forward takes the tiles for this call: bfloat16, whole tiles of features, V^T within bounds,
-// value rows an even number of elements apart (V^T is filled by pairs of features).
-bool amx_forward_applies(at::ScalarType type, int64_t D, int64_t Dv, int64_t Lk, int64_t v_row_stride) {
-  return type == at::kBFloat16 && D % kTileK == 0 && Dv % kTile == 0 && v_row_stride % 2 == 0 &&
+// query and value rows an even number of elements apart (both are moved by pairs of features).
+bool amx_forward_applies(at::ScalarType type, int64_t D, int64_t Dv, int64_t Lk, int64_t q_row_stride,
+                         int64_t v_row_stride) {
+  return type == at::kBFloat16 && D % kTileK == 0 && Dv % kTile == 0 && q_row_stride % 2 == 0 &&
+         v_row_stride % 2 == 0 &&
          Dv * (round_up(Lk, kTileK) + kTileK) * 2 <= kMaxTransposedBytes && matrix_units();
 }
 
@@ -120,20 +122,15 @@ class TileScope {
 };
 
 // The block's query rows in B's layout: for query tile qt (rows 16 qt ..) the 32-bit word
-// [qt][pair][r] holds q[16 qt + r][2 pair .. 2 pair + 1]; rows past `rows` are 0. q2s in elements.
+// [qt][pair][r] holds q[16 qt + r][2 pair .. 2 pair + 1]; rows past `rows` are 0. q2s in elements
+// (even): pairs of features as 32-bit words, transposed 8 x 8 at a time (tiles.h, bit for bit;
+// word by word this took about as long as the block's scores on the tiles).
 void pack_queries(const uint16_t* q, int64_t q2s, int64_t rows, int64_t D, int64_t rs, uint32_t* packed) {
   const int64_t pairs = D / 2;
-  for (int64_t qt = 0; qt < rs / kTile; ++qt) {
-    uint32_t* tile = packed + qt * pairs * kTile;
-    for (int64_t r = 0; r < kTile; ++r) {
-      const int64_t row = qt * kTile + r;
-      if (row < rows) {
-        const uint16_t* from = q + row * q2s;
-        for (int64_t p = 0; p < pairs; ++p) std::memcpy(tile + p * kTile + r, from + 2 * p, 4);
-      } else {
-        for (int64_t p = 0; p < pairs; ++p) tile[p * kTile + r] = 0;
-      }
-    }
+  if (rows < rs) std::fill(packed, packed + rs * pairs, 0u);
+  for (int64_t qt = 0; qt * kTile < rows; ++qt) {
+    transpose(reinterpret_cast<const float*>(q + qt * kTile * q2s), q2s / 2, std::min(kTile, rows - qt * kTile),
+              pairs, reinterpret_cast<float*>(packed + qt * pairs * kTile), kTile);
   }
 }
 
