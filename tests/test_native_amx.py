@@ -1,7 +1,8 @@
-"""The native kernel's bfloat16 forward on AMX tiles (``csrc/amx.h``), where the CPU has them.
+"""The native kernel's bfloat16 forward and backward on AMX tiles (``csrc/amx.h``), where the CPU has them.
 
-The tiles round the weights to bfloat16 for the values' product (as PyTorch's bf16 CPU kernel
-does), so their results are not the float32 kernel's bits: they are held to the float64 reference
+The tiles round the weights (and in the backward the score gradients) to bfloat16 for the products
+that take them (as PyTorch's bf16 CPU kernel does), so their results are not the float32 kernel's
+bits: they are held to the float64 reference
 by FlashAttention's rule (at most twice the error of PyTorch's own computation in bf16), for every
 mask kind and feature, and compared with the float32-convert path (``native.matrix_units(False)``)
 for what must not change: the lse (float32 scores), the dropout pattern, empty rows, NaN rows.
@@ -70,8 +71,8 @@ def _error(got, want):
 
 SHAPES = [  # (batch, heads, kv_heads, q_len, k_len, dim, dim_v, layout)
     (1, 4, 2, 192, 192, 64, 64, "heads"),     # GQA
-    (2, 2, 2, 100, 100, 32, 16, "model"),     # one feature tile, rows past the last key tile
-    (1, 2, 1, 77, 130, 128, 48, "heads"),     # rectangular, an odd number of feature tiles
+    (2, 2, 2, 100, 100, 32, 32, "model"),     # one pair of feature tiles, rows past the last key tile
+    (1, 2, 1, 77, 130, 128, 96, "heads"),     # rectangular, D != Dv
     (1, 3, 3, 40, 2100, 64, 64, "heads"),     # keys longer than a chunk (1024): rescaling
 ]
 MASKS = {
@@ -177,3 +178,73 @@ def test_non_finite_inputs_follow_the_float32_kernels_rules():
     clean[95] = False
     assert got[0, 1, clean].isfinite().all()
     assert _error(got[0, 1, clean], converted[0, 1, clean]) < 0.05
+
+
+def _gradients(fn, inputs, grad_out, dtype, lse_weight=None):
+    """[output, dq, dk, dv] of fn on the inputs cast to dtype, backpropagating grad_out (and, when
+    fn returns the lse too, lse_weight times it: the lse's gradient reaches the kernel)."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    result = fn(*leaves)
+    out = result[0] if isinstance(result, tuple) else result
+    loss = (out.float() * grad_out.to(dtype).float()).sum()
+    if isinstance(result, tuple):
+        loss = loss + (torch.where(result[1].isfinite(), result[1], 0).float() * lse_weight).sum()
+    loss.backward()
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@needs_tiles
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:7])) + s[7])
+@pytest.mark.parametrize("name", ["window", "causal+padding"])
+def test_backward_within_twice_pytorchs_bf16_error(shape, name):
+    """The five products on the tiles (scores and dP = dO V^T from the rows in place, dV and dK over
+    the block's rows, dQ from K^T): gradients against float64 by the 2x rule; the lse's gradient too."""
+    batch, heads, kv_heads, q_len, k_len, dim, dim_v, layout = shape
+    q, k, v = _inputs(batch, heads, kv_heads, q_len, k_len, dim, dim_v, layout=layout, seed=12)
+    g = torch.Generator().manual_seed(13)
+    grad_out = torch.randn(batch, heads, q_len, dim_v, generator=g)
+    lse_weight = torch.randn(batch, heads, q_len, generator=g)
+    mask = MASKS[name]
+    lows = [t.bfloat16().double() for t in (q, k, v)]  # the bf16 values, exactly
+
+    def on(kernel):
+        def fn(a, b, c):
+            with tuning(kernel=kernel):
+                return attnkit.attention(a, b, c, mask=mask, backend="tiled", return_lse=True)
+        return fn
+
+    ours = on("native")
+    want = _gradients(on("blocks"), lows, grad_out, torch.float64, lse_weight)  # PyTorch's kernels in float64
+    pytorch = _gradients(on("blocks"), lows, grad_out, torch.bfloat16, lse_weight)  # and in bf16: the baseline
+    got = _gradients(ours, lows, grad_out, torch.bfloat16, lse_weight)
+    with native.matrix_units(False):
+        converted = _gradients(ours, lows, grad_out, torch.bfloat16, lse_weight)
+    for what, mine, theirs, exact, other in zip(("output", "dq", "dk", "dv"), got, pytorch, want, converted):
+        assert mine.dtype == torch.bfloat16 and mine.shape == exact.shape
+        assert _error(mine, exact) <= 2 * _error(theirs, exact) + 1e-6, (what, _error(mine, exact), _error(theirs, exact))
+    assert any(not torch.equal(mine, other) for mine, other in zip(got[1:], converted[1:]))  # the tiles ran
+
+
+@needs_tiles
+@pytest.mark.parametrize("feature", ["softcap", "alibi", "dropout"])
+def test_backward_features_within_twice_pytorchs_bf16_error(feature):
+    q, k, v = _inputs(1, 4, 2, 160, 160, 64, 64, seed=14)
+    grad_out = torch.randn(1, 4, 160, 64, generator=torch.Generator().manual_seed(15))
+    options = {"softcap": dict(softcap=1.5), "alibi": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625])),
+               "dropout": dict(dropout=0.3)}[feature]
+    mask = masks.document([60, 100]) & masks.causal()
+
+    def run(backend, kernel=""):
+        def fn(a, b, c):
+            extra = dict(generator=torch.Generator().manual_seed(16)) if feature == "dropout" else {}
+            with tuning(kernel=kernel):
+                return attnkit.attention(a, b, c, mask=mask, backend=backend, **options, **extra)
+        return fn
+
+    lows = [t.bfloat16().double() for t in (q, k, v)]
+    want = _gradients(run("reference"), lows, grad_out, torch.float64)
+    pytorch = _gradients(run("reference"), lows, grad_out, torch.bfloat16)
+    got = _gradients(run("tiled", "native"), lows, grad_out, torch.bfloat16)
+    for what, mine, theirs, exact in zip(("output", "dq", "dk", "dv"), got, pytorch, want):
+        assert _error(mine, exact) <= 2 * _error(theirs, exact) + 1e-6, (feature, what, _error(mine, exact),
+                                                                         _error(theirs, exact))

@@ -72,9 +72,10 @@ def test_half_precision_is_the_float32_kernel_rounded_once(c, dtype, dropout, so
     _same(lse, lse32)
 
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-    grads = native.interval_backward(grad_out, q, k, v, out, lse, c["lo"], c["hi"], c["scale"], block=c["block"],
-                                     chunk=c["chunk"], parts=parts, dropout=dropout, seed=7, softcap=softcap,
-                                     alibi_slopes=slopes)
+    with native.matrix_units(False):
+        grads = native.interval_backward(grad_out, q, k, v, out, lse, c["lo"], c["hi"], c["scale"], block=c["block"],
+                                         chunk=c["chunk"], parts=parts, dropout=dropout, seed=7, softcap=softcap,
+                                         alibi_slopes=slopes)
     # the float32 backward given the same output (rounded to the dtype, as the half call's is)
     grads32 = native.interval_backward(grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse,
                                        c["lo"], c["hi"], c["scale"], block=c["block"], chunk=c["chunk"], parts=parts,
@@ -159,7 +160,8 @@ def test_a_model_layout_keeps_its_layout_and_dtype(dtype):
     assert out.dtype == dtype and out.transpose(1, 2).is_contiguous()
     _same(out, native.interval_forward(q.float(), k.float(), k.float(), lo, hi, 0.2)[0].to(dtype))
     grad_out = torch.ones_like(out)
-    grads = native.interval_backward(grad_out, q, k, k, out, lse, lo, hi, 0.2)
+    with native.matrix_units(False):
+        grads = native.interval_backward(grad_out, q, k, k, out, lse, lo, hi, 0.2)
     grads32 = native.interval_backward(grad_out.float(), q.float(), k.float(), k.float(), out.float(), lse, lo, hi, 0.2)
     assert all(grad.transpose(1, 2).is_contiguous() for grad in grads)
     for got, want in zip(grads, grads32):

@@ -7,12 +7,12 @@
 //           rows as the call holds them (read in place), B the block's query rows packed once per
 //           block into the tile layout (pairs of features, 32-bit words [pair][row]).
 //   values  Ot[dv][r] += sum_t V[t][dv] P[t][r]: tiles of 16 features x 16 rows. A is V^T, which a
-//           thread keeps for the (sequence, head) it works on (TransposedValues, extended as its
+//           thread keeps for the (sequence, head) it works on (TransposedRows, extended as its
 //           blocks move along the keys, so each key is transposed about once per thread), B the
 //           chunk's weights, rounded to bfloat16 and packed by pairs of keys.
 // The weights are rounded to bfloat16 for the values' product (as PyTorch's bf16 CPU kernel and
 // FlashAttention do); the softmax, its sums and the lse stay float32. A call takes this path when
-// its dtype is bfloat16, D % 32 == 0 and Dv % 16 == 0 (whole tiles; others convert).
+// its dtype is bfloat16 and D % 32 == Dv % 32 == 0 (whole tiles; others convert).
 //
 // Every tile is 16 rows x 64 bytes: tmm0-3 accumulate (2 x 2 tiles), tmm4-5 hold A, tmm6-7 B.
 // The functions carry their ISA in a target attribute, so the library still loads on CPUs without
@@ -76,12 +76,14 @@ constexpr int64_t kMaxTransposedBytes = int64_t{64} << 20;  // per thread; longe
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// The forward takes the tiles for this call: bfloat16, whole tiles of features, V^T within bounds,
-// query and value rows an even number of elements apart (both are moved by pairs of features).
-bool amx_forward_applies(at::ScalarType type, int64_t D, int64_t Dv, int64_t Lk, int64_t q_row_stride,
-                         int64_t v_row_stride) {
-  return type == at::kBFloat16 && D % kTileK == 0 && Dv % kTile == 0 && q_row_stride % 2 == 0 &&
-         v_row_stride % 2 == 0 &&
+// The forward and the backward take the tiles for this call: bfloat16, whole tiles of features (D
+// and Dv multiples of 32: the backward's dP = dO V^T steps over Dv as the scores step over D, and
+// both passes must compute the scores alike), V^T within bounds, query and value rows an even number
+// of elements apart (both are moved by pairs of features).
+bool amx_applies(at::ScalarType type, int64_t D, int64_t Dv, int64_t Lk, int64_t q_row_stride,
+                 int64_t k_row_stride, int64_t v_row_stride) {
+  return type == at::kBFloat16 && D % kTileK == 0 && Dv % kTileK == 0 && q_row_stride % 2 == 0 &&
+         k_row_stride % 2 == 0 && v_row_stride % 2 == 0 &&
          Dv * (round_up(Lk, kTileK) + kTileK) * 2 <= kMaxTransposedBytes && matrix_units();
 }
 
@@ -212,7 +214,7 @@ ATTNKIT_AMX void pack_weights(const float* s, int64_t rs, int64_t W, uint32_t* p
 }
 
 // Ot[dv][r] (+)= sum_t V^T[dv][t] P[t][r] over the chunk's W keys: `vt` is V^T's block of the
-// chunk's first key (TransposedValues: blocks of 32 keys, Dv x 32 each, and blocks up to
+// chunk's first key (TransposedRows: blocks of 32 keys, Dv x 32 each, and blocks up to
 // round_up(W, 32) finite), `weights` from pack_weights. The accumulators of group g start as
 // start[g] says (rescaled in memory first).
 ATTNKIT_AMX void amx_values(const uint16_t* vt, int64_t W, int64_t Dv, const uint32_t* weights, int64_t rs,
@@ -269,14 +271,96 @@ ATTNKIT_AMX void amx_values(const uint16_t* vt, int64_t W, int64_t Dv, const uin
   }
 }
 
-// V^T of the (sequence, head) a thread works on, as bfloat16 in blocks of 32 keys, each block
-// [Dv][32] (a tile of 16 features x 32 keys is 1 KiB in one piece: rows of V^T a whole sequence
+// ---- The backward's products over rows: dV += (f P)^T dO and dK += dS^T Q ------------------------
+//
+// Out[t][c] += sum_r W[t][r] X[r][c]: tiles of 16 keys x 16 features, A the chunk's key-major
+// weights (or score gradients) rounded to bfloat16 (pack_key_rows), B the block's rows of dO (or Q)
+// by pairs of rows (pack_rows), one step per 32 rows.
+
+// X's rows (bf16, x2s elements apart; `rows` of them, 0 past) in B's layout: for feature tile ft the
+// 32-bit word [ft][pair][c] holds (X[2 pair][16 ft + c], X[2 pair + 1][16 ft + c]), rs / 2 pairs.
+ATTNKIT_AMX void pack_rows(const uint16_t* x, int64_t x2s, int64_t rows, int64_t C, int64_t rs, uint32_t* packed) {
+  const int64_t pairs = rs / 2;
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t ft = 0; ft < C / kTile; ++ft) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t r = 2 * p;
+      const auto row = [&](int64_t i) {
+        return i < rows ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * x2s + ft * kTile))
+                        : _mm256_setzero_si256();
+      };
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(row(r)), row(r + 1), 1);
+      _mm512_storeu_si512(packed + (ft * pairs + p) * kTile, _mm512_permutexvar_epi16(interleave, both));
+    }
+  }
+}
+
+// The chunk's key-major w[t][r] (t < W, rs lanes) as bfloat16 rows [t][rs], rows up to
+// round_up(W, 16) (0 past W): A's layout, one tile per 16 keys and 32 rows.
+ATTNKIT_AMX void pack_key_rows(const float* w, int64_t rs, int64_t W, uint16_t* packed) {
+  for (int64_t t = 0; t < round_up(W, kTile); ++t) {
+    for (int64_t r = 0; r < rs; r += kTileK) {
+      const __m512i row = t < W ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(w + t * rs + r + kTile),
+                                                               _mm512_loadu_ps(w + t * rs + r))
+                                : _mm512_setzero_si512();
+      _mm512_storeu_si512(packed + t * rs + r, row);
+    }
+  }
+}
+
+// Out[t][c] += sum_r W[t][r] X[r][c] for t < W, c < C (out: float32 rows os apart): `a` from
+// pack_key_rows, `b` from pack_rows. A last tile of fewer than 16 keys goes through `spare`
+// (16 x 16 floats), so no row past W is read or written.
+ATTNKIT_AMX void amx_rows_product(const uint16_t* a, int64_t rs, int64_t W, const uint32_t* b, int64_t C,
+                                  float* out, int64_t os, float* spare) {
+  const int64_t pairs = rs / 2, steps = rs / kTileK, key_tiles = (W + kTile - 1) / kTile;
+  for (int64_t kt = 0; kt < key_tiles; ++kt) {
+    const int64_t keys = std::min(kTile, W - kt * kTile);
+    const uint16_t* a_tile = a + kt * kTile * rs;
+    for (int64_t ft = 0; ft < C / kTile; ft += 2) {
+      const bool two = ft + 1 < C / kTile;
+      float* acc = out + kt * kTile * os + ft * kTile;
+      float* at = acc;
+      int64_t stride = os * 4;
+      if (keys < kTile) {  // the partial tile through the spare rows, zeros past W
+        at = spare, stride = 2 * kTile * 4;
+        for (int64_t t = 0; t < kTile; ++t) {
+          for (int64_t c = 0; c < (two ? 2 : 1) * kTile; ++c) spare[t * 2 * kTile + c] = t < keys ? acc[t * os + c] : 0.0f;
+        }
+      }
+      _tile_loadd(0, at, stride);
+      if (two) _tile_loadd(1, at + kTile, stride);
+      const uint32_t* b0 = b + ft * pairs * kTile;
+      const uint32_t* b1 = b0 + pairs * kTile;
+      for (int64_t step = 0; step < steps; ++step) {
+        _tile_loadd(4, a_tile + step * kTileK, rs * 2);
+        _tile_loadd(6, b0 + step * kTile * kTile, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) {
+          _tile_loadd(7, b1 + step * kTile * kTile, 64);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+      }
+      _tile_stored(0, at, stride);
+      if (two) _tile_stored(1, at + kTile, stride);
+      if (keys < kTile) {
+        for (int64_t t = 0; t < keys; ++t) {
+          for (int64_t c = 0; c < (two ? 2 : 1) * kTile; ++c) acc[t * os + c] = spare[t * 2 * kTile + c];
+        }
+      }
+    }
+  }
+}
+
+// V^T (or K^T, for the backward's dQ) of the (sequence, head) a thread works on, as bfloat16 in
+// blocks of 32 keys, each block [Dv][32] (a tile of 16 features x 32 keys is 1 KiB in one piece: rows of V^T a whole sequence
 // long put each tile row on its own page). Blocks are filled as the thread's chunks ask for them:
 // a request starting inside the filled blocks extends them, any other starts over. Blocks never
 // filled are 0, so the tiles past the last key read zeros.
-class TransposedValues {
+class TransposedRows {
  public:
-  TransposedValues(const Rows& values, int64_t keys)
+  TransposedRows(const Rows& values, int64_t keys)
       : v_(values), keys_(keys), data_(values.width * (round_up(keys, kTileK) + kTileK), 0) {}
 
   // The block of key `first` (a multiple of 32), blocks up to key `last` filled.

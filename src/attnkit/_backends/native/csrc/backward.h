@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "aligned.h"
+#include "amx.h"
 #include "dropout.h"
 #include "half.h"
 #include "kept_memory.h"
@@ -140,6 +141,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const float* l = lse.data_ptr<float>();
     const float* gl = grad_lse.defined() ? grad_lse.data_ptr<float>() : nullptr;
     const Rows dq_rows(dq), dk_rows(dk), dv_rows(dv);
+    // The five products on AMX tiles where the forward's were (amx.h; dO's rows moved by pairs too)
+    const bool amx = amx_applies(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2) && go.s2 % 2 == 0;
+    if (amx) chunk = round_up(std::max(chunk, kAmxChunk), kTileK);
     const bool capped = c.capped();  // the cap's derivative is stored then
     using L = RowLanes;
     const WeightsRows<L> weights = pick_weights_rows<L>(c.plain());  // one per call
@@ -153,8 +157,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       // four products read them so (a transpose of each chunk's scores into rows took 6-9% of a
       // causal backward).
       const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
-      Floats qt(D * padded, 0.0f), scores(chunk * padded), grads(chunk * padded, 0.0f);
-      Floats got(Dv * padded), dqt(D * padded);  // dO^T and dQ^T: rows as lanes, like Qt
+      // scores and grads: a chunk's rows rounded up to whole tiles of keys (the tiles write past W)
+      Floats qt(amx ? 0 : D * padded, 0.0f), scores((chunk + kTile) * padded), grads((chunk + kTile) * padded, 0.0f);
+      TileScope tiles(amx);
+      std::vector<uint32_t> packed_q(amx ? padded * D / 2 : 0), packed_go(amx ? padded * Dv / 2 : 0);
+      std::vector<uint32_t> rows_q(amx ? padded * D / 2 : 0), rows_go(amx ? padded * Dv / 2 : 0);
+      std::vector<uint32_t> packed_ds(amx ? padded * round_up(chunk, kTileK) / 2 : 0);
+      std::vector<uint16_t> key_rows(amx ? (chunk + kTile) * padded : 0), spare_keys(amx ? kTile * std::max(D, Dv) : 0);
+      Floats spare_sums(amx ? 2 * kTile * kTile : 0);
+      std::optional<TransposedRows> keys_transposed;
+      if (amx) keys_transposed.emplace(c.k, Lk);
+      Floats got(amx ? 0 : Dv * padded), dqt(D * padded);  // dO^T and dQ^T: rows as lanes, like Qt
       std::vector<Start> dq_start(padded / kGroup);
       const Floats no_rescale(padded);
       Floats cap_grads(capped ? chunk * padded : 0);
@@ -219,18 +232,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               dq_out.store();
               continue;
             }
-            const auto [q_head, q2s] = queries.head(b, h, first, first + rows);
             const auto [go_head, g2s] = grads_given.head(b, h, first, first + rows);
             const auto [o_head, o2s] = outputs.head(b, h, first, first + rows);
-            const auto [k_head, k2s] = keys.head(b, kv, span_lo, span_hi);
-            const auto [v_head, v2s] = values.head(b, kv, span_lo, span_hi);
-            const float* q_block = q_head + first * q2s;
             const float* go_block = go_head + first * g2s;
+            // On the tiles the products read the bfloat16 rows; float32 query, key and value rows are
+            // converted only for the chunks redone by attended pairs.
+            const float *q_head = nullptr, *k_head = nullptr, *v_head = nullptr, *q_block = nullptr;
+            int64_t q2s = 0, k2s = 0, v2s = 0;
+            const auto float_rows = [&] {
+              if (k_head != nullptr) return;
+              std::tie(q_head, q2s) = queries.head(b, h, first, first + rows);
+              std::tie(k_head, k2s) = keys.head(b, kv, span_lo, span_hi);
+              std::tie(v_head, v2s) = values.head(b, kv, span_lo, span_hi);
+              q_block = q_head + first * q2s;
+            };
             const int64_t rs = (rows + kGroup - 1) / kGroup * kGroup;
-            transpose(q_block, q2s, rows, D, qt.data(), rs);  // Qt[d][r], padding rows 0
-            for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
-            transpose(go_block, g2s, rows, Dv, got.data(), rs);  // dOt[dv][r], padding rows 0
-            for (int64_t d = 0; d < Dv; ++d) std::fill(got.data() + d * rs + rows, got.data() + (d + 1) * rs, 0.0f);
+            const auto bf16 = [](const Rows& t, int64_t bb, int64_t hh, int64_t i) {
+              return reinterpret_cast<const uint16_t*>(t.at(bb, hh, i));
+            };
+            if (amx) {
+              pack_queries(bf16(c.q, b, h, first), c.q.s2, rows, D, rs, packed_q.data());
+              pack_queries(bf16(go, b, h, first), go.s2, rows, Dv, rs, packed_go.data());
+              pack_rows(bf16(c.q, b, h, first), c.q.s2, rows, D, rs, rows_q.data());
+              pack_rows(bf16(go, b, h, first), go.s2, rows, Dv, rs, rows_go.data());
+            } else {
+              float_rows();
+              transpose(q_block, q2s, rows, D, qt.data(), rs);  // Qt[d][r], padding rows 0
+              for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
+              transpose(go_block, g2s, rows, Dv, got.data(), rs);  // dOt[dv][r], padding rows 0
+              for (int64_t d = 0; d < Dv; ++d) std::fill(got.data() + d * rs + rows, got.data() + (d + 1) * rs, 0.0f);
+            }
             bool dq_started = false;  // dQt holds this block's sum so far
             const float* o_block = o_head + first * o2s;
             const float* gl_block = gl ? gl + (b * H + h) * Lq + first : nullptr;
@@ -253,18 +284,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               all_lo = 0, all_hi = whole - j < L::kWidth ? 0 : Lk;  // padding rows attend nothing
               for (int64_t i = j; i < whole; ++i) all_lo = std::max(all_lo, row_lo[i]), all_hi = std::min(all_hi, row_hi[i]);
             }
-            for (int64_t c0 = span_lo; c0 < span_hi; c0 += chunk) {
+            // on the tiles chunks start at multiples of 32 keys, as the forward's (K^T's blocks)
+            const int64_t chunk_lo = amx ? span_lo / kTileK * kTileK : span_lo;
+            for (int64_t c0 = chunk_lo; c0 < span_hi; c0 += chunk) {
               const int64_t width = std::min(chunk, span_hi - c0);
               float* p = scores.data();  // S, then P in its place: [t][r], row stride rs
               float* ds = grads.data();  // dP, then dS in its place, the same layout
               float* cap = cap_grads.empty() ? nullptr : cap_grads.data();
               L::F bad = L::zero();
-              block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, p);
+              if (amx) {
+                amx_scores(bf16(c.k, b, kv, c0), c.k.s2, width, Lk - c0, D, packed_q.data(), rs, p, spare_keys.data());
+              } else {
+                block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, p);
+              }
               for (int64_t j = 0; j < rs; j += L::kWidth) {
                 weights(p + j, rs, width, c0, r, j, mods, first + j, cap ? cap + j : nullptr, bad);
               }
               // dP[t][r] = sum_dv V[t][dv] dOt[dv][r]: the scores' tiles (padding rows of dOt are 0)
-              block_scores(v_head + c0 * v2s, v2s, width, Dv, got.data(), rs, ds);
+              if (amx) {
+                amx_scores(bf16(c.v, b, kv, c0), c.v.s2, width, Lk - c0, Dv, packed_go.data(), rs, ds,
+                           spare_keys.data());
+              } else {
+                block_scores(v_head + c0 * v2s, v2s, width, Dv, got.data(), rs, ds);
+              }
               // lanes past the block's rows: 0 (0 times an infinite value there would read as a
               // masked non-finite value below)
               for (int64_t t = 0; t < width && rows < rs; ++t) std::fill(ds + t * rs + rows, ds + (t + 1) * rs, 0.0f);
@@ -273,6 +315,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                             dropout);
               }
               if (L::any_bits(bad)) {
+                float_rows();
                 weights_rows.resize(rows * width), grads_rows.resize(rows * width);
                 transpose(p, rs, width, rows, weights_rows.data(), width);
                 transpose(ds, rs, width, rows, grads_rows.data(), width);
@@ -283,6 +326,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 continue;
               }
               // dV_chunk += (f P)^T dO, dQt (+)= K_chunk^T dS^T, dK_chunk += dS^T Q
+              if (amx) {
+                pack_key_rows(p, rs, width, key_rows.data());
+                amx_rows_product(key_rows.data(), rs, width, rows_go.data(), Dv, dv_head + c0 * dv2s, dv2s,
+                                 spare_sums.data());
+                std::fill(dq_start.begin(), dq_start.end(), dq_started ? Start::kKeep : Start::kZero);
+                pack_weights(ds, rs, width, packed_ds.data());
+                amx_values(keys_transposed->from(b, kv, c0, c0 + width), width, D, packed_ds.data(), rs, dqt.data(),
+                           dq_start.data(), no_rescale.data());
+                dq_started = true;
+                pack_key_rows(ds, rs, width, key_rows.data());
+                amx_rows_product(key_rows.data(), rs, width, rows_q.data(), D, dk_head + c0 * dk2s, dk2s,
+                                 spare_sums.data());
+                continue;
+              }
               block_rows_product(p, rs, width, rows, go_block, g2s, Dv, dv_head + c0 * dv2s, dv2s);
               std::fill(dq_start.begin(), dq_start.end(), dq_started ? Start::kKeep : Start::kZero);
               block_values(k_head + c0 * k2s, k2s, width, D, ds, rs, dqt.data(), dq_start.data(), no_rescale.data());

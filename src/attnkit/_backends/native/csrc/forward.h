@@ -136,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   at::Tensor out = like_layout(query, B, H, Lq, Dv, c.dtype);
   at::Tensor lse = at::empty({B, H, Lq}, query.options().dtype(at::kFloat));
   if (lse.numel() == 0) return {out, lse};
-  const bool amx = amx_forward_applies(c.dtype, D, Dv, Lk, c.q.s2, c.v.s2);  // the products on AMX tiles (amx.h)
+  const bool amx = amx_applies(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2);  // the products on AMX tiles (amx.h)
   const int64_t blocks = (Lq + block - 1) / block;
   const Rows o(out);
   float* l = lse.data_ptr<float>();
@@ -162,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
     std::vector<uint32_t> packed_queries(amx ? padded * D / 2 : 0);
     std::vector<uint32_t> packed_weights(amx ? padded * round_up(chunk, kTileK) / 2 : 0);
     std::vector<uint16_t> spare_keys(amx ? kTile * D : 0);
-    std::optional<TransposedValues> transposed;
+    std::optional<TransposedRows> transposed;
     if (amx) transposed.emplace(c.v, Lk);
     BlockRows r(padded);
     std::vector<Start> start(padded / kGroup);
