@@ -37,7 +37,7 @@ def test_fully_masked_rows_of_zeros_are_accepted():
         (torch.rand(1, 1, 4, 5), 4, "expected \\[layers, heads, T, T\\]"),
         (attention_like(1, 1, 4), 5, "expected T = len\\(tokens\\) = 5"),
         (torch.randn(1, 2, 4, 4), 4, "finite weights in \\[0, 1\\]"),
-        (torch.rand(1, 2, 4, 4) / 2, 4, "row \\(layer 0, head 0, query 0\\) sums to"),
+        (torch.full((1, 2, 4, 4), 0.125), 4, "row \\(layer 0, head 0, query 0\\) sums to"),  # rows sum to 0.5
         (torch.ones(1, 1, 3, 3, dtype=torch.int64), 3, "floating"),
         ([[1.0]], 1, "torch.Tensor"),
     ],

@@ -28,12 +28,18 @@ the test suite runs on.
   whether transforms differentiate twice (:func:`nested_differentiation`).
 - ``torch._C._dispatch_keys``: whether a gradient is batched by ``torch._vmap_internals``
   (:func:`legacy_batched`).
+- ``torch._C._get_tracing_state`` / ``_set_tracing_state``: an op whose result is not a tensor (the
+  native kernel's ``matrix_units_available``) run while ``torch.jit.trace`` records, which refuses
+  such outputs (:func:`untraced`).
 
 Outside :data:`TESTED` the native kernel is not loaded and the per-block kernel falls back to plain
 tensor ops (:func:`flash_cpu_ops` returns None): slower, never wrong.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.autograd.forward_ad  # noqa: F401  (forward_ad_active reads it)
@@ -193,6 +199,17 @@ def eager_first_call(op) -> None:
             return _fn(*args, **kwargs)
 
         setattr(fn, "__dynamo_disable", until_dynamo_loads)
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """Inside the ``with``, ``torch.jit.trace`` (if one is recording) records nothing."""
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        yield
+    finally:
+        torch._C._set_tracing_state(state)
 
 
 def cpu_multiplies_half_precision() -> bool:

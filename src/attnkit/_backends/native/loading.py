@@ -45,6 +45,7 @@ class _Library:
         self.wide = False  # the AVX-512 build (see building.wide)
         self.not_built = False  # it would run here: only the build step is missing
         self.hinted = False
+        self.matrix_units = False  # the bfloat16 products on AMX tiles (csrc/amx.h), asked once at load
 
     def load(self) -> bool:
         if self.loaded is None:
@@ -75,6 +76,8 @@ class _Library:
             return _refused(f"could not load {path}: {error}")
         if registered_schemas() != EXPECTED_SCHEMAS:
             return _refused(f"{path} registered {registered_schemas()}, expected {EXPECTED_SCHEMAS}")
+        with _torch_private.untraced():  # a first load may happen while torch.jit.trace records
+            self.matrix_units = bool(torch.ops.attnkit_native.matrix_units_available())
         return True, ""
 
 

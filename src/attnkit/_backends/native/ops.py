@@ -113,9 +113,9 @@ def matrix_units_available() -> bool:
     """Whether the kernel's bfloat16 forward runs its two products on AMX tiles in this process
     (``csrc/amx.h``: the CPU has AMX-BF16 and the OS granted the tile state); False where the kernel
     is not loaded."""
-    from .loading import available  # loading imports this module
+    from .loading import _library, available  # loading imports this module
 
-    return available() and bool(torch.ops.attnkit_native.matrix_units_available())
+    return available() and _library.matrix_units
 
 
 @contextmanager

@@ -1,0 +1,97 @@
+"""What "auto" runs in half precision against the alternatives, in one process (issue 26).
+
+For each mask and length: ``attnkit.attention`` as ``"auto"`` routes it (its pick printed), the
+native kernel forced (``backend="tiled"`` with ``kernel="native"``), and PyTorch's own path for the
+same call (SDPA for no mask and plain causal, PyTorch's kernels block by block for the structured
+masks: the native kernel turned off). Forward, or forward + backward with ``--train``; medians of
+``--repeats`` calls after two warm-ups; the ratios are native / PyTorch's. With ``--tiles off`` the
+kernel's bfloat16 products leave the AMX tiles (``native.matrix_units(False)``), to compare the two
+paths on a CPU that has them.
+
+    python benchmarks/half_routes.py --dtype bfloat16 --lengths 8192
+    python benchmarks/half_routes.py --dtype bfloat16 --masks none causal --lengths 256 512 1024 2048 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+
+import attnkit
+from attnkit import masks
+from attnkit._backends import auto_runs, native
+from attnkit._backends.tiled_plan import tuning
+from attnkit._call import make_call
+
+MASKS = {
+    "window512": lambda length: dict(mask=masks.sliding_window(512)),
+    "documents8": lambda length: dict(mask=masks.document([length // 8] * 8)),
+    "causal+padding": lambda length: dict(mask=masks.causal() & masks.padding([length * 3 // 4])),
+    "causal": lambda length: dict(causal=True),
+    "none": lambda length: {},
+}
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn(), fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--train", action="store_true")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192])
+    parser.add_argument("--masks", nargs="+", choices=list(MASKS), default=list(MASKS))
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tiles", choices=("on", "off"), default="on")
+    args = parser.parse_args()
+    if not native.available():
+        raise SystemExit(f"the native kernel is not built: {native.why_unavailable()}")
+    dtype = getattr(torch, args.dtype)
+    tiles = native.matrix_units(args.tiles == "on")
+    print(f"# {args.dtype}, {'forward + backward' if args.train else 'forward'}, B = 1, H = {args.heads}, "
+          f"D = {args.dim}, {torch.get_num_threads()} threads, AMX tiles available: "
+          f"{native.matrix_units_available()} ({args.tiles})")
+    print("| mask | L | auto's pick | auto (ms) | native kernel (ms) | PyTorch's (ms) | native / PyTorch's |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    with tiles:
+        for length in args.lengths:
+            g = torch.Generator().manual_seed(0)
+            q, k, v = (torch.randn(1, args.heads, length, args.dim, generator=g).to(dtype).requires_grad_(args.train)
+                       for _ in range(3))
+            grad_out = torch.randn(1, args.heads, length, args.dim, generator=g).to(dtype)
+            for name in args.masks:
+                options = MASKS[name](length)
+
+                def step(**extra):
+                    out = attnkit.attention(q, k, v, **options, **extra)
+                    if args.train:
+                        out.backward(grad_out)
+
+                call = make_call(q, k, v, **{**dict(mask=None, causal=False, scale=None, dropout=0.0, generator=None,
+                                                    return_weights=False), **options})
+                structured = "mask" in options
+                auto = median_ms(step, args.repeats)
+                with tuning(kernel="native"):
+                    ours = median_ms(lambda: step(backend="tiled"), args.repeats)
+                theirs_context = native.turned_off() if structured else contextlib.nullcontext()
+                with theirs_context:
+                    theirs = median_ms(lambda: step(backend="tiled" if structured else "torch"), args.repeats)
+                print(f"| {name} | {length} | {auto_runs(call)} | {auto:.1f} | {ours:.1f} | {theirs:.1f} | "
+                      f"{ours / theirs:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
