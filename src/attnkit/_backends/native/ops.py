@@ -110,7 +110,7 @@ def release_kept_memory() -> int:
 
 
 def matrix_units_available() -> bool:
-    """Whether the kernel's bfloat16 forward runs its two products on AMX tiles in this process
+    """Whether the kernel's bfloat16 forward and backward run their products on AMX tiles in this process
     (``csrc/amx.h``: the CPU has AMX-BF16 and the OS granted the tile state); False where the kernel
     is not loaded."""
     from .loading import _library, available  # loading imports this module
@@ -120,7 +120,7 @@ def matrix_units_available() -> bool:
 
 @contextmanager
 def matrix_units(on: bool) -> Iterator[None]:
-    """Inside the ``with``, bfloat16 forwards take the AMX tiles where available (``on``) or the
+    """Inside the ``with``, bfloat16 calls take the AMX tiles where available (``on``) or the
     float32-convert path (``csrc/half.h``), for tests and benchmarks that compare the two. The
     setting is the kernel's, for the whole process (not one thread)."""
     _require_library()

@@ -1,5 +1,6 @@
-// The forward's two products on AMX tiles (bfloat16 in, float32 accumulated), where the CPU has
-// AMX-BF16 and the OS grants the tile state; the float32-convert path (half.h) everywhere else.
+// The bfloat16 products on AMX tiles (bfloat16 in, float32 accumulated), the forward's two and the
+// backward's five, where the CPU has AMX-BF16 and the OS grants the tile state; the float32-convert
+// path (half.h) everywhere else.
 //
 // The products keep the float32 kernel's layouts, so everything between them (softmax.h: masks,
 // soft-capping, ALiBi, dropout, the running max) is the same code:
@@ -10,9 +11,12 @@
 //           thread keeps for the (sequence, head) it works on (TransposedRows, extended as its
 //           blocks move along the keys, so each key is transposed about once per thread), B the
 //           chunk's weights, rounded to bfloat16 and packed by pairs of keys.
-// The weights are rounded to bfloat16 for the values' product (as PyTorch's bf16 CPU kernel and
-// FlashAttention do); the softmax, its sums and the lse stay float32. A call takes this path when
-// its dtype is bfloat16 and D % 32 == Dv % 32 == 0 (whole tiles; others convert).
+// The backward's dP = dO V^T is the scores' product (dO packed as the queries are), dQ^T the values'
+// (K^T kept like V^T), and dV += (f P)^T dO, dK += dS^T Q the products over rows below.
+// The weights and score gradients are rounded to bfloat16 for the products that take them (as
+// PyTorch's bf16 CPU kernel and FlashAttention do); the softmax, its sums, delta and the lse stay
+// float32. A call takes this path when its dtype is bfloat16 and D % 32 == Dv % 32 == 0 (whole
+// tiles; others convert).
 //
 // Every tile is 16 rows x 64 bytes: tmm0-3 accumulate (2 x 2 tiles), tmm4-5 hold A, tmm6-7 B.
 // The functions carry their ISA in a target attribute, so the library still loads on CPUs without

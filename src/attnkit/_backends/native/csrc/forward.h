@@ -136,7 +136,8 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
   at::Tensor out = like_layout(query, B, H, Lq, Dv, c.dtype);
   at::Tensor lse = at::empty({B, H, Lq}, query.options().dtype(at::kFloat));
   if (lse.numel() == 0) return {out, lse};
-  const bool amx = amx_applies(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2);  // the products on AMX tiles (amx.h)
+  // the products on AMX tiles (amx.h)
+  const bool amx = amx_applies(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2);
   const int64_t blocks = (Lq + block - 1) / block;
   const Rows o(out);
   float* l = lse.data_ptr<float>();

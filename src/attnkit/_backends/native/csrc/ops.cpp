@@ -11,7 +11,7 @@
 //   kept_memory.h  the allocator that keeps large outputs' mappings; the outputs' layout
 //   aligned.h      scratch buffers aligned to a cache line
 //   half.h         bfloat16 and float16 inputs read as float32 rows, outputs rounded once
-//   amx.h          the forward's products on AMX tiles for bfloat16 (where the CPU has them)
+//   amx.h          the bfloat16 products on AMX tiles, forward and backward (where the CPU has them)
 //   params.h       the call's checked inputs, pointers, strides and sizes (Params)
 //   softmax.h      the row loops: running softmax, the backward's weights and score gradients
 //   tiles.h        register tiles, one template over the lane traits for both ISAs
