@@ -82,13 +82,13 @@ inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // The forward and the backward take the tiles for this call: bfloat16, whole tiles of features (D
 // and Dv multiples of 32: the backward's dP = dO V^T steps over Dv as the scores step over D, and
-// both passes must compute the scores alike), V^T within bounds, query and value rows an even number
-// of elements apart (both are moved by pairs of features).
+// both passes must compute the scores alike), V^T (and the backward's K^T) within bounds, query,
+// key and value rows an even number of elements apart (they are moved by pairs of features).
 bool amx_applies(at::ScalarType type, int64_t D, int64_t Dv, int64_t Lk, int64_t q_row_stride,
                  int64_t k_row_stride, int64_t v_row_stride) {
   return type == at::kBFloat16 && D % kTileK == 0 && Dv % kTileK == 0 && q_row_stride % 2 == 0 &&
          k_row_stride % 2 == 0 && v_row_stride % 2 == 0 &&
-         Dv * (round_up(Lk, kTileK) + kTileK) * 2 <= kMaxTransposedBytes && matrix_units();
+         std::max(D, Dv) * (round_up(Lk, kTileK) + kTileK) * 2 <= kMaxTransposedBytes && matrix_units();
 }
 
 // Keys a chunk takes on the tiles at least: the accumulators then load and store once per block
