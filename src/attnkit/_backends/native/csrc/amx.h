@@ -127,6 +127,19 @@ class TileScope {
   bool on_;
 };
 
+// Row i of (b, h) of a bfloat16 tensor, as its 16-bit elements.
+inline const uint16_t* bf16_row(const Rows& t, int64_t b, int64_t h, int64_t i) {
+  return reinterpret_cast<const uint16_t*>(t.at(b, h, i));
+}
+
+// Two rows of 16 bfloat16 each (elements 0-15 and 16-31) as 16 pairs of 32-bit words (a0, b0, a1,
+// b1, ...): B's layout for products over those two rows' index.
+ATTNKIT_AMX inline __m512i pairs_of_halves(__m512i both) {
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(order, both);
+}
+
 // The block's query rows in B's layout: for query tile qt (rows 16 qt ..) the 32-bit word
 // [qt][pair][r] holds q[16 qt + r][2 pair .. 2 pair + 1]; rows past `rows` are 0. q2s in elements
 // (even): pairs of features as 32-bit words, transposed 8 x 8 at a time (tiles.h, bit for bit;
@@ -203,8 +216,6 @@ ATTNKIT_AMX void amx_scores(const uint16_t* k, int64_t k2s, int64_t W, int64_t r
 // bfloat16 (nearest even), pairs up to round_up(W, 32) / 2, keys past W as 0.
 ATTNKIT_AMX void pack_weights(const float* s, int64_t rs, int64_t W, uint32_t* packed) {
   const int64_t pairs = round_up(W, kTileK) / 2;
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t qt = 0; qt < rs / kTile; ++qt) {
     uint32_t* tile = packed + qt * pairs * kTile;
     for (int64_t p = 0; p < pairs; ++p) {
@@ -212,7 +223,7 @@ ATTNKIT_AMX void pack_weights(const float* s, int64_t rs, int64_t W, uint32_t* p
       const __m512 first = t < W ? _mm512_loadu_ps(s + t * rs + qt * kTile) : _mm512_setzero_ps();
       const __m512 second = t + 1 < W ? _mm512_loadu_ps(s + (t + 1) * rs + qt * kTile) : _mm512_setzero_ps();
       const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(second, first);  // first in 0-15
-      _mm512_storeu_si512(tile + p * kTile, _mm512_permutexvar_epi16(interleave, both));
+      _mm512_storeu_si512(tile + p * kTile, pairs_of_halves(both));
     }
   }
 }
@@ -285,8 +296,6 @@ ATTNKIT_AMX void amx_values(const uint16_t* vt, int64_t W, int64_t Dv, const uin
 // 32-bit word [ft][pair][c] holds (X[2 pair][16 ft + c], X[2 pair + 1][16 ft + c]), rs / 2 pairs.
 ATTNKIT_AMX void pack_rows(const uint16_t* x, int64_t x2s, int64_t rows, int64_t C, int64_t rs, uint32_t* packed) {
   const int64_t pairs = rs / 2;
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t ft = 0; ft < C / kTile; ++ft) {
     for (int64_t p = 0; p < pairs; ++p) {
       const int64_t r = 2 * p;
@@ -295,7 +304,7 @@ ATTNKIT_AMX void pack_rows(const uint16_t* x, int64_t x2s, int64_t rows, int64_t
                         : _mm256_setzero_si256();
       };
       const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(row(r)), row(r + 1), 1);
-      _mm512_storeu_si512(packed + (ft * pairs + p) * kTile, _mm512_permutexvar_epi16(interleave, both));
+      _mm512_storeu_si512(packed + (ft * pairs + p) * kTile, pairs_of_halves(both));
     }
   }
 }

@@ -247,14 +247,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               q_block = q_head + first * q2s;
             };
             const int64_t rs = (rows + kGroup - 1) / kGroup * kGroup;
-            const auto bf16 = [](const Rows& t, int64_t bb, int64_t hh, int64_t i) {
-              return reinterpret_cast<const uint16_t*>(t.at(bb, hh, i));
-            };
             if (amx) {
-              pack_queries(bf16(c.q, b, h, first), c.q.s2, rows, D, rs, packed_q.data());
-              pack_queries(bf16(go, b, h, first), go.s2, rows, Dv, rs, packed_go.data());
-              pack_rows(bf16(c.q, b, h, first), c.q.s2, rows, D, rs, rows_q.data());
-              pack_rows(bf16(go, b, h, first), go.s2, rows, Dv, rs, rows_go.data());
+              pack_queries(bf16_row(c.q, b, h, first), c.q.s2, rows, D, rs, packed_q.data());
+              pack_queries(bf16_row(go, b, h, first), go.s2, rows, Dv, rs, packed_go.data());
+              pack_rows(bf16_row(c.q, b, h, first), c.q.s2, rows, D, rs, rows_q.data());
+              pack_rows(bf16_row(go, b, h, first), go.s2, rows, Dv, rs, rows_go.data());
             } else {
               float_rows();
               transpose(q_block, q2s, rows, D, qt.data(), rs);  // Qt[d][r], padding rows 0
@@ -293,7 +290,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               float* cap = cap_grads.empty() ? nullptr : cap_grads.data();
               L::F bad = L::zero();
               if (amx) {
-                amx_scores(bf16(c.k, b, kv, c0), c.k.s2, width, Lk - c0, D, packed_q.data(), rs, p, spare_keys.data());
+                amx_scores(bf16_row(c.k, b, kv, c0), c.k.s2, width, Lk - c0, D, packed_q.data(), rs, p, spare_keys.data());
               } else {
                 block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, p);
               }
@@ -302,7 +299,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               }
               // dP[t][r] = sum_dv V[t][dv] dOt[dv][r]: the scores' tiles (padding rows of dOt are 0)
               if (amx) {
-                amx_scores(bf16(c.v, b, kv, c0), c.v.s2, width, Lk - c0, Dv, packed_go.data(), rs, ds,
+                amx_scores(bf16_row(c.v, b, kv, c0), c.v.s2, width, Lk - c0, Dv, packed_go.data(), rs, ds,
                            spare_keys.data());
               } else {
                 block_scores(v_head + c0 * v2s, v2s, width, Dv, got.data(), rs, ds);

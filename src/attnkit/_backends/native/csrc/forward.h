@@ -220,10 +220,8 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           r.all_lo[j / L::kWidth] = std::max<int64_t>(0, *std::max_element(lo_j, lo_j + L::kWidth));
           r.all_hi[j / L::kWidth] = std::min<int64_t>(Lk, *std::min_element(hi_j, hi_j + L::kWidth));
         }
-        const auto* k_bf16 = reinterpret_cast<const uint16_t*>(c.k.at(b, h / c.group, 0));
         if (amx) {
-          pack_queries(reinterpret_cast<const uint16_t*>(c.q.at(b, h, first)), c.q.s2, rows, D, rs,
-                       packed_queries.data());
+          pack_queries(bf16_row(c.q, b, h, first), c.q.s2, rows, D, rs, packed_queries.data());
         } else {  // Qt[d][r] = q_r[d], padding rows 0
           transpose(q_head + first * q2s, q2s, rows, D, qt.data(), rs);
           for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
@@ -238,8 +236,8 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           }
           float* s = scores.data();
           if (amx) {
-            amx_scores(k_bf16 + c0 * c.k.s2, c.k.s2, width, Lk - c0, D, packed_queries.data(), rs, s,
-                       spare_keys.data());
+            amx_scores(bf16_row(c.k, b, h / c.group, c0), c.k.s2, width, Lk - c0, D, packed_queries.data(), rs,
+                       s, spare_keys.data());
           } else {
             block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s);
           }
