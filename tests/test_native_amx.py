@@ -21,6 +21,7 @@ import attnkit
 from attnkit import masks
 from attnkit._backends import native
 from attnkit._backends.tiled_plan import tuning
+from oracle import output_and_gradients
 
 needs_tiles = pytest.mark.skipif(not native.matrix_units_available(),
                                  reason="the CPU has no AMX-BF16 (or the OS does not grant its state)")
@@ -145,10 +146,7 @@ def test_gradients_after_the_tiles_forward_within_twice_pytorchs_bf16_error():
     dense = mask.dense(192, 192, ndim=4)
 
     def gradients(fn, dtype):
-        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves)
-        out.backward(grad_out.to(dtype))
-        return [out.detach()] + [t.grad for t in leaves]
+        return output_and_gradients(fn, (q, k, v), grad_out, dtype)
 
     want = gradients(lambda a, b, c: attnkit.attention(a, b, c, mask=mask, backend="reference"), torch.float64)
     pytorch = gradients(lambda a, b, c: F.scaled_dot_product_attention(

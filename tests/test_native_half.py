@@ -11,6 +11,8 @@ Two references:
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit
-from attnkit import masks
+from attnkit import _torch_private, masks
 from attnkit._backends import auto_runs, native
+from attnkit._backends.native import loading
 from attnkit._call import make_call
 from oracle import oracle_attention, output_and_gradients
 from test_native import interval_cases
@@ -29,19 +32,29 @@ needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel
 HALF = [torch.bfloat16, torch.float16]
 
 
-@pytest.fixture
-def cpu_without_half_units(monkeypatch):
-    """The policy of a CPU with no half-precision matrix units (AVX2, Zen 3), on any CPU: on one
-    with AMX / AVX512-BF16, "auto" keeps PyTorch's kernels for half precision where they were
-    measured faster (see the last test), and these tests are about the kernel's route."""
-    from attnkit import _torch_private
-    from attnkit._backends.native import loading
+@contextlib.contextmanager
+def _policy_of_a_cpu(*, multiplies_half: bool, tiles: bool):
+    """"auto"'s half-precision rules as on a CPU that does (or does not) multiply half precision in
+    hardware and give the kernel AMX tiles, on any CPU: the CPU probe and the tiles' state read when
+    the kernel loaded (which the policy and ``serves_half_precision`` both read) are patched, and
+    the cached rule is recomputed inside and after."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_torch_private, "cpu_multiplies_half_precision", lambda: multiplies_half)
+        patch.setattr(loading._library, "matrix_units", tiles)
+        loading.serves_half_precision.cache_clear()
+        try:
+            yield
+        finally:
+            loading.serves_half_precision.cache_clear()
 
-    monkeypatch.setattr(_torch_private, "cpu_multiplies_half_precision", lambda: False)
-    loading.serves_half_precision.cache_clear()
-    yield
-    monkeypatch.undo()
-    loading.serves_half_precision.cache_clear()
+
+@pytest.fixture
+def cpu_without_half_units():
+    """The policy of a CPU with no half-precision matrix units (AVX2, Zen 3), on any CPU: on one
+    with AVX512-BF16 and no AMX, "auto" keeps PyTorch's kernels for half precision (see the last
+    test), and these tests are about the kernel's route."""
+    with _policy_of_a_cpu(multiplies_half=False, tiles=False):
+        yield
 
 
 def _same(got, want):
@@ -208,16 +221,10 @@ def test_half_precision_plain_causal_runs_the_kernel_at_every_length(cpu_without
 
 
 @needs_native
-def test_where_the_kernel_multiplies_on_amx_tiles_it_serves_half_precision(monkeypatch):
-    """A CPU with AMX-BF16: the kernel's bf16 forward runs on the tiles and beat PyTorch's AMX
+def test_where_the_kernel_multiplies_on_amx_tiles_it_serves_half_precision():
+    """A CPU with AMX-BF16: the kernel's bf16 products run on the tiles and beat PyTorch's AMX
     kernels in bf16 and fp16, forward and training (loading.serves_half_precision)."""
-    from attnkit import _torch_private
-    from attnkit._backends.native import loading, ops
-
-    monkeypatch.setattr(_torch_private, "cpu_multiplies_half_precision", lambda: True)
-    monkeypatch.setattr(ops, "matrix_units_available", lambda: True)
-    loading.serves_half_precision.cache_clear()
-    try:
+    with _policy_of_a_cpu(multiplies_half=True, tiles=True):
         assert native.serves("cpu", torch.bfloat16, False) and native.serves("cpu", torch.float16, False)
         q = torch.randn(1, 2, 512, 32, dtype=torch.bfloat16)
         assert auto_runs(_call(q, q, q, mask=masks.sliding_window(64))) == "tiled:native"
@@ -226,27 +233,13 @@ def test_where_the_kernel_multiplies_on_amx_tiles_it_serves_half_precision(monke
         assert auto_runs(_call(q, q.clone().requires_grad_(), q)) == "tiled:native"
         wide = torch.randn(1, 2, 1024, 32, dtype=torch.bfloat16)
         assert auto_runs(_call(wide, wide, wide)) == "tiled:native"
-    finally:
-        monkeypatch.undo()
-        loading.serves_half_precision.cache_clear()
 
 
-def test_where_the_cpu_multiplies_half_precision_pytorchs_kernels_keep_those_calls(monkeypatch):
+def test_where_the_cpu_multiplies_half_precision_pytorchs_kernels_keep_those_calls():
     """AVX512-BF16 CPUs without AMX (unmeasured): PyTorch's bf16 kernels use those units and the
     kernel has no such path, so half-precision calls stay off it (float32 calls do not change)."""
-    from attnkit import _torch_private
-    from attnkit._backends.native import loading
-
-    from attnkit._backends.native import ops
-
-    monkeypatch.setattr(_torch_private, "cpu_multiplies_half_precision", lambda: True)
-    monkeypatch.setattr(ops, "matrix_units_available", lambda: False)  # AVX512-BF16, no AMX
-    loading.serves_half_precision.cache_clear()
-    try:
+    with _policy_of_a_cpu(multiplies_half=True, tiles=False):
         assert not native.serves("cpu", torch.bfloat16, False) and not native.serves("cpu", torch.float16, False)
         q = torch.randn(1, 2, 512, 32, dtype=torch.bfloat16)
         assert auto_runs(_call(q, q, q, mask=masks.sliding_window(64))) == "tiled:blocks"
         assert native.serves("cpu", torch.float32, False) == native.enabled()
-    finally:
-        monkeypatch.undo()
-        loading.serves_half_precision.cache_clear()

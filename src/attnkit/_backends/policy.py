@@ -196,7 +196,7 @@ def _native_serves(device_type: str, dtype: torch.dtype, has_mask: bool) -> bool
 
 @_torch_private.assume_constant_result
 def _native_matrix_units() -> bool:
-    """Process state (the kernel's bfloat16 forward on AMX tiles), read once per trace."""
+    """Process state (the kernel's bfloat16 products on AMX tiles), read once per trace."""
     return native.matrix_units_available()
 
 

@@ -182,11 +182,11 @@ def serves_half_precision() -> bool:
     """Whether half-precision calls run on the kernel. On CPUs without half-precision matrix
     instructions it computes them in float32 and PyTorch's own bf16/fp16 kernels convert too (AMD
     Zen 3, AVX2, L = 4096 causal, 2 threads: its training step 850 ms in bf16 against SDPA's 4,107,
-    the forward level). On a CPU with AMX-BF16 its bfloat16 forward multiplies on the tiles
+    the forward level). On a CPU with AMX-BF16 its bfloat16 products run on the tiles
     (``csrc/amx.h``), and it beat PyTorch's AMX kernels in bf16 and fp16, forward and training, on
-    every mask measured (Intel Xeon with AMX, L = 8192, H = 8, D = 64, 2 threads: bf16 forward
-    0.38-0.84x their time, plain causal 0.91x; training 0.28-0.93x; fp16 0.26-0.77x;
-    docs/performance.md). Where the CPU has AVX512-BF16 but no AMX (unmeasured), PyTorch's kernels
+    every mask measured (Intel Xeon with AMX, L = 8192, H = 8, D = 64, 2 threads, benchmarks/
+    half_routes.py: bf16 forward 0.33-0.68x their time, training 0.10-0.70x; fp16 forward, which
+    converts, 0.53-0.86x; docs/performance.md). Where the CPU has AVX512-BF16 but no AMX (unmeasured), PyTorch's kernels
     keep these calls."""
     from .ops import matrix_units_available
 
