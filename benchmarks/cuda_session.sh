@@ -36,12 +36,12 @@ for stage in "$@"; do
     began=$(date +%s)
     case $stage in
     tests)
-        timeout "$(limit tests 220)" "$python" -m pytest tests/test_cuda.py -q -n 8 -p no:cacheprovider \
-            --timeout 170 --tb=short -o addopts="-ra" >"$out/tests.log" 2>&1
+        timeout "$(limit tests 220)" "$python" -m pytest tests/test_cuda.py -v -n 8 -p no:cacheprovider \
+            --timeout 120 --durations 20 --tb=short -o addopts="-ra" >"$out/tests.log" 2>&1
         ;;
     kernel)
         timeout "$(limit kernel 200)" "$python" -m pytest tests/test_triton_kernel.py tests/test_nonfinite.py -k \
-            "not test_nan_and_inf_propagate" -q -n 8 -p no:cacheprovider --tb=short -o addopts="-ra" \
+            "not test_nan_and_inf_propagate" -v -n 8 -p no:cacheprovider --durations 20 --tb=short -o addopts="-ra" \
             >"$out/kernel.log" 2>&1
         ;;
     bench)

@@ -170,6 +170,8 @@ def _child(args) -> None:
             start = time.perf_counter()
             result = run()
             elapsed = time.perf_counter() - start
+            if i == 0:
+                first = elapsed  # compiles (FlexAttention, Triton) land here
             if i >= (1 if args.warmup else 0):
                 times.append(elapsed)
     if args.device == "cuda":
@@ -177,7 +179,7 @@ def _child(args) -> None:
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     summary = float(result.float().abs().mean()) if result.is_floating_point() else result[0].tolist()
-    print(json.dumps({"time": statistics.median(times), "times": times, "extra_peak": peak - before,
+    print(json.dumps({"time": statistics.median(times), "times": times, "first": first, "extra_peak": peak - before,
                       "summary": summary}))
 
 
@@ -312,7 +314,13 @@ def main() -> None:
         results = {}
         order = args.implementations if length % 2 == 0 else args.implementations[::-1]
         for implementation in order:
+            began = time.perf_counter()
             results[implementation] = _measure(implementation, length, args)
+            r = results[implementation]
+            # one line on stderr as each process ends, so a run cut short by a time limit still reports
+            print(f"{implementation} at {length}: " + (f"fails: {r['error']}" if "error" in r else
+                  f"median {r['time']:.3f} s, first call {r['first']:.1f} s") +
+                  f", process {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
         noop = results.get("noop", {}).get("time")
         sdpa = results.get("sdpa", {}).get("time")
         for implementation in args.implementations:

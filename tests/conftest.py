@@ -32,6 +32,10 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 # are set up once, not once per worker; the docs site's file and test_notebooks.py travel together,
 # in that order, so the notebooks the site's build executed are reused (tests/executed_notebooks.py).
 _RUN_TOGETHER = {"tests/test_docs_site.py": "notebooks", "tests/test_notebooks.py": "notebooks"}
+# Files of independent cases with no module fixtures, which the GPU session runs alone on 8 workers
+# (benchmarks/cuda_session.sh): scheduled as whole files, test_cuda.py's 336 cases ran on one worker
+# and did not finish in 8 minutes on an H100, where 8 workers had taken 128 s.
+_ONE_TEST_EACH = {"tests/test_cuda.py", "tests/test_triton_kernel.py", "tests/test_nonfinite.py"}
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it, unused
@@ -41,6 +45,8 @@ def pytest_xdist_make_scheduler(config, log):
     class WholeFiles(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
+            if path in _ONE_TEST_EACH:
+                return nodeid
             return _RUN_TOGETHER.get(path, path)
 
     return WholeFiles(config, log)
