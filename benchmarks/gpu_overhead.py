@@ -1,6 +1,7 @@
 """Where an attnkit call on CUDA spends its time beyond the kernel: the kernel alone against the
-call through ``attnkit.attention`` (each engine), GPU time by CUDA events and host time per call,
-and a profile of the host's work (torch.profiler, the top entries by self CPU time).
+call through ``attnkit.attention`` (each engine forced, and as ``"auto"`` routes it), GPU time by
+CUDA events and host time per call, and a profile of the host's work (torch.profiler, the top
+entries by self CPU time).
 
     python benchmarks/gpu_overhead.py                        # window 1024, L = 32768, bf16, H = 16, D = 128
     python benchmarks/gpu_overhead.py --length 4096 --train
@@ -69,8 +70,13 @@ def main() -> None:
                 out.sum().backward()
         return run
 
+    def auto():
+        out = attnkit.attention(q, k, v, mask=mask)  # as a user calls it: the route chosen per call
+        if args.train:
+            out.sum().backward()
+
     runs = {"triton kernel alone": lambda: forward_kernel.launch(prep, *blocks), "attnkit triton": engine("triton"),
-            "attnkit flex": engine("flex")}
+            "attnkit flex": engine("flex"), "attnkit auto": auto}
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, window 1024, L={length}, H={heads}, D={dim}, "
           f"bf16, {'forward + backward' if args.train else 'forward'}; medians of {args.repeats}")
     print("| run | GPU-timed ms | host ms per call (GPU idle before) |\n|---|---:|---:|")
@@ -80,7 +86,7 @@ def main() -> None:
         print(f"| {label} | {gpu_ms(fn, args.repeats):.3f} | {host_ms(fn, args.repeats):.3f} |", flush=True)
     from torch.profiler import ProfilerActivity, profile
 
-    for label in ("attnkit triton", "attnkit flex"):
+    for label in ("attnkit triton", "attnkit flex", "attnkit auto"):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 runs[label]()

@@ -88,6 +88,10 @@ def main() -> None:
                 continue
             mark = "*" if config == default_forward else ""
             print(f"| {config}{mark} | {1e3 * median:.3f} | {flops / median / 1e12:.0f} | {first:.1f} |", flush=True)
+        # the cost of the pass that keeps a masked-out NaN or inf value out of the output (triton/non_finite.py)
+        first, median = timed(lambda: forward_kernel.launch(prep, *default_forward, second_pass=False), args.repeats)
+        print(f"| {default_forward}, no second pass | {1e3 * median:.3f} | {flops / median / 1e12:.0f} | {first:.1f} |",
+              flush=True)
         out, lse = forward_kernel.launch(prep, *default_forward)
         if args.no_backward:
             continue

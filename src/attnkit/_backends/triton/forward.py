@@ -78,7 +78,8 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed,
                     scale, softcap, drop_scale,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, RANGES: tl.constexpr, SOFTCAP: tl.constexpr,
-                    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+                    HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
+                    SECOND_PASS: tl.constexpr):
     """Grid ``(cdiv(Lq, BLOCK_M), N * H)``: output and lse of one query block of one head."""
     pid_nh, n, h, n64, rows, valid, k_base, v_base, slope, drop_a, drop_c = c.query_block(
         K, V, Slopes, Seed, stride_kn, stride_kh, stride_vn, stride_vh, stride_sn, stride_sh,
@@ -113,7 +114,7 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed,
                                    scale, softcap, slope, k_minus_q,
                                    BLOCK_N, BLOCK_D, BLOCK_DV, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
 
-    if non_finite.in_partial_blocks(v_base, rows, valid, Lo + n * stride_ls, Hi + n * stride_ls, stride_lr,
+    if SECOND_PASS and non_finite.in_partial_blocks(v_base, rows, valid, Lo + n * stride_ls, Hi + n * stride_ls, stride_lr,
                                     stride_vm, stride_vd, q_len, k_len, v_dim,
                                     BLOCK_N, BLOCK_DV, RANGES):
         acc = non_finite.values_again(m_i, q, k_base, v_base, rows, valid, Lo + n * stride_ls,
@@ -135,9 +136,12 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed,
     tl.store(Lse + pid_nh.to(tl.int64) * q_len + rows, lse, mask=valid)
 
 
-def launch(prep: Prepared, block_m: int, block_n: int, num_warps: int, num_stages: int) -> tuple[Tensor, Tensor]:
+def launch(prep: Prepared, block_m: int, block_n: int, num_warps: int, num_stages: int, *,
+           second_pass: bool = True) -> tuple[Tensor, Tensor]:
     """Run the forward on prepared inputs: ``(out [N, H, Lq, Dv] in the input dtype, lse [N, H, Lq]
-    float32)``."""
+    float32)``. ``second_pass=False`` compiles the kernel without :mod:`.non_finite`'s pass, which
+    a masked-out NaN or inf value then leaks through: only for ``benchmarks/triton_blocks.py`` to
+    time what the pass costs."""
     query, key, value = prep.query, prep.key, prep.value
     n, heads, q_len, head_dim = query.shape
     k_len, v_dim = key.shape[2], value.shape[3]
@@ -154,5 +158,5 @@ def launch(prep: Prepared, block_m: int, block_n: int, num_warps: int, num_stage
         prep.scale, prep.softcap, prep.drop_scale,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=prep.block_d, BLOCK_DV=prep.block_dv, RANGES=prep.ranges,
         SOFTCAP=prep.has_softcap, HAS_ALIBI=prep.has_alibi, DROPOUT=prep.has_dropout, IEEE=prep.ieee,
-        num_warps=num_warps, num_stages=num_stages)
+        SECOND_PASS=second_pass, num_warps=num_warps, num_stages=num_stages)
     return out, lse
