@@ -161,9 +161,10 @@ def _cuda_route(call: AttentionCall) -> Route:
     Triton kernel for half-precision calls that need no gradient, FlexAttention with a block mask
     built from the intervals for the rest, and the Triton kernel where Flex cannot run the call
     (dropout: Flex has none; head sizes Flex does not compile). Measured on an H100 (bf16, L =
-    32768, D = 128; docs/performance.md): the Triton forward kernel took 0.91-1.01 ms for a 1024
-    window and 1.67 ms for 8 documents against Flex's 1.16-1.33 and 2.07-2.44, but its backward
-    is slower (a window's training step 12.3 ms against 6.7 through Flex). Float32 stays on Flex:
+    32768, D = 128; docs/performance.md, "The second H100 session"): a forward through attnkit took
+    2.00 / 3.32 / 12.13 ms on the Triton kernel against 2.34 / 3.51 / 11.54 on the Flex engine
+    (window 1024, 8 documents, causal + padding: the one where Flex won, by 5%), but the Triton
+    backward is slower (training 9.5-58.7 ms against 5.4-36.6). Float32 stays on Flex:
     the Triton kernel's IEEE float32 products run on the FMA units."""
     interval_only = call.return_lse or call.modifies_scores or (call.structure is not None and not _plain_causal(call))
     if call.return_weights or call.mask is not None:
