@@ -9,7 +9,7 @@
  * `fma_peak SECONDS bf16` times AVX512-BF16's dot product instead (VDPBF16PS: per lane, two bfloat16
  * products added to a float32 sum, 4 flops), where the build has it: whether a kernel on those
  * instructions could beat the float32 FMA path on this CPU (on an Intel Xeon with AMX it reached
- * about half the FMA's rate, so it cannot). */
+ * half the FMA's rate, so it cannot). */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdio.h>
