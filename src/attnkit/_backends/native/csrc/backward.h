@@ -13,8 +13,10 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -83,6 +85,25 @@ void zero_weight_gradients(const float* q_row, const float* go_row, float delta,
   }
 }
 
+// The backward's tasks, (sequence, kv head, part of `part_rows` rows) numbered as the loop reads
+// them, ordered by the attended keys of their rows, most first (ties in task order).
+std::vector<int64_t> costliest_first(const Params& c, int64_t B, int64_t Hkv, int64_t parts, int64_t part_rows) {
+  std::vector<int64_t> cost(B * parts, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t* lo = c.lo_of(b, 0);
+    const int64_t* hi = c.hi_of(b, 0);
+    for (int64_t i = 0; i < c.Lq; ++i) {
+      cost[b * parts + i / part_rows] += std::max<int64_t>(0, std::min(hi[i], c.Lk) - std::max<int64_t>(lo[i], 0));
+    }
+  }
+  std::vector<int64_t> order(B * Hkv * parts);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return cost[x / (Hkv * parts) * parts + x % parts] > cost[y / (Hkv * parts) * parts + y % parts];
+  });
+  return order;
+}
+
 // Gradients of interval_forward: given grad_out [B, H, Lq, Dv], the forward's output [B, H, Lq, Dv]
 // and lse [B, H, Lq] (float32), and grad_lse [B, H, Lq] (float32) when the lse was used too,
 // returns (dq, dk, dv) in the inputs' dtype, each in the shape of its input, laid out as
@@ -149,7 +170,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const WeightsRows<L> weights = pick_weights_rows<L>(c.plain());  // one per call
     const ScoreGradsRows<L> score_grads = pick_score_grads_rows<L>(dropout.active, capped);
 
-    at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
+    // Threads claim tasks one at a time, the costliest first (by the keys their rows attend): the
+    // four parts of a causal head's rows cost 1 : 3 : 5 : 7, and a split into halves gave one of two
+    // threads 12 of the 16 (docs/performance.md, "the backward's tasks claimed").
+    const int64_t tasks = B * Hkv * parts;
+    const std::vector<int64_t> order = costliest_first(c, B, Hkv, parts, blocks_per_part * block);
+    std::atomic<int64_t> next_task{0};
+    at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
       // The scores come from the forward's register tiles, bit for bit the forward's: the weights
       // recomputed from its lse must round alike (a score one ulp lower under a huge scale would
       // weigh 0 here where the forward gave it 1). P (in place of the scores), dP, dS and the cap's
@@ -178,7 +205,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       FloatRows queries(c.q), keys(c.k), values(c.v), grads_given(go), outputs(o);  // as float32 (half.h)
       OutputRows dq_out(dq_rows);
       KeyGradRows dk_sums(dk_rows, Lk), dv_sums(dv_rows, Lk);
-      for (int64_t task = begin; task < end; ++task) {
+      for (int64_t claimed; (claimed = next_task.fetch_add(1)) < tasks;) {
+        const int64_t task = order[claimed];
         const int64_t b = task / (Hkv * parts), kv = (task / parts) % Hkv, part = task % parts;
         const auto [dk_head, dk2s] = dk_sums.start(b, kv, part);
         const auto [dv_head, dv2s] = dv_sums.start(b, kv, part);
