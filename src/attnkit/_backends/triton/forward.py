@@ -114,9 +114,9 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed,
                                    scale, softcap, slope, k_minus_q,
                                    BLOCK_N, BLOCK_D, BLOCK_DV, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
 
-    if SECOND_PASS and non_finite.in_partial_blocks(v_base, rows, valid, Lo + n * stride_ls, Hi + n * stride_ls, stride_lr,
-                                    stride_vm, stride_vd, q_len, k_len, v_dim,
-                                    BLOCK_N, BLOCK_DV, RANGES):
+    if SECOND_PASS and non_finite.in_partial_blocks(v_base, rows, valid, Lo + n * stride_ls, Hi + n * stride_ls,
+                                                    stride_lr, stride_vm, stride_vd, q_len, k_len, v_dim,
+                                                    BLOCK_N, BLOCK_DV, RANGES):
         acc = non_finite.values_again(m_i, q, k_base, v_base, rows, valid, Lo + n * stride_ls,
                                       Hi + n * stride_ls, stride_lr, drop_a, drop_c, Seed,
                                       stride_km, stride_kd, stride_vm, stride_vd, q_len, k_len, head_dim, v_dim,
