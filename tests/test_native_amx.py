@@ -178,6 +178,34 @@ def test_non_finite_inputs_follow_the_float32_kernels_rules():
     assert _error(got[0, 1, clean], converted[0, 1, clean]) < 0.05
 
 
+@needs_tiles
+def test_keys_past_every_rows_span_are_never_read_by_the_tiles():
+    """Keys that no row attends, past the span of a block's rows but inside the last 32-key block of
+    K^T or V^T that the products read, hold -inf and NaN: the gradients (dQ has no pairwise redo)
+    and the output stay finite, as on the float32-convert path. Before the fix dQ was NaN in the
+    feature of the -inf for every row of the blocks that read that key block."""
+    q, k, v = (t.bfloat16() for t in _inputs(1, 2, 2, 100, 100, 64, 64, seed=21))
+    k[0, 0, 75, 10] = float("-inf")  # keys 68-99 are padding: no row attends them
+    v[0, 1, 90, 3] = float("nan")
+    mask = masks.causal() & masks.padding([68])
+    grad_out = torch.randn(1, 2, 100, 64, generator=torch.Generator().manual_seed(22))
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with tuning(kernel="native"):
+            out = attnkit.attention(*leaves, mask=mask, backend="tiled")
+        out.backward(grad_out.bfloat16())
+        return [out.detach()] + [t.grad for t in leaves]
+
+    got = run()
+    with native.matrix_units(False):
+        converted = run()
+    for what, mine, theirs in zip(("output", "dq", "dk", "dv"), got, converted):
+        assert mine.isfinite().all(), (what, int((~mine.isfinite()).sum()))
+        assert _error(mine, theirs) < 0.1, (what, _error(mine, theirs))
+    assert got[2][0, 0, 68:].eq(0).all() and got[3][0, 1, 68:].eq(0).all()  # unattended keys: no gradient
+
+
 def _gradients(fn, inputs, grad_out, dtype, lse_weight=None):
     """[output, dq, dk, dv] of fn on the inputs cast to dtype, backpropagating grad_out (and, when
     fn returns the lse too, lse_weight times it: the lse's gradient reaches the kernel)."""

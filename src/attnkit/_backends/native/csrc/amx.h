@@ -229,13 +229,24 @@ ATTNKIT_AMX void pack_weights(const float* s, int64_t rs, int64_t W, uint32_t* p
 }
 
 // Ot[dv][r] (+)= sum_t V^T[dv][t] P[t][r] over the chunk's W keys: `vt` is V^T's block of the
-// chunk's first key (TransposedRows: blocks of 32 keys, Dv x 32 each, and blocks up to
-// round_up(W, 32) finite), `weights` from pack_weights. The accumulators of group g start as
-// start[g] says (rescaled in memory first).
+// chunk's first key (TransposedRows: blocks of 32 keys, Dv x 32 each), `weights` from pack_weights.
+// The accumulators of group g start as start[g] says (rescaled in memory first). A last block
+// reaching past W is read from `spare` (Dv x 32) with those keys as 0: they are keys no row of the
+// chunk attends, and their weight of 0 times a NaN or inf there would reach the rows (the
+// backward's dQ has no redo to catch it).
 ATTNKIT_AMX void amx_values(const uint16_t* vt, int64_t W, int64_t Dv, const uint32_t* weights, int64_t rs,
-                            float* ot, const Start* start, const float* rescale) {
+                            float* ot, const Start* start, const float* rescale, uint16_t* spare) {
   const int64_t pairs = round_up(W, kTileK) / 2, steps = pairs / kTile, feature_tiles = Dv / kTile;
   const int64_t os = rs * 4, block = Dv * kTileK;
+  const uint16_t* last = vt + (steps - 1) * block;  // the last step's block
+  if (W % kTileK != 0) {
+    const __mmask32 keys = (1u << (W % kTileK)) - 1u;
+    for (int64_t f = 0; f < Dv; ++f) {
+      _mm512_storeu_si512(spare + f * kTileK, _mm512_maskz_loadu_epi16(keys, last + f * kTileK));
+    }
+    last = spare;
+  }
+  const auto a_block = [&](int64_t step) { return step == steps - 1 ? last : vt + step * block; };
   for (int64_t g = 0; g < rs / kGroup; ++g) {
     if (start[g] == Start::kRescale) {
       const __m512 f0 = _mm512_loadu_ps(rescale + g * kGroup), f1 = _mm512_loadu_ps(rescale + g * kGroup + kTile);
@@ -263,15 +274,15 @@ ATTNKIT_AMX void amx_values(const uint16_t* vt, int64_t W, int64_t Dv, const uin
           _tile_loadd(3, acc + kTile * rs + kTile, os);
         }
       }
-      const uint16_t* a0 = vt + ft * kTile * kTileK;
       for (int64_t step = 0; step < steps; ++step) {
-        _tile_loadd(4, a0 + step * block, 64);
+        const uint16_t* a0 = a_block(step) + ft * kTile * kTileK;
+        _tile_loadd(4, a0, 64);
         _tile_loadd(6, b0 + step * kTile * kTile, 64);
         _tile_loadd(7, b1 + step * kTile * kTile, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (two) {
-          _tile_loadd(5, a0 + step * block + kTile * kTileK, 64);
+          _tile_loadd(5, a0 + kTile * kTileK, 64);
           _tile_dpbf16ps(2, 5, 6);
           _tile_dpbf16ps(3, 5, 7);
         }

@@ -191,6 +191,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       std::vector<uint32_t> rows_q(amx ? padded * D / 2 : 0), rows_go(amx ? padded * Dv / 2 : 0);
       std::vector<uint32_t> packed_ds(amx ? padded * round_up(chunk, kTileK) / 2 : 0);
       std::vector<uint16_t> key_rows(amx ? (chunk + kTile) * padded : 0), spare_keys(amx ? kTile * std::max(D, Dv) : 0);
+      std::vector<uint16_t> spare_block(amx ? D * kTileK : 0);  // K^T's last block for dQ (amx_values)
       Floats spare_sums(amx ? 2 * kTile * kTile : 0);
       std::optional<TransposedRows> keys_transposed;
       if (amx) keys_transposed.emplace(c.k, Lk);
@@ -358,7 +359,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 std::fill(dq_start.begin(), dq_start.end(), dq_started ? Start::kKeep : Start::kZero);
                 pack_weights(ds, rs, width, packed_ds.data());
                 amx_values(keys_transposed->from(b, kv, c0, c0 + width), width, D, packed_ds.data(), rs, dqt.data(),
-                           dq_start.data(), no_rescale.data());
+                           dq_start.data(), no_rescale.data(), spare_block.data());
                 dq_started = true;
                 pack_key_rows(ds, rs, width, key_rows.data());
                 amx_rows_product(key_rows.data(), rs, width, rows_q.data(), D, dk_head + c0 * dk2s, dk2s,

@@ -162,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
     TileScope tiles(amx);
     std::vector<uint32_t> packed_queries(amx ? padded * D / 2 : 0);
     std::vector<uint32_t> packed_weights(amx ? padded * round_up(chunk, kTileK) / 2 : 0);
-    std::vector<uint16_t> spare_keys(amx ? kTile * D : 0);
+    std::vector<uint16_t> spare_keys(amx ? kTile * D : 0), spare_values(amx ? Dv * kTileK : 0);
     std::optional<TransposedRows> transposed;
     if (amx) transposed.emplace(c.v, Lk);
     BlockRows r(padded);
@@ -250,7 +250,8 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
           if (amx) {
             pack_weights(s, rs, width, packed_weights.data());
             const uint16_t* vt = transposed->from(b, h / c.group, c0, c0 + width);
-            amx_values(vt, width, Dv, packed_weights.data(), rs, ot.data(), start.data(), r.rescale.data());
+            amx_values(vt, width, Dv, packed_weights.data(), rs, ot.data(), start.data(), r.rescale.data(),
+                       spare_values.data());
           } else {
             block_values(v_head + c0 * v2s, v2s, width, Dv, s, rs, ot.data(), start.data(), r.rescale.data());
           }
