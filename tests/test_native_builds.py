@@ -6,7 +6,9 @@ score gradients, dropout hash, soft-capping and ALiBi; 512-bit product tiles) ag
 (8 lanes, 256-bit tiles), which computes each result by the same operations in the same order. The
 AVX2 build is compiled into a temporary cache and run in a child process (a process can load only
 one library registering the kernel's ops); the outputs, lse and all three gradients must be equal,
-NaN for NaN, on calls with dropout, soft-capping, ALiBi, planted NaN/inf and an overflowing scale."""
+NaN for NaN, on calls with dropout, soft-capping, ALiBi, planted NaN/inf and an overflowing scale, in
+float32 and in half precision (bf16 on the AMX tiles where the CPU has them: both builds call the
+same tile code, with their own softmax between the products)."""
 
 from __future__ import annotations
 
@@ -23,12 +25,15 @@ CASES = """
 import sys, torch
 from attnkit._backends import native
 results = []
-for case, (length, dim, p, block, chunk, cap, alibi, scale) in enumerate([
-        (300, 64, 0.1, 32, 64, 30.0, False, 0.3), (257, 40, 0.5, 64, 37, 0.0, True, 0.3),
-        (200, 16, 0.0, 96, 50, 5.0, True, 0.7), (180, 80, 0.2, 32, 1000, 2.0, True, 1.5),
-        (150, 24, 0.0, 33, 17, 50.0, False, 3e37), (130, 8, 0.0, 40, 9, 0.0, False, 0.5)]):
+for case, (length, dim, p, block, chunk, cap, alibi, scale, dtype) in enumerate([
+        (300, 64, 0.1, 32, 64, 30.0, False, 0.3, torch.float32), (257, 40, 0.5, 64, 37, 0.0, True, 0.3, torch.float32),
+        (200, 16, 0.0, 96, 50, 5.0, True, 0.7, torch.float32), (180, 80, 0.2, 32, 1000, 2.0, True, 1.5, torch.float32),
+        (150, 24, 0.0, 33, 17, 50.0, False, 3e37, torch.float32), (130, 8, 0.0, 40, 9, 0.0, False, 0.5, torch.float32),
+        # half precision: bf16 with D = 64 takes the AMX tiles where the CPU has them, the rest converts
+        (300, 64, 0.1, 32, 64, 30.0, True, 0.3, torch.bfloat16), (1100, 64, 0.0, 32, 64, 0.0, False, 0.3, torch.bfloat16),
+        (257, 40, 0.2, 64, 37, 5.0, True, 0.3, torch.bfloat16), (200, 64, 0.1, 96, 50, 2.0, True, 0.7, torch.float16)]):
     g = torch.Generator().manual_seed(case)
-    q, k, v = (torch.randn(2, 4, length, dim, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(2, 4, length, dim, generator=g).to(dtype) for _ in range(3))
     k[0, 1, 5, 3] = float("inf")
     q[1, 2, 7, 0] = float("nan")
     lo = torch.randint(-5, length, (2, length), generator=g)
@@ -36,7 +41,7 @@ for case, (length, dim, p, block, chunk, cap, alibi, scale) in enumerate([
     slopes = torch.rand(2, 4, generator=g) if alibi else None
     options = dict(block=block, chunk=chunk, dropout=p, seed=11, softcap=cap or None, alibi_slopes=slopes)
     out, lse = native.interval_forward(q, k, v, lo, hi, scale, **options)
-    grad_out = torch.randn(out.shape, generator=g)
+    grad_out = torch.randn(out.shape, generator=g).to(dtype)
     results.append((out, lse, *native.interval_backward(grad_out, q, k, v, out, lse, lo, hi, scale, **options)))
 torch.save((native.wide(), results), sys.argv[1])
 """
