@@ -408,37 +408,3 @@ def test_tuning_is_local_to_a_thread():
     with pytest.raises(TypeError, match="unknown setting 'blocks'"):
         with tiled_plan.tuning(blocks=4):
             pass
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lse", [False, True])
-def test_rows_of_two_key_ranges_take_their_row_term_from_the_merged_output(dtype, lse):
-    """A window or the first 15 tokens: each row attends two ranges of keys, and the native kernel
-    runs one backward per range from the merged output and lse. Each range's weights then sum to
-    less than 1, so its row term must come from the merged output, never from its own weights (the
-    kernel's whole_rows=False): gradients against float64."""
-    mask = (masks.sliding_window(7) | masks.padding([15])) & masks.causal()
-    g = torch.Generator().manual_seed(4)
-    q, k, v, grad_out = (torch.randn(1, 2, 100, 32, generator=g) for _ in range(4))
-    q, k, v, grad_out = (t.to(dtype).float() for t in (q, k, v, grad_out))  # exact in both dtypes
-    weights = torch.randn(1, 2, 100, generator=g)
-
-    def gradients(run, as_dtype):
-        leaves = [t.detach().to(as_dtype).clone().requires_grad_() for t in (q, k, v)]
-        out, log_sum = run(*leaves)
-        loss = (out.double() * grad_out.double()).sum() + (log_sum.double() * weights.double()).sum() * lse
-        loss.backward()
-        return [out] + [t.grad for t in leaves]
-
-    def ours(a, b, c):
-        with tiled_kernel("native"), tiled_plan.tuning(kernel="native"):
-            return attnkit.attention(a, b, c, mask=mask, backend="tiled", return_lse=True)
-
-    def reference(a, b, c):
-        with tiled_plan.tuning(kernel="blocks"):  # PyTorch's kernels block by block: the lse too
-            return attnkit.attention(a, b, c, mask=mask, backend="tiled", return_lse=True)
-
-    assert mask.row_ranges(100, 100)[0].shape[1] == 2  # two ranges a row
-    tolerance = 1e-4 if dtype == torch.float32 else 0.1
-    for what, got, want in zip(("output", "dq", "dk", "dv"), gradients(ours, dtype), gradients(reference, torch.float64)):
-        assert (got.double() - want).abs().max().item() <= tolerance, (what, (got.double() - want).abs().max().item())

@@ -25,7 +25,7 @@ EXPECTED_SCHEMAS = {
                          "Tensor value, Tensor out, Tensor lse, Tensor? grad_lse, Tensor lo, Tensor hi, float scale, "
                          "int block, int chunk, int parts, float dropout, int seed, float softcap, "
                          "Tensor? alibi_slopes, int dropout_head_start, int dropout_row_start, "
-                         "int dropout_key_start, bool whole_rows) -> (Tensor, Tensor, Tensor)",
+                         "int dropout_key_start) -> (Tensor, Tensor, Tensor)",
     "release_kept_memory": "attnkit_native::release_kept_memory() -> int",
     "matrix_units_available": "attnkit_native::matrix_units_available() -> bool",
     "use_matrix_units": "attnkit_native::use_matrix_units(bool on) -> bool",
@@ -80,17 +80,13 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
                       block: int | None = None, chunk: int | None = None, parts: int | None = None,
                       dropout: float = 0.0, seed: int = 0, softcap: float | None = None,
                       alibi_slopes: Tensor | None = None,
-                      dropout_start: tuple[int, int, int] = (0, 0, 0),
-                      whole_rows: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+                      dropout_start: tuple[int, int, int] = (0, 0, 0)) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`interval_forward` (same shapes as its inputs) from
     ``grad_out [B, H, Lq, Dv]`` and, when the lse was used too, ``grad_lse [B, H, Lq]``; ``out`` and
     ``lse`` are the forward's (the kernel takes FlashAttention's row term ``rowsum(grad_out * out) -
     grad_lse`` from them), ``dropout``, ``seed``, ``softcap``, ``alibi_slopes`` and ``dropout_start``
     too. ``parts`` cuts each (sequence, kv head)'s rows into that many pieces computed in parallel
-    (default :func:`.tile_tables.backward_parts`). ``whole_rows``: ``[lo, hi)`` holds every key of
-    the forward that gave ``out`` and ``lse``, so that where a block's keys fit one chunk the row
-    term may be taken as ``sum P dP`` from its weights instead (a half-precision output is rounded);
-    False where ``out`` and ``lse`` are merged over several calls' keys (one per range)."""
+    (default :func:`.tile_tables.backward_parts`)."""
     if block is None or chunk is None:
         default_block, default_chunk = backward_tiles(lo, hi)
         block, chunk = block or default_block, chunk or default_chunk
@@ -102,7 +98,7 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
         grad_lse = grad_lse.to(torch.float32)
     return torch.ops.attnkit_native.interval_backward(grad_out, query, key, value, out, lse, grad_lse, lo, hi, scale,
                                                       block, chunk, parts, dropout, seed, softcap or 0.0,
-                                                      _slopes(alibi_slopes), *dropout_start, whole_rows)
+                                                      _slopes(alibi_slopes), *dropout_start)
 
 
 def release_kept_memory() -> int:

@@ -122,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const at::Tensor& lo_rows, const at::Tensor& hi_rows,
     double scale, int64_t block, int64_t chunk, int64_t parts, double dropout_p, int64_t seed, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, int64_t dropout_head_start, int64_t dropout_row_start,
-    int64_t dropout_key_start, bool whole_rows) {
+    int64_t dropout_key_start) {
   Params c("interval_backward", query, key, value, lo_rows, hi_rows, /*together=*/false);
   const int64_t B = c.B, H = c.H, Lq = c.Lq, D = c.D, Hkv = c.Hkv, Lk = c.Lk, Dv = c.Dv;  // the lambdas capture these
   TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == B && grad_out.size(1) == H && grad_out.size(2) == Lq &&
@@ -270,10 +270,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
             // A block whose keys fit one chunk takes its rows' delta from that chunk's weights and dP
             // (weights_times_score_grads), not from the output, which half precision has rounded;
             // float32 does the same, so that a half-precision call stays the float32 kernel's
-            // computation rounded once. With dropout, keys over several chunks, or an output merged
-            // over several calls' keys (not whole_rows: P then sums to less than 1), it stays
+            // computation rounded once. With dropout, or keys over several chunks, it stays
             // rowsum(dO * O), FlashAttention's.
-            const bool delta_from_weights = whole_rows && !dropout.active && span_hi - chunk_lo <= chunk;
+            const bool delta_from_weights = !dropout.active && span_hi - chunk_lo <= chunk;
             // On the tiles the products read the bfloat16 rows; float32 query, key and value rows are
             // converted only for the chunks redone by attended pairs.
             const float *q_head = nullptr, *k_head = nullptr, *v_head = nullptr, *q_block = nullptr;
