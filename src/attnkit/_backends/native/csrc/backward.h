@@ -110,9 +110,7 @@ std::vector<int64_t> costliest_first(const Params& c, int64_t B, int64_t Hkv, in
 // like_layout gives. Half-precision inputs are read as float32 (half.h), and dk, dv summed in
 // float32 before their one rounding. Each block computes its rows' delta = rowsum(grad_out * out)
 // - grad_lse from rows it reads anyway (computed apart, a half-precision call converted both
-// tensors whole first: 4 ms of a 180 ms window backward, L = 8192, 2 threads), or, where its keys
-// fit one chunk and no dropout applies, sum P dP - grad_lse from that chunk (the output of a
-// half-precision call is rounded; docs/guides/backends.md, limitations).
+// tensors whole first: 4 ms of a 180 ms window backward, L = 8192, 2 threads).
 // Blocks of different rows add into the same key rows, so a task owns whole (batch, kv head)
 // pairs; with fewer pairs than threads, each pair's rows are cut into `parts` that add into
 // their own copy of dK and dV, summed at the end (`parts` copies: still O(L) memory).
@@ -264,15 +262,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               continue;
             }
             const auto [go_head, g2s] = grads_given.head(b, h, first, first + rows);
+            const auto [o_head, o2s] = outputs.head(b, h, first, first + rows);
             const float* go_block = go_head + first * g2s;
-            // on the tiles chunks start at multiples of 32 keys, as the forward's (K^T's blocks)
-            const int64_t chunk_lo = amx ? span_lo / kTileK * kTileK : span_lo;
-            // A block whose keys fit one chunk takes its rows' delta from that chunk's weights and dP
-            // (weights_times_score_grads), not from the output, which half precision has rounded;
-            // float32 does the same, so that a half-precision call stays the float32 kernel's
-            // computation rounded once. With dropout, or keys over several chunks, it stays
-            // rowsum(dO * O), FlashAttention's.
-            const bool delta_from_weights = !dropout.active && span_hi - chunk_lo <= chunk;
             // On the tiles the products read the bfloat16 rows; float32 query, key and value rows are
             // converted only for the chunks redone by attended pairs.
             const float *q_head = nullptr, *k_head = nullptr, *v_head = nullptr, *q_block = nullptr;
@@ -298,9 +289,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               for (int64_t d = 0; d < Dv; ++d) std::fill(got.data() + d * rs + rows, got.data() + (d + 1) * rs, 0.0f);
             }
             bool dq_started = false;  // dQt holds this block's sum so far
-            const auto [o_head, o2s] = delta_from_weights ? std::pair<const float*, int64_t>{nullptr, 0}
-                                                          : outputs.head(b, h, first, first + rows);
-            const float* o_block = delta_from_weights ? nullptr : o_head + first * o2s;
+            const float* o_block = o_head + first * o2s;
             const float* gl_block = gl ? gl + (b * H + h) * Lq + first : nullptr;
             // The rows' lanes; padding rows (up to a whole group) attend nothing
             for (int64_t j = 0; j < rs; ++j) {
@@ -312,8 +301,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               // FlashAttention's D term: dS = P * (f dP - delta), and a row's sum of f * P * dP is
               // dO . O whatever the dropout factors f
               const float* grad_lse_j = gl_block ? gl_block + j : nullptr;
-              const bool from_output = real && !delta_from_weights;
-              r.delta[j] = from_output ? row_delta(go_block + j * g2s, o_block + j * o2s, Dv, grad_lse_j) : 0.0f;
+              r.delta[j] = real ? row_delta(go_block + j * g2s, o_block + j * o2s, Dv, grad_lse_j) : 0.0f;
             }
             for (int64_t j = 0; j < rs; j += L::kWidth) {
               const int64_t whole = std::min(rows, j + L::kWidth);
@@ -322,6 +310,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               all_lo = 0, all_hi = whole - j < L::kWidth ? 0 : Lk;  // padding rows attend nothing
               for (int64_t i = j; i < whole; ++i) all_lo = std::max(all_lo, row_lo[i]), all_hi = std::min(all_hi, row_hi[i]);
             }
+            // on the tiles chunks start at multiples of 32 keys, as the forward's (K^T's blocks)
+            const int64_t chunk_lo = amx ? span_lo / kTileK * kTileK : span_lo;
             for (int64_t c0 = chunk_lo; c0 < span_hi; c0 += chunk) {
               const int64_t width = std::min(chunk, span_hi - c0);
               float* p = scores.data();  // S, then P in its place: [t][r], row stride rs
@@ -346,12 +336,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               // lanes past the block's rows: 0 (0 times an infinite value there would read as a
               // masked non-finite value below)
               for (int64_t t = 0; t < width && rows < rs; ++t) std::fill(ds + t * rs + rows, ds + (t + 1) * rs, 0.0f);
-              if (delta_from_weights) {
-                for (int64_t j = 0; j < rs; j += L::kWidth) {
-                  weights_times_score_grads<L>(p + j, ds + j, rs, width, c0, r, j, r.delta.data());
-                }
-                for (int64_t j = 0; j < rows && gl_block != nullptr; ++j) r.delta[j] -= gl_block[j];
-              }
               for (int64_t j = 0; j < rs; j += L::kWidth) {  // with dropout, also turns P into the weights the output used
                 score_grads(p + j, ds + j, rs, width, c0, r, j, static_cast<float>(scale), cap ? cap + j : nullptr, bad,
                             dropout);

@@ -206,26 +206,6 @@ void score_grads_rows(float* p, float* dp, int64_t rs, int64_t W, int64_t key0, 
   bad = L::either(bad, masked_bad);
 }
 
-// delta = sum_t P dP over a chunk of W keys for the rows j .., each over the keys it attends (a
-// lane outside a row's interval adds 0 whatever its dP holds): FlashAttention's row term rowsum(dO
-// * O) taken from the weights instead of the output, which a half-precision call has rounded (on a
-// row whose weights peak on one key, that rounding is the largest error in its dQ and dK).
-template <class L>
-void weights_times_score_grads(const float* p, const float* dp, int64_t rs, int64_t W, int64_t key0,
-                               const BlockRows& r, int64_t j, float* sums) {
-  using F = typename L::F;
-  const typename L::I lo = L::load_int(&r.lo[j]), hi = L::load_int(&r.hi[j]);
-  F acc = L::zero();
-  const auto masked = [&](int64_t t, typename L::Mask in) {
-    acc = add(acc, L::zero_outside(in, mul(L::load(p + t * rs), L::load(dp + t * rs))));
-  };
-  const auto plain = [&](int64_t from, int64_t to) {
-    for (int64_t t = from; t < to; ++t) acc = add(acc, mul(L::load(p + t * rs), L::load(dp + t * rs)));
-  };
-  split_keys<L>(W, key0, lo, hi, r.all_lo[j / L::kWidth], r.all_hi[j / L::kWidth], masked, plain);
-  L::store(sums + j, acc);
-}
-
 // One call's weights_rows and score_grads_rows.
 template <class L>
 using WeightsRows = void (*)(float*, int64_t, int64_t, int64_t, const BlockRows&, int64_t, const ScoreMods&, int64_t,
