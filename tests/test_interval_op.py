@@ -5,13 +5,15 @@ against the reference backend (and, through it, the float64 oracle the other fil
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.func import grad, jacrev, vmap
 
 import attnkit
 from attnkit import masks
-from attnkit._backends import auto_runs, native, tiled_plan
+from attnkit._backends import auto_runs, interval_op, native, tiled_plan
 from attnkit._call import make_call
 from conftest import tiled_kernel
 
@@ -408,3 +410,59 @@ def test_tuning_is_local_to_a_thread():
     with pytest.raises(TypeError, match="unknown setting 'blocks'"):
         with tiled_plan.tuning(blocks=4):
             pass
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lse", [False, True])
+def test_rows_of_two_key_ranges_match_float64(dtype, lse):
+    """A window or the first 15 tokens: each row attends two ranges of keys, and the native kernel
+    runs one backward per range from the merged output and lse. A range's weights then sum to less
+    than 1, so anything it takes from them alone in place of the merged output (FlashAttention's
+    row term) is wrong: gradients, with and without the lse's, against float64."""
+    mask = (masks.sliding_window(7) | masks.padding([15])) & masks.causal()
+    assert mask.row_ranges(100, 100)[0].shape[1] == 2  # two ranges a row
+    g = torch.Generator().manual_seed(4)
+    q, k, v, grad_out = (torch.randn(1, 2, 100, 32, generator=g).to(dtype).float() for _ in range(4))
+    weights = torch.randn(1, 2, 100, generator=g)
+
+    def gradients(run, as_dtype):
+        leaves = [t.detach().to(as_dtype).clone().requires_grad_() for t in (q, k, v)]
+        out, log_sum = run(*leaves)
+        loss = (out.double() * grad_out.double()).sum() + (log_sum.double() * weights.double()).sum() * lse
+        loss.backward()
+        return [out] + [t.grad for t in leaves]
+
+    def ours(a, b, c):
+        with tiled_kernel("native"), tiled_plan.tuning(kernel="native"):
+            return attnkit.attention(a, b, c, mask=mask, backend="tiled", return_lse=True)
+
+    def reference(a, b, c):
+        with tiled_plan.tuning(kernel="blocks"):  # PyTorch's kernels block by block: the lse too
+            return attnkit.attention(a, b, c, mask=mask, backend="tiled", return_lse=True)
+
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    for what, got, want in zip(("output", "dq", "dk", "dv"), gradients(ours, dtype), gradients(reference, torch.float64)):
+        assert (got.double() - want).abs().max().item() <= tolerance, (what, (got.double() - want).abs().max().item())
+
+
+@pytest.mark.parametrize("kernel", ["native", "blocks"])
+def test_the_backward_of_key_segments_from_the_whole_output_sums_to_the_whole(kernel):
+    """attnkit.distributed's ring backward: each rank's call takes a segment of the keys with the
+    whole call's output and lse (and grad_out). The segments' query gradients add up to the whole
+    call's, so no kernel may take the row term from a segment's own weights (they sum to < 1)."""
+    from attnkit._backends.interval_inputs import IntervalInputs
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad_out = (torch.randn(1, 2, 256, 32, generator=g) for _ in range(4))
+    lo, hi = (t.reshape(1, 1, 256).contiguous() for t in masks.causal().row_ranges(256, 256))
+    with tiled_kernel("native") if kernel == "native" else contextlib.nullcontext():
+        whole = IntervalInputs(q, k, v, lo, hi, scale=32 ** -0.5, kernel=kernel)
+        out, lse, ran = interval_op.forward_op(whole)
+        dq_whole = interval_op.backward_op(grad_out, None, out, lse, ran, whole)[0]
+        dq = torch.zeros_like(q)
+        for a, b in ((0, 128), (128, 256)):
+            segment = IntervalInputs(q, k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous(),
+                                     (lo - a).clamp(0, b - a).contiguous(), (hi - a).clamp(0, b - a).contiguous(),
+                                     scale=32 ** -0.5, kernel=kernel)
+            dq += interval_op.backward_op(grad_out, None, out, lse, None, segment)[0]
+    torch.testing.assert_close(dq, dq_whole, rtol=1e-4, atol=1e-4)
