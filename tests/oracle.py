@@ -64,12 +64,20 @@ def oracle_lse(query: Tensor, key: Tensor, allowed: Tensor, scale: float) -> Ten
     return torch.logsumexp((q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf")), dim=-1)
 
 
-def output_and_gradients(fn, inputs: tuple[Tensor, ...], grad_out: Tensor, dtype: torch.dtype) -> list[Tensor]:
-    """``[output, *gradients]`` of ``fn(*inputs)`` run on the inputs cast to ``dtype``, backpropagating
-    ``grad_out`` (cast too): the one way the error-budget tests run each contender."""
-    leaves = [t.to(dtype).requires_grad_() for t in inputs]
-    out = fn(*leaves)
-    out.backward(grad_out.to(dtype))
+def output_and_gradients(fn, inputs: tuple[Tensor, ...], grad_out: Tensor, dtype: torch.dtype,
+                         lse_weight: Tensor | None = None) -> list[Tensor]:
+    """``[output, *gradients]`` of ``fn(*inputs)`` run on the inputs cast to ``dtype`` (fresh leaves:
+    the caller's tensors are left alone), backpropagating ``grad_out`` (cast too): the one way the
+    error-budget tests run each contender. ``fn`` may return ``(output, lse)``; with
+    ``lse_weight``, ``lse_weight`` times the lse (its finite entries) joins the loss, so that the
+    lse's gradient reaches the kernel too."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    result = fn(*leaves)
+    out = result[0] if isinstance(result, tuple) else result
+    loss = (out.float() * grad_out.to(dtype).float()).sum()
+    if lse_weight is not None:
+        loss = loss + (torch.where(result[1].isfinite(), result[1], 0).float() * lse_weight).sum()
+    loss.backward()
     return [out.detach()] + [t.grad for t in leaves]
 
 

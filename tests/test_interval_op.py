@@ -16,6 +16,7 @@ from attnkit import masks
 from attnkit._backends import auto_runs, interval_op, native, tiled_plan
 from attnkit._call import make_call
 from conftest import tiled_kernel
+from oracle import output_and_gradients
 
 MASKS = {
     "window": masks.sliding_window(5),
@@ -425,13 +426,6 @@ def test_rows_of_two_key_ranges_match_float64(dtype, lse):
     q, k, v, grad_out = (torch.randn(1, 2, 100, 32, generator=g).to(dtype).float() for _ in range(4))
     weights = torch.randn(1, 2, 100, generator=g)
 
-    def gradients(run, as_dtype):
-        leaves = [t.detach().to(as_dtype).clone().requires_grad_() for t in (q, k, v)]
-        out, log_sum = run(*leaves)
-        loss = (out.double() * grad_out.double()).sum() + (log_sum.double() * weights.double()).sum() * lse
-        loss.backward()
-        return [out] + [t.grad for t in leaves]
-
     def ours(a, b, c):
         with tiled_kernel("native"), tiled_plan.tuning(kernel="native"):
             return attnkit.attention(a, b, c, mask=mask, backend="tiled", return_lse=True)
@@ -441,7 +435,10 @@ def test_rows_of_two_key_ranges_match_float64(dtype, lse):
             return attnkit.attention(a, b, c, mask=mask, backend="tiled", return_lse=True)
 
     tolerance = 1e-4 if dtype == torch.float32 else 0.1
-    for what, got, want in zip(("output", "dq", "dk", "dv"), gradients(ours, dtype), gradients(reference, torch.float64)):
+    lse_weight = weights if lse else None
+    got = output_and_gradients(ours, (q, k, v), grad_out, dtype, lse_weight)
+    want = output_and_gradients(reference, (q, k, v), grad_out, torch.float64, lse_weight)
+    for what, got, want in zip(("output", "dq", "dk", "dv"), got, want):
         assert (got.double() - want).abs().max().item() <= tolerance, (what, (got.double() - want).abs().max().item())
 
 

@@ -206,19 +206,6 @@ def test_keys_past_every_rows_span_are_never_read_by_the_tiles():
     assert got[2][0, 0, 68:].eq(0).all() and got[3][0, 1, 68:].eq(0).all()  # unattended keys: no gradient
 
 
-def _gradients(fn, inputs, grad_out, dtype, lse_weight=None):
-    """[output, dq, dk, dv] of fn on the inputs cast to dtype, backpropagating grad_out (and, when
-    fn returns the lse too, lse_weight times it: the lse's gradient reaches the kernel)."""
-    leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
-    result = fn(*leaves)
-    out = result[0] if isinstance(result, tuple) else result
-    loss = (out.float() * grad_out.to(dtype).float()).sum()
-    if isinstance(result, tuple):
-        loss = loss + (torch.where(result[1].isfinite(), result[1], 0).float() * lse_weight).sum()
-    loss.backward()
-    return [out.detach()] + [t.grad for t in leaves]
-
-
 @needs_tiles
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:7])) + s[7])
 @pytest.mark.parametrize("name", ["window", "causal+padding"])
@@ -240,11 +227,12 @@ def test_backward_within_twice_pytorchs_bf16_error(shape, name):
         return fn
 
     ours = on("native")
-    want = _gradients(on("blocks"), lows, grad_out, torch.float64, lse_weight)  # PyTorch's kernels in float64
-    pytorch = _gradients(on("blocks"), lows, grad_out, torch.bfloat16, lse_weight)  # and in bf16: the baseline
-    got = _gradients(ours, lows, grad_out, torch.bfloat16, lse_weight)
+    # PyTorch's kernels in float64, and in bf16: the baseline
+    want = output_and_gradients(on("blocks"), lows, grad_out, torch.float64, lse_weight)
+    pytorch = output_and_gradients(on("blocks"), lows, grad_out, torch.bfloat16, lse_weight)
+    got = output_and_gradients(ours, lows, grad_out, torch.bfloat16, lse_weight)
     with native.matrix_units(False):
-        converted = _gradients(ours, lows, grad_out, torch.bfloat16, lse_weight)
+        converted = output_and_gradients(ours, lows, grad_out, torch.bfloat16, lse_weight)
     for what, mine, theirs, exact, other in zip(("output", "dq", "dk", "dv"), got, pytorch, want, converted):
         assert mine.dtype == torch.bfloat16 and mine.shape == exact.shape
         assert _error(mine, exact) <= 2 * _error(theirs, exact) + 1e-6, (what, _error(mine, exact), _error(theirs, exact))
@@ -268,9 +256,9 @@ def test_backward_features_within_twice_pytorchs_bf16_error(feature):
         return fn
 
     lows = [t.bfloat16().double() for t in (q, k, v)]
-    want = _gradients(run("reference"), lows, grad_out, torch.float64)
-    pytorch = _gradients(run("reference"), lows, grad_out, torch.bfloat16)
-    got = _gradients(run("tiled", "native"), lows, grad_out, torch.bfloat16)
+    want = output_and_gradients(run("reference"), lows, grad_out, torch.float64)
+    pytorch = output_and_gradients(run("reference"), lows, grad_out, torch.bfloat16)
+    got = output_and_gradients(run("tiled", "native"), lows, grad_out, torch.bfloat16)
     for what, mine, theirs, exact in zip(("output", "dq", "dk", "dv"), got, pytorch, want):
         assert _error(mine, exact) <= 2 * _error(theirs, exact) + 1e-6, (feature, what, _error(mine, exact),
                                                                          _error(theirs, exact))
