@@ -352,25 +352,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 continue;
               }
               // dV_chunk += (f P)^T dO, dQt (+)= K_chunk^T dS^T, dK_chunk += dS^T Q
+              std::fill(dq_start.begin(), dq_start.end(), dq_started ? Start::kKeep : Start::kZero);
+              dq_started = true;
               if (amx) {
                 pack_key_rows(p, rs, width, key_rows.data());
                 amx_rows_product(key_rows.data(), rs, width, rows_go.data(), Dv, dv_head + c0 * dv2s, dv2s,
                                  spare_sums.data());
-                std::fill(dq_start.begin(), dq_start.end(), dq_started ? Start::kKeep : Start::kZero);
                 pack_weights(ds, rs, width, packed_ds.data());
                 amx_values(keys_transposed->from(b, kv, c0, c0 + width), width, D, packed_ds.data(), rs, dqt.data(),
                            dq_start.data(), no_rescale.data(), spare_block.data());
-                dq_started = true;
                 pack_key_rows(ds, rs, width, key_rows.data());
                 amx_rows_product(key_rows.data(), rs, width, rows_q.data(), D, dk_head + c0 * dk2s, dk2s,
                                  spare_sums.data());
-                continue;
+              } else {
+                block_rows_product(p, rs, width, rows, go_block, g2s, Dv, dv_head + c0 * dv2s, dv2s);
+                block_values(k_head + c0 * k2s, k2s, width, D, ds, rs, dqt.data(), dq_start.data(), no_rescale.data());
+                block_rows_product(ds, rs, width, rows, q_block, q2s, D, dk_head + c0 * dk2s, dk2s);
               }
-              block_rows_product(p, rs, width, rows, go_block, g2s, Dv, dv_head + c0 * dv2s, dv2s);
-              std::fill(dq_start.begin(), dq_start.end(), dq_started ? Start::kKeep : Start::kZero);
-              block_values(k_head + c0 * k2s, k2s, width, D, ds, rs, dqt.data(), dq_start.data(), no_rescale.data());
-              dq_started = true;
-              block_rows_product(ds, rs, width, rows, q_block, q2s, D, dk_head + c0 * dk2s, dk2s);
             }
             transpose(dqt.data(), rs, D, rows, dq_block, dq2s);  // dq[r][d] = dQt[d][r]
             weightless_rows();
