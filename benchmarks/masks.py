@@ -317,8 +317,7 @@ def main_table(args: argparse.Namespace) -> None:
     print(f"# tiled forward runs {kernel}\n")
     first_mask = next(iter(mask_set(length, window)))
     reference = steady_times(["sdpa-causal", "matmul"], first_mask, args)
-    causal_rate = 4 * HEAD_DIM * HEADS * (length * (length + 1) // 2) / statistics.median(reference["sdpa-causal"]) / 1e9 \
-        if "sdpa-causal" in reference else None
+    causal_rate = _causal_rate(reference, length)
     rows = []
     for name, (structured, mask_mod) in mask_set(length, window).items():
         query, key, value = inputs(length, dtype)
@@ -355,6 +354,14 @@ def _fmt_ms(seconds: float | None) -> str:
 
 def _fmt_mib(result: dict) -> str:
     return result.get("error", "n/a") if "extra_bytes" not in result else f"{result['extra_bytes'] / MIB:,.0f}"
+
+
+def _causal_rate(samples: dict[str, list[float]], length: int) -> float | None:
+    """SDPA's causal forward in useful GFLOP/s (4 x attended pairs x D x H / its median time) from a
+    ``steady_times`` result holding ``sdpa-causal``; None where it did not run."""
+    if "sdpa-causal" not in samples:
+        return None
+    return 4 * HEAD_DIM * HEADS * (length * (length + 1) // 2) / statistics.median(samples["sdpa-causal"]) / 1e9
 
 
 def _print_tables(rows: list[dict], causal_rate: float | None, dtype_name: str) -> None:
@@ -456,8 +463,7 @@ def training(args: argparse.Namespace) -> None:
     flops = square_matmul(bench_dtype())[0]
     # SDPA's causal forward in the same run: issue 26's bar for half-precision training (80% of it)
     reference = steady_times(["sdpa-causal"], next(iter(mask_set(length, window))), args)
-    causal_rate = 4 * HEAD_DIM * HEADS * (length * (length + 1) // 2) / statistics.median(reference["sdpa-causal"]) \
-        / 1e9 if "sdpa-causal" in reference else None
+    causal_rate = _causal_rate(reference, length)
     print("| mask | ours = auto (ms) | ours, native kernel off (ms) | SDPA dense mask (ms) | SDPA / ours "
           "| ours useful GFLOP/s | ours / SDPA causal forward rate | matmul GFLOP/s | ours / matmul | ours / FMA peak |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
