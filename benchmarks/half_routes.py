@@ -4,7 +4,8 @@ For each mask and length: ``attnkit.attention`` as ``"auto"`` routes it (its pic
 native kernel forced (``backend="tiled"`` with ``kernel="native"``), and PyTorch's own path for the
 same call (SDPA for no mask and plain causal, PyTorch's kernels block by block for the structured
 masks: the native kernel turned off). Forward, or forward + backward with ``--train``; medians of
-``--repeats`` calls after two warm-ups; the ratios are native / PyTorch's. With ``--tiles off`` the
+``--repeats`` rounds after two warm-ups, the three taking turns (``common.median_times``); the
+ratios are native / PyTorch's. With ``--tiles off`` the
 kernel's bfloat16 products leave the AMX tiles (``native.matrix_units(False)``), to compare the two
 paths on a CPU that has them.
 
@@ -16,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
-import time
+import os
+import sys
 
 import torch
 
@@ -27,6 +28,9 @@ from attnkit._backends import auto_runs, native
 from attnkit._backends.tiled_plan import tuning
 from attnkit._call import make_call
 
+sys.path.insert(0, os.path.dirname(__file__))
+from common import median_times  # noqa: E402
+
 MASKS = {
     "window512": lambda length: dict(mask=masks.sliding_window(512)),
     "documents8": lambda length: dict(mask=masks.document([length // 8] * 8)),
@@ -34,16 +38,6 @@ MASKS = {
     "causal": lambda length: dict(causal=True),
     "none": lambda length: {},
 }
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn(), fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -83,12 +77,18 @@ def main() -> None:
                 call = make_call(q, k, v, **{**dict(mask=None, causal=False, scale=None, dropout=0.0, generator=None,
                                                     return_weights=False), **options})
                 structured = "mask" in options
-                auto = median_ms(step, args.repeats)
-                with tuning(kernel="native"):
-                    ours = median_ms(lambda: step(backend="tiled"), args.repeats)
-                theirs_context = native.turned_off() if structured else contextlib.nullcontext()
-                with theirs_context:
-                    theirs = median_ms(lambda: step(backend="tiled" if structured else "torch"), args.repeats)
+
+                def native_forced():
+                    with tuning(kernel="native"):
+                        step(backend="tiled")
+
+                def pytorchs():
+                    with native.turned_off() if structured else contextlib.nullcontext():
+                        step(backend="tiled" if structured else "torch")
+
+                times = median_times({"auto": step, "native": native_forced, "pytorch": pytorchs}, args.repeats,
+                                     warmup=2)
+                auto, ours, theirs = (1e3 * times[name] for name in ("auto", "native", "pytorch"))
                 print(f"| {name} | {length} | {auto_runs(call)} | {auto:.1f} | {ours:.1f} | {theirs:.1f} | "
                       f"{ours / theirs:.2f} |", flush=True)
 
