@@ -186,8 +186,8 @@ def serves_half_precision() -> bool:
     (``csrc/amx.h``), and it beat PyTorch's AMX kernels in bf16 and fp16, forward and training, on
     every mask measured (Intel Xeon with AMX, L = 8192, H = 8, D = 64, 2 threads, benchmarks/
     half_routes.py: bf16 forward 0.33-0.68x their time, training 0.10-0.70x; fp16 forward, which
-    converts, 0.53-0.86x; docs/performance.md). Where the CPU has AVX512-BF16 but no AMX (unmeasured), PyTorch's kernels
-    keep these calls."""
+    converts, 0.53-0.86x; docs/performance.md). Where the CPU has AVX512-BF16 but no AMX
+    (unmeasured), PyTorch's kernels keep these calls."""
     from .ops import matrix_units_available
 
     return not _torch_private.cpu_multiplies_half_precision() or matrix_units_available()
