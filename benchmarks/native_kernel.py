@@ -10,6 +10,7 @@ backward (FlashAttention's count), 3.5x for both.
     python benchmarks/native_kernel.py --forward --tiles 64x512 128x512
     python benchmarks/native_kernel.py --backward --mask window --tiles 32x1024 64x256
     python benchmarks/native_kernel.py --mask window --dtypes float32 bfloat16   # half against fp32
+    python benchmarks/native_kernel.py --mask window --dtypes bfloat16 --residual  # what the residual costs
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
                         help="input dtypes to compare, interleaved in one run")
+    parser.add_argument("--residual", action="store_true",
+                        help="half precision also with the output's residual (forward) read by the row term "
+                             "(backward): what a differentiated call runs")
     args = parser.parse_args()
     if not native.available():
         sys.exit(f"native kernel: {native.why_unavailable()}")
@@ -63,20 +67,25 @@ def main() -> None:
         pairs = attended_pairs(structured, length)
         contenders = {"matmul": matmul}
         for dtype, (query, key, value) in rows.items():
-            out, lse = native.interval_forward(query, key, value, lo, hi, scale, dropout=args.dropout, seed=1)
+            out, lse, low = native.interval_forward(query, key, value, lo, hi, scale, dropout=args.dropout, seed=1,
+                                                    residual=True)
             grad_out = torch.randn_like(out)
-            for tile in args.tiles:
+            for tile, residual in ((t, r) for t in args.tiles for r in (False, True)):
+                if residual and not (args.residual and low.numel()):
+                    continue
                 block, chunk = (None, None) if tile is None else map(int, tile.split("x"))
-                label = tile or "default"
+                label = (tile or "default") + (" + residual" if residual else "")
                 if "forward" in directions:
                     contenders[("forward", dtype, label)] = (
-                        lambda q=query, k=key, v=value, b=block, c=chunk: native.interval_forward(
-                            q, k, v, lo, hi, scale, block=b, chunk=c, dropout=args.dropout, seed=1))
+                        lambda q=query, k=key, v=value, b=block, c=chunk, r=residual: native.interval_forward(
+                            q, k, v, lo, hi, scale, block=b, chunk=c, dropout=args.dropout, seed=1, residual=r))
                 if "backward" in directions:
                     contenders[("backward", dtype, label)] = (
-                        lambda g=grad_out, q=query, k=key, v=value, o=out, s=lse, b=block, c=chunk:
+                        lambda g=grad_out, q=query, k=key, v=value, o=out, s=lse, b=block, c=chunk,
+                        r=low if residual else None:
                         native.interval_backward(g, q, k, v, o, s, lo, hi, scale, block=b, chunk=c,
-                                                 parts=args.parts, dropout=args.dropout, seed=1))
+                                                 parts=args.parts, dropout=args.dropout, seed=1,
+                                                 out_low=r))
         times = median_times(contenders, repeats=args.repeats)
         peak = flops / times.pop("matmul") / 1e9
         matmul_rates.append(peak)

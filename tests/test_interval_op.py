@@ -105,14 +105,17 @@ def test_auto_makes_the_same_kernel_choice_compiled_and_eager():
 
 def test_opcheck_schema_fake_kernel_and_autograd_registration():
     """PyTorch's own checker for custom ops: schema, fake (meta) kernel, autograd registration,
-    dynamic shapes under AOT dispatch."""
+    dynamic shapes under AOT dispatch; in bf16 too, where the op returns the output's residual."""
     q, k, v = _qkv(batch=1, length=8)
     lo, hi = torch.zeros(1, 1, 8, dtype=torch.long), torch.arange(1, 9)[None, None]  # [S, R, Lq]
     bias = torch.randn(1, 1, 8, 8, requires_grad=True)
     slopes, sinks = torch.tensor([0.5]), torch.tensor([0.3], requires_grad=True)
-    for args in ((q.requires_grad_(), k, v, lo, hi, None, None, None, 0.5, None, 0.0, None, True, False, ""),
-                 (q, k, v, lo, hi, bias, None, None, 0.5, None, 0.0, None, False, True, ""),
-                 (q, k, v, lo, hi, None, slopes, sinks, 0.5, 3.0, 0.0, None, False, False, "")):
+    half = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    for args in ((q.requires_grad_(), k, v, lo, hi, None, None, None, 0.5, None, 0.0, None, True, False, "", True),
+                 (q, k, v, lo, hi, bias, None, None, 0.5, None, 0.0, None, False, True, "", False),
+                 (q, k, v, lo, hi, None, slopes, sinks, 0.5, 3.0, 0.0, None, False, False, "", True),
+                 (*half, lo, hi, None, None, sinks, 0.5, None, 0.0, None, False, False, "", True),
+                 (*half, lo, hi, None, None, None, 0.5, None, 0.0, None, False, False, "blocks", True)):
         results = torch.library.opcheck(torch.ops.attnkit.interval_attention.default, args)
         assert set(results.values()) == {"SUCCESS"}, results
 
@@ -454,7 +457,7 @@ def test_the_backward_of_key_segments_from_the_whole_output_sums_to_the_whole(ke
     lo, hi = (t.reshape(1, 1, 256).contiguous() for t in masks.causal().row_ranges(256, 256))
     with tiled_kernel("native") if kernel == "native" else contextlib.nullcontext():
         whole = IntervalInputs(q, k, v, lo, hi, scale=32 ** -0.5, kernel=kernel)
-        out, lse, ran = interval_op.forward_op(whole)
+        out, lse, ran, _ = interval_op.forward_op(whole)
         dq_whole = interval_op.backward_op(grad_out, None, out, lse, ran, whole)[0]
         dq = torch.zeros_like(q)
         for a, b in ((0, 128), (128, 256)):

@@ -41,7 +41,9 @@ class IntervalInputs:
     h0, i0, j0]`` (:func:`.dropout.at_positions`). ``causal_only``: the rows are plain causal (the fused
     kernel applies that itself). ``sparse_only``: the dense kernel is left out (an explicit
     ``backend="tiled"``). ``kernel``: one of :data:`KERNELS` to run, or ``""`` for
-    :func:`.policy.kernel_for` to choose from the row bounds.
+    :func:`.policy.kernel_for` to choose from the row bounds. ``keep_residual``: a backward will
+    follow, so a half-precision CPU output comes with its residual (:mod:`.interval_op`); set by
+    :func:`.interval_op.run` where an input requires a gradient.
 
     The same record holds the vmap rules' ``in_dims`` (one entry per field)."""
 
@@ -60,6 +62,7 @@ class IntervalInputs:
     causal_only: Any = False
     sparse_only: Any = True
     kernel: Any = ""
+    keep_residual: Any = False
 
     def as_tuple(self) -> tuple:
         """The op's positional inputs."""

@@ -2,7 +2,8 @@
 backward, so that ``torch.compile``, ``torch.func`` and autograd hooks see one op, not Python.
 
     torch.ops.attnkit.interval_attention(query, key, value, lo, hi, bias, alibi_slopes, sinks,
-        scale, softcap, dropout, seed, causal_only, sparse_only) -> (output [N, H, Lq, Dv], lse [N, H, Lq])
+        scale, softcap, dropout, seed, causal_only, sparse_only, kernel, keep_residual)
+        -> (output [N, H, Lq, Dv], lse [N, H, Lq], kernel index, residual)
 
 Row ``i`` of sequence ``n`` attends keys ``lo[s, r, i] <= j < hi[s, r, i]`` for each of its R
 ranges (``lo, hi [S, R, Lq]``, int64, disjoint, ``s = n`` or 0 when S = 1), plus an optional additive ``bias`` broadcastable to ``[N, H, Lq, Lk]``
@@ -11,7 +12,9 @@ Dv]`` with ``H % Hkv == 0`` (GQA). Scores are ``scale * q.k``, soft-capped (``so
 softcap)``), plus ALiBi (``-slope * |p - j|``, ``alibi_slopes [H]`` or ``[N, H]``), plus the bias;
 ``sinks [H]`` joins every row's normaliser. Dropout ``dropout`` from the int64 scalar ``seed``
 (or ``[seed, h0, i0, j0]`` for a piece of a larger call, :func:`.dropout.at_positions`). The lse is
-float32 for half-precision inputs, ``-inf`` for rows with no key (and no sink).
+float32 for half-precision inputs, ``-inf`` for rows with no key (and no sink). The residual is
+what rounding took off a half-precision CPU output (:func:`_split`), for the backward's row term,
+where ``keep_residual`` asks for it; an empty tensor elsewhere.
 
 Layers of this module:
 - the ops' implementation picks its kernel at run time from the data (:func:`.policy.kernel_for`):
@@ -59,6 +62,29 @@ def _seed_value(seed: Tensor | None) -> tuple[int, tuple[int, int, int]]:
     return int(seed), (0, 0, 0)
 
 
+def _keeps_residual(query: Tensor, keep_residual: bool) -> bool:
+    """Whether the op returns a residual with its output: asked for (a backward will follow), and
+    half precision on the CPU, where the native kernel computes in float32 and its backward can
+    read the output as computed. The fake implementation decides from the same, so the shapes agree
+    whichever kernel runs. (Writing it costs a forward 2-4%: bf16 window, L = 16384.)"""
+    return keep_residual and query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+
+
+def _split(exact: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """A float32 output rounded to ``dtype``, and what the rounding took off (in ``dtype`` too):
+    ``out + residual`` holds ``exact`` to about 16 more bits (the native kernel's forward writes the
+    same pair itself, ``csrc/half.h``)."""
+    out = exact.to(dtype)
+    return out, (exact - out.float()).to(dtype)
+
+
+def _exact(out: Tensor, residual: Tensor | None) -> Tensor:
+    """``out`` as computed: ``out + residual`` in float32 where there is a residual, else ``out``."""
+    if residual is None or residual.numel() == 0:
+        return out
+    return out.float() + residual.float()
+
+
 def _sink_gradient(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
     """d loss / d sink_h = sum over rows of p_sink * (d lse - dO . O), ``p_sink = exp(sink - lse)``:
     the sink's probability, which takes mass from every key and adds to the lse."""
@@ -89,39 +115,56 @@ def _in_float32(ranges: int, *tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.float() for t in tensors)
 
 
-def _native_forward(inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
-    """The native kernel over each of the rows' ranges (one call each), merged."""
+def _native_forward(inputs: IntervalInputs) -> tuple[Tensor, Tensor, Tensor]:
+    """The native kernel over each of the rows' ranges (one call each), merged: ``(out, lse,
+    residual)``, the residual empty for float32 and where neither the backward nor sinks (folded
+    into the output as computed, so its bits do not depend on grad mode) need it."""
     seed_value, offsets = _seed_value(inputs.seed)
     ranges = inputs.lo.shape[1]
     query, key, value = _in_float32(ranges, inputs.query, inputs.key, inputs.value)
-    out, lse = _merge([native.interval_forward(query, key, value, inputs.lo[:, r], inputs.hi[:, r], inputs.scale,
-                                               dropout=inputs.dropout, seed=seed_value, dropout_start=offsets,
-                                               softcap=inputs.softcap, alibi_slopes=inputs.alibi_slopes)
-                       for r in range(ranges)])
-    return out.to(inputs.query.dtype), lse
+    keep = _keeps_residual(inputs.query, inputs.keep_residual or inputs.sinks is not None)
+    results = [native.interval_forward(query, key, value, inputs.lo[:, r], inputs.hi[:, r], inputs.scale,
+                                       dropout=inputs.dropout, seed=seed_value, dropout_start=offsets,
+                                       softcap=inputs.softcap, alibi_slopes=inputs.alibi_slopes,
+                                       residual=keep and ranges == 1)
+               for r in range(ranges)]
+    if ranges == 1:
+        out, lse, *residual = results[0]
+        return out, lse, residual[0] if residual else out.new_empty(0)
+    out, lse = _merge([(out, lse) for out, lse, *_ in results])
+    if not keep:
+        return out.to(inputs.query.dtype), lse, out.new_empty(0)
+    out, residual = _split(out, inputs.query.dtype)
+    return out, lse, residual
 
 
-def _native_backward(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Tensor,
+def _native_backward(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Tensor, residual: Tensor | None,
                      inputs: IntervalInputs) -> tuple[Tensor, Tensor, Tensor]:
-    """Its gradients: each range's, from the merged output and lse (split-key), summed."""
+    """Its gradients: each range's, from the merged output and lse (split-key), summed. The row
+    term reads the output with its residual where the forward left one."""
     seed_value, offsets = _seed_value(inputs.seed)
     ranges = inputs.lo.shape[1]
+    if ranges > 1:
+        out, residual = _exact(out, residual), None
     grad_out, out, query, key, value = _in_float32(ranges, grad_out, out, inputs.query, inputs.key, inputs.value)
     grads = [native.interval_backward(grad_out, query, key, value, out, lse, inputs.lo[:, r], inputs.hi[:, r],
                                       inputs.scale, grad_lse, dropout=inputs.dropout, seed=seed_value,
                                       dropout_start=offsets, softcap=inputs.softcap,
-                                      alibi_slopes=inputs.alibi_slopes)
+                                      alibi_slopes=inputs.alibi_slopes, out_low=residual)
              for r in range(ranges)]
     return tuple(sum(parts[1:], parts[0]).to(inputs.query.dtype) for parts in zip(*grads))
 
 
-def _forward(inputs: IntervalInputs) -> tuple[Tensor, Tensor, str]:
-    """``(out, lse, kernel)``: the kernel :func:`.policy.kernel_for` picks (or the record names), run."""
+def _forward(inputs: IntervalInputs) -> tuple[Tensor, Tensor, Tensor, str]:
+    """``(out, lse, residual, kernel)``: the kernel :func:`.policy.kernel_for` picks (or the record
+    names), run. Sinks are folded into the output as computed, then rounded once. The kernels that
+    return only a rounded output give a residual of zeros where the op keeps one."""
     kernel = policy.kernel_for(inputs)
     if kernel == "flex":
         raise ValueError("the interval op does not run FlexAttention: the tiled backend calls it directly")
+    residual = None
     if kernel == "native":
-        out, lse = _native_forward(inputs)
+        out, lse, residual = _native_forward(inputs)
     elif kernel == "triton":  # keeps masked-out pairs out itself: no check of its output (no host sync)
         out, lse = _triton().forward(inputs.query, inputs.key, inputs.value, inputs.lo, inputs.hi,
                                      scale=inputs.scale, softcap=inputs.softcap, alibi_slopes=inputs.alibi_slopes,
@@ -131,14 +174,22 @@ def _forward(inputs: IntervalInputs) -> tuple[Tensor, Tensor, str]:
                                      inputs.scale, inputs.dropout, inputs.seed, softcap=inputs.softcap,
                                      alibi=inputs.alibi_slopes, dense=kernel == "dense",
                                      causal_only=inputs.causal_only)
-    out, lse = fold_sinks(out, lse, inputs.sinks)
-    return out, lse, kernel
+    if inputs.sinks is not None:  # into the output as computed (the native kernel's residual), rounded once
+        out, lse = fold_sinks(_exact(out, residual), lse, inputs.sinks)
+        if out.dtype != inputs.query.dtype:
+            out, residual = _split(out, inputs.query.dtype)
+    if not _keeps_residual(inputs.query, inputs.keep_residual):
+        residual = out.new_empty(0)
+    elif residual is None:
+        residual = torch.zeros_like(out)
+    return out, lse, residual, kernel
 
 
-def _backward_kernels(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Tensor, kernel: str,
-                      inputs: IntervalInputs, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def _backward_kernels(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Tensor, residual: Tensor | None,
+                      kernel: str, inputs: IntervalInputs,
+                      bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     if kernel == "native":
-        return (*_native_backward(grad_out, grad_lse, out, lse, inputs), None)
+        return (*_native_backward(grad_out, grad_lse, out, lse, residual, inputs), None)
     if kernel == "triton":
         return (*_triton().backward(grad_out, grad_lse, inputs.query, inputs.key, inputs.value, out, lse, inputs.lo,
                                     inputs.hi, scale=inputs.scale, softcap=inputs.softcap,
@@ -158,22 +209,26 @@ def _triton():
 
 
 # The op's schema lists IntervalInputs' fields in order (interval_inputs.py); the forward also returns
-# the index of the kernel it ran (KERNELS, an int64 CPU scalar) for the backward to run the same one.
+# the index of the kernel it ran (KERNELS, an int64 CPU scalar) for the backward to run the same one,
+# and the output's residual (:func:`_keeps_residual`) for the backward's row term.
 @torch.library.custom_op("attnkit::interval_attention", mutates_args=())
 def interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None,
                        alibi_slopes: Tensor | None, sinks: Tensor | None, scale: float, softcap: float | None,
                        dropout: float, seed: Tensor | None, causal_only: bool, sparse_only: bool,
-                       kernel: str) -> tuple[Tensor, Tensor, Tensor]:
-    out, lse, chosen = _forward(IntervalInputs(query, key, value, lo, hi, bias, alibi_slopes, sinks, scale, softcap,
-                                               dropout, seed, causal_only, sparse_only, kernel))
-    return out, lse, torch.tensor(KERNELS.index(chosen), dtype=torch.int64)
+                       kernel: str, keep_residual: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    out, lse, residual, chosen = _forward(IntervalInputs(query, key, value, lo, hi, bias, alibi_slopes, sinks, scale,
+                                                         softcap, dropout, seed, causal_only, sparse_only, kernel,
+                                                         keep_residual))
+    return out, lse, torch.tensor(KERNELS.index(chosen), dtype=torch.int64), residual
 
 
 @interval_attention.register_fake
 def _(query, key, value, lo, hi, bias, alibi_slopes, sinks, scale, softcap, dropout, seed, causal_only, sparse_only,
-      kernel):
+      kernel, keep_residual):
     out = query.new_empty(*query.shape[:-1], value.shape[-1])
-    return out, query.new_empty(query.shape[:-1], dtype=work_dtype(query.dtype)), torch.empty((), dtype=torch.int64)
+    residual = out.new_empty(out.shape) if _keeps_residual(query, keep_residual) else out.new_empty(0)
+    return (out, query.new_empty(query.shape[:-1], dtype=work_dtype(query.dtype)), torch.empty((), dtype=torch.int64),
+            residual)
 
 
 @torch.library.custom_op("attnkit::interval_attention_backward", mutates_args=())
@@ -181,38 +236,42 @@ def interval_attention_backward(grad_out: Tensor, grad_lse: Tensor | None, out: 
                                 ran: Tensor | None, query: Tensor, key: Tensor, value: Tensor, lo: Tensor,
                                 hi: Tensor, bias: Tensor | None, alibi_slopes: Tensor | None, sinks: Tensor | None,
                                 scale: float, softcap: float | None, dropout: float, seed: Tensor | None,
-                                causal_only: bool, sparse_only: bool, kernel: str,
-                                bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                                causal_only: bool, sparse_only: bool, kernel: str, keep_residual: bool,
+                                bias_grad: bool, residual: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dbias, dsinks)``; ``dbias`` shaped like ``bias`` when ``bias_grad``, ``dsinks``
     like ``sinks``, else empty. ``out`` and ``lse`` are the forward's (sinks included: the keys'
     weights are ``exp(s - lse)`` all the same); ``ran`` the kernel index the forward returned (None:
-    chosen again from the same data, as the forward chose)."""
+    chosen again from the same data, as the forward chose); ``residual`` the forward's (None or
+    empty: ``out`` as it is, for callers that merged several calls' outputs)."""
     inputs = IntervalInputs(query, key, value, lo, hi, bias, alibi_slopes, sinks, scale, softcap, dropout, seed,
-                            causal_only, sparse_only, kernel)
+                            causal_only, sparse_only, kernel, keep_residual)
     chosen = policy.kernel_for(inputs) if ran is None else KERNELS[int(ran)]
-    dq, dk, dv, dbias = _backward_kernels(grad_out, grad_lse, out, lse, chosen, inputs, bias_grad)
-    dsinks = query.new_empty(0) if sinks is None else _sink_gradient(grad_out, grad_lse, out, lse, sinks)
+    dq, dk, dv, dbias = _backward_kernels(grad_out, grad_lse, out, lse, residual, chosen, inputs, bias_grad)
+    dsinks = query.new_empty(0) if sinks is None else _sink_gradient(grad_out, grad_lse, _exact(out, residual), lse,
+                                                                     sinks)
     return dq, dk, dv, query.new_empty(0) if dbias is None else dbias, dsinks
 
 
 @interval_attention_backward.register_fake
 def _(grad_out, grad_lse, out, lse, ran, query, key, value, lo, hi, bias, alibi_slopes, sinks, scale, softcap,
-      dropout, seed, causal_only, sparse_only, kernel, bias_grad):
+      dropout, seed, causal_only, sparse_only, kernel, keep_residual, bias_grad, residual):
     dbias = bias.new_empty(bias.shape) if bias_grad else query.new_empty(0)
     dsinks = query.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dbias, dsinks
 
 
-def forward_op(inputs: IntervalInputs) -> tuple[Tensor, Tensor, Tensor]:
-    """``torch.ops.attnkit.interval_attention`` on a record: ``(out, lse, kernel index)``."""
+def forward_op(inputs: IntervalInputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``torch.ops.attnkit.interval_attention`` on a record: ``(out, lse, kernel index, residual)``."""
     return torch.ops.attnkit.interval_attention(*inputs.as_tuple())
 
 
 def backward_op(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Tensor, ran: Tensor | None,
-                inputs: IntervalInputs, bias_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``torch.ops.attnkit.interval_attention_backward`` on a record."""
+                inputs: IntervalInputs, bias_grad: bool = False,
+                residual: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``torch.ops.attnkit.interval_attention_backward`` on a record; ``residual`` is
+    :func:`forward_op`'s, where ``out`` is that call's own output."""
     return torch.ops.attnkit.interval_attention_backward(grad_out, grad_lse, out, lse, ran, *inputs.as_tuple(),
-                                                         bias_grad)
+                                                         bias_grad, residual)
 
 
 # -- autograd ----------------------------------------------------------------------------------------
@@ -224,14 +283,16 @@ _NO_GRADIENTS = IntervalInputs(*([None] * len(_NAMES)))
 
 def _setup_context(ctx, inputs, output) -> None:
     record = IntervalInputs(*inputs)
-    out, lse, ran = output
-    ctx.save_for_backward(*record.tensors(), out, lse, ran)
+    out, lse, ran, residual = output
+    ctx.save_for_backward(*record.tensors(), out, lse, ran, residual)
+    ctx.mark_non_differentiable(ran, residual)  # the residual serves the backward only
     ctx.scalars = {name: getattr(record, name) for name in _SCALARS}
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient: the fused kernels' backward applies
 
 
-def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None, _grad_ran: Tensor | None = None):
-    *tensors, out, lse, ran = ctx.saved_tensors
+def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None, _grad_ran: Tensor | None = None,
+              _grad_residual: Tensor | None = None):
+    *tensors, out, lse, ran, residual = ctx.saved_tensors
     inputs = IntervalInputs(**dict(zip(TENSOR_FIELDS, tensors)), **ctx.scalars)
     wants = dict(zip(_NAMES, ctx.needs_input_grad))
     bias_grad = inputs.bias is not None and wants["bias"]
@@ -242,7 +303,7 @@ def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None, _grad_ran: 
     if create_graph or _needs_dense_backward(grad_out, ran, inputs):
         grads = _dense_backward(wants, grad_out, grad_lse, inputs, create_graph)
     if grads is None:
-        grads = backward_op(grad_out, grad_lse, out, lse, ran, inputs, bias_grad)
+        grads = backward_op(grad_out, grad_lse, out, lse, ran, inputs, bias_grad, residual)
     dq, dk, dv, dbias, dsinks = grads
     return _NO_GRADIENTS.replace(
         query=dq, key=dk, value=dv, bias=dbias if bias_grad else None,
@@ -283,7 +344,7 @@ def gradients(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Tenso
     that ran the op outside autograd and kept only its output and lse (``attnkit.distributed``'s
     Ulysses, group by group). The kernel is chosen from the same data as the forward's was."""
     wants = tuple(name in ("query", "key", "value") for name in _NAMES)
-    ctx = _Saved((*inputs.tensors(), out, lse, None), wants, {name: getattr(inputs, name) for name in _SCALARS})
+    ctx = _Saved((*inputs.tensors(), out, lse, None, None), wants, {name: getattr(inputs, name) for name in _SCALARS})
     return _backward(ctx, grad_out, grad_lse)[:3]
 
 
@@ -343,9 +404,10 @@ class IntervalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(query, key, value, lo, hi, bias, alibi_slopes, sinks, scale, softcap, dropout, seed, causal_only,
-                sparse_only, kernel):  # IntervalInputs' fields (Dynamo needs them spelled out)
+                sparse_only, kernel, keep_residual):  # IntervalInputs' fields (Dynamo needs them spelled out)
         return torch.ops.attnkit.interval_attention(query, key, value, lo, hi, bias, alibi_slopes, sinks, scale,
-                                                    softcap, dropout, seed, causal_only, sparse_only, kernel)
+                                                    softcap, dropout, seed, causal_only, sparse_only, kernel,
+                                                    keep_residual)
 
     setup_context = staticmethod(_setup_context)
     backward = staticmethod(_backward)
@@ -377,7 +439,7 @@ class IntervalAttentionForwardMode(IntervalAttention):
         moving = [name for name in ("query", "key", "value", "bias", "alibi_slopes", "sinks")
                   if getattr(inputs, name) is not None and tangent_of[name] is not None]
         if not moving:
-            return None, None, None
+            return None, None, None, None
 
         def recomputed(*values):  # the call in plain ops; the lse of a row with no key a constant
             out, lse = plain_ops(inputs.replace(**dict(zip(moving, values))))
@@ -386,7 +448,7 @@ class IntervalAttentionForwardMode(IntervalAttention):
         primals = tuple(getattr(inputs, name) for name in moving)
         directions = tuple(tangent_of[name] for name in moving)
         if _torch_private.functorch_active():
-            return (*torch.func.jvp(recomputed, primals, directions)[1], None)
+            return (*torch.func.jvp(recomputed, primals, directions)[1], None, None)
         with torch.enable_grad():
             primals = tuple(t.detach().requires_grad_() for t in primals)
             outputs = recomputed(*primals)
@@ -397,7 +459,7 @@ class IntervalAttentionForwardMode(IntervalAttention):
             found = iter(torch.autograd.grad([vjp for vjp, _ in used], cotangents, [t for _, t in used],
                                              allow_unused=True) if used else [None] * len(moved))
         tangents_out = [next(found) if t.requires_grad else None for t in outputs]
-        return (*(torch.zeros_like(o) if t is None else t for o, t in zip(outputs, tangents_out)), None)
+        return (*(torch.zeros_like(o) if t is None else t for o, t in zip(outputs, tangents_out)), None, None)
 
 
 def run(inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
@@ -407,13 +469,15 @@ def run(inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
     a small call's host time (measured: 0.24 of 0.9 ms, benchmarks/gpu_overhead.py's profile)."""
     if _torch_private.nested_differentiation():
         return plain_ops(inputs)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs.tensors()):
+        inputs = inputs.replace(keep_residual=True)  # a backward may follow
     if _torch_private.forward_ad_active():
-        out, lse, _ = IntervalAttentionForwardMode.apply(*inputs.as_tuple())
+        out, lse, *_ = IntervalAttentionForwardMode.apply(*inputs.as_tuple())
     elif torch.compiler.is_compiling() or any(_torch_private.without_values(t) for t in inputs.tensors()
                                                if t is not None):
-        out, lse, _ = IntervalAttention.apply(*inputs.as_tuple())
+        out, lse, *_ = IntervalAttention.apply(*inputs.as_tuple())
     else:
-        out, lse, _ = torch.ops.attnkit.interval_attention(*inputs.as_tuple())
+        out, lse, *_ = torch.ops.attnkit.interval_attention(*inputs.as_tuple())
     return out, lse
 
 
@@ -498,24 +562,34 @@ def _(info, in_dims, *args):
     _unbatched("set of sinks", dims.sinks)
     if original.dropout > 0:
         results = [forward_op(_sample(original, dims, index)) for index in range(size)]
-        return _stacked(results, [0, 0, None]), (0, 0, None)
-    out, lse, ran = forward_op(_folded(original, dims, size))
+        dims_out = (0, 0, None, 0 if results[0][3].numel() else None)
+        return _stacked(results, list(dims_out)), dims_out
+    out, lse, ran, residual = forward_op(_folded(original, dims, size))
     batch = out.shape[0] // size
-    return (out.reshape(size, batch, *out.shape[1:]), lse.reshape(size, batch, *lse.shape[1:]), ran), (0, 0, None)
+    if residual.numel():
+        return ((out.reshape(size, batch, *out.shape[1:]), lse.reshape(size, batch, *lse.shape[1:]), ran,
+                 residual.reshape(size, batch, *residual.shape[1:])), (0, 0, None, 0))
+    return (out.reshape(size, batch, *out.shape[1:]), lse.reshape(size, batch, *lse.shape[1:]), ran,
+            residual), (0, 0, None, None)
 
 
 @torch.library.register_vmap("attnkit::interval_attention_backward")
 def _(info, in_dims, grad_out, grad_lse, out, lse, ran, *args):
     size = info.batch_size
     go_dim, gl_dim, o_dim, l_dim, _ = in_dims[:5]
-    *fields, bias_grad = args
+    *fields, bias_grad, residual = args
+    r_dim = in_dims[-1]
+    if residual is not None and residual.numel() == 0:
+        residual, r_dim = None, None
     dims = IntervalInputs(*in_dims[5:5 + len(fields)])
     original = IntervalInputs(*fields)
     _unbatched("set of sinks", dims.sinks)
     if original.dropout > 0:  # each sample on its own, as its forward ran
-        given = [(grad_out, go_dim), (grad_lse, gl_dim), (out, o_dim), (lse, l_dim)]
-        results = [backward_op(*(t if t is None or d is None else t.select(d, index) for t, d in given), ran,
-                               _sample(original, dims, index), bias_grad) for index in range(size)]
+        given = [(grad_out, go_dim), (grad_lse, gl_dim), (out, o_dim), (lse, l_dim), (residual, r_dim)]
+        results = []
+        for index in range(size):
+            go, gl, o, ls, low = (t if t is None or d is None else t.select(d, index) for t, d in given)
+            results.append(backward_op(go, gl, o, ls, ran, _sample(original, dims, index), bias_grad, low))
         stacked_dims = [0, 0, 0, 0 if bias_grad else None, 0 if original.sinks is not None else None]
         return _stacked(results, stacked_dims), tuple(stacked_dims)
     inputs = _folded(original, dims, size)
@@ -526,7 +600,8 @@ def _(info, in_dims, grad_out, grad_lse, out, lse, ran, *args):
         inputs = inputs.replace(bias=b.reshape(-1, *b.shape[2:]))
     dq, dk, dv, dbias, dsinks = backward_op(
         _fold(grad_out, go_dim, size), None if grad_lse is None else _fold(grad_lse, gl_dim, size),
-        _fold(out, o_dim, size), _fold(lse, l_dim, size), ran, inputs, bias_grad)
+        _fold(out, o_dim, size), _fold(lse, l_dim, size), ran, inputs, bias_grad,
+        None if residual is None else _fold(residual, r_dim, size))
     unfold = [t.reshape(size, batch, *t.shape[1:]) for t in (dq, dk, dv)]
     out_dims = [0, 0, 0, None, None]
     if bias_grad:
@@ -534,7 +609,8 @@ def _(info, in_dims, grad_out, grad_lse, out, lse, ran, *args):
         dbias = dbias.sum(1, keepdim=True) if original.bias.shape[0 if dims.bias is None else 1] == 1 else dbias
         out_dims[3] = 0
     if original.sinks is not None:  # each sample's own: the op summed over the folded batch
-        per_sample = [_batched(t, d, size) for t, d in ((grad_out, go_dim), (out, o_dim), (lse, l_dim))]
+        exact = _exact(out, residual)  # same dims as out: a residual is vmapped with it
+        per_sample = [_batched(t, d, size) for t, d in ((grad_out, go_dim), (exact, o_dim), (lse, l_dim))]
         d_lse = None if grad_lse is None else _batched(grad_lse, gl_dim, size)
         dsinks = torch.stack([_sink_gradient(per_sample[0][v], None if d_lse is None else d_lse[v], per_sample[1][v],
                                              per_sample[2][v], original.sinks) for v in range(size)])

@@ -291,7 +291,7 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, seed: Tensor | None,
             for call in calls:
                 # the tiled backend's op (what attnkit.attention(..., return_lse=True) runs), on the
                 # call's rows and the segment's keys, with its ranges; no autograd inside _Ring
-                part, part_lse, _ = interval_op.forward_op(IntervalInputs(
+                part, part_lse, *_ = interval_op.forward_op(IntervalInputs(
                     query[:, :, call.rows], k, v, call.lo, call.hi, scale=settings.scale, dropout=settings.dropout,
                     seed=_seed_at(seed, call, segment)))
                 _merge_into(out[:, :, call.rows], lse[:, :, call.rows], part.to(work), part_lse.to(work))

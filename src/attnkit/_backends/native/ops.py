@@ -19,13 +19,13 @@ from .tile_tables import backward_parts, backward_tiles, tiles
 EXPECTED_SCHEMAS = {
     "interval_forward": "attnkit_native::interval_forward(Tensor query, Tensor key, Tensor value, Tensor lo, "
                         "Tensor hi, float scale, int block, int chunk, float dropout, int seed, float softcap, "
-                        "Tensor? alibi_slopes, int dropout_head_start, int dropout_row_start, int dropout_key_start) "
-                        "-> (Tensor, Tensor)",
+                        "Tensor? alibi_slopes, int dropout_head_start, int dropout_row_start, int dropout_key_start, "
+                        "bool residual) -> (Tensor, Tensor, Tensor)",
     "interval_backward": "attnkit_native::interval_backward(Tensor grad_out, Tensor query, Tensor key, "
                          "Tensor value, Tensor out, Tensor lse, Tensor? grad_lse, Tensor lo, Tensor hi, float scale, "
                          "int block, int chunk, int parts, float dropout, int seed, float softcap, "
                          "Tensor? alibi_slopes, int dropout_head_start, int dropout_row_start, "
-                         "int dropout_key_start) -> (Tensor, Tensor, Tensor)",
+                         "int dropout_key_start, Tensor? out_low) -> (Tensor, Tensor, Tensor)",
     "release_kept_memory": "attnkit_native::release_kept_memory() -> int",
     "matrix_units_available": "attnkit_native::matrix_units_available() -> bool",
     "use_matrix_units": "attnkit_native::use_matrix_units(bool on) -> bool",
@@ -46,7 +46,8 @@ def registered_schemas() -> dict[str, str]:
 def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, scale: float,
                      block: int | None = None, chunk: int | None = None, dropout: float = 0.0,
                      seed: int = 0, softcap: float | None = None, alibi_slopes: Tensor | None = None,
-                     dropout_start: tuple[int, int, int] = (0, 0, 0)) -> tuple[Tensor, Tensor]:
+                     dropout_start: tuple[int, int, int] = (0, 0, 0),
+                     residual: bool = False) -> tuple[Tensor, ...]:
     """``(output [B, H, Lq, Dv], lse [B, H, Lq])`` of attention where row ``i`` of sequence ``b``
     attends keys ``lo[s, i] <= j < hi[s, i]`` (``s = b``, or 0 when ``lo`` has one row). The output
     is laid out as the query (rows outer to heads where the query has them so, else contiguous), and
@@ -65,14 +66,20 @@ def interval_forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: 
 
     The score of a pair is ``scale * q.k``, then ``softcap * tanh(score / softcap)`` with a
     ``softcap``, then ``- slope * |i + Lk - Lq - j|`` with ``alibi_slopes`` (float32 ``[H]`` or
-    ``[B, H]``: FlashAttention's ALiBi)."""
+    ``[B, H]``: FlashAttention's ALiBi).
+
+    ``residual=True`` returns a third tensor: for half-precision inputs what the output's rounding
+    took off (``output + residual`` is the float32 result to about 16 more bits), for
+    :func:`interval_backward`'s ``out_low``; for float32 inputs an empty tensor."""
     if block is None or chunk is None:
         default_block, default_chunk = tiles(lo, hi)
         block, chunk = block or default_block, chunk or default_chunk
     _require_library()
     query, key, value = _plain_rows(query, key, value)
-    return torch.ops.attnkit_native.interval_forward(query, key, value, lo, hi, scale, block, chunk, dropout, seed,
-                                                     softcap or 0.0, _slopes(alibi_slopes), *dropout_start)
+    results = torch.ops.attnkit_native.interval_forward(query, key, value, lo, hi, scale, block, chunk, dropout,
+                                                        seed, softcap or 0.0, _slopes(alibi_slopes), *dropout_start,
+                                                        residual)
+    return results if residual else results[:2]
 
 
 def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
@@ -80,13 +87,16 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
                       block: int | None = None, chunk: int | None = None, parts: int | None = None,
                       dropout: float = 0.0, seed: int = 0, softcap: float | None = None,
                       alibi_slopes: Tensor | None = None,
-                      dropout_start: tuple[int, int, int] = (0, 0, 0)) -> tuple[Tensor, Tensor, Tensor]:
+                      dropout_start: tuple[int, int, int] = (0, 0, 0),
+                      out_low: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`interval_forward` (same shapes as its inputs) from
     ``grad_out [B, H, Lq, Dv]`` and, when the lse was used too, ``grad_lse [B, H, Lq]``; ``out`` and
     ``lse`` are the forward's (the kernel takes FlashAttention's row term ``rowsum(grad_out * out) -
     grad_lse`` from them), ``dropout``, ``seed``, ``softcap``, ``alibi_slopes`` and ``dropout_start``
     too. ``parts`` cuts each (sequence, kv head)'s rows into that many pieces computed in parallel
-    (default :func:`.tile_tables.backward_parts`)."""
+    (default :func:`.tile_tables.backward_parts`). ``out_low``: the forward's residual
+    (``interval_forward(..., residual=True)``) of a half-precision ``out``, so that the row term reads
+    the output as computed, not as rounded; None (or empty) reads ``out`` alone."""
     if block is None or chunk is None:
         default_block, default_chunk = backward_tiles(lo, hi)
         block, chunk = block or default_block, chunk or default_chunk
@@ -96,9 +106,11 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
     grad_out, query, key, value, out = _plain_rows(grad_out, query, key, value, out)
     if grad_lse is not None:
         grad_lse = grad_lse.to(torch.float32)
+    if out_low is not None and out_low.numel() > 0:
+        (out_low,) = _plain_rows(out_low)
     return torch.ops.attnkit_native.interval_backward(grad_out, query, key, value, out, lse, grad_lse, lo, hi, scale,
                                                       block, chunk, parts, dropout, seed, softcap or 0.0,
-                                                      _slopes(alibi_slopes), *dropout_start)
+                                                      _slopes(alibi_slopes), *dropout_start, out_low)
 
 
 def release_kept_memory() -> int:

@@ -28,11 +28,11 @@ def main(path: str) -> int:
     q, k, v = (torch.randn(1, 2, 9, 4, generator=g, requires_grad=True) for _ in range(3))
     lo = torch.tensor([[0, 0, 1, 2, 3, 4, 5, 6, 7]])
     hi = lo + 2
-    out, lse = torch.ops.attnkit_native.interval_forward(q, k, v, lo, hi, 0.5, 4, 3, 0.0, 0, 0.0, None, 0, 0, 0)
+    out, lse = torch.ops.attnkit_native.interval_forward(q, k, v, lo, hi, 0.5, 4, 3, 0.0, 0, 0.0, None, 0, 0, 0, False)[:2]
     expected_out, expected_lse = _reference(q, k, v, lo, hi, 0.5)
     grad_out = torch.randn(out.shape, generator=g)
     grads = torch.ops.attnkit_native.interval_backward(grad_out, q, k, v, out, lse, None, lo, hi, 0.5, 4, 3, 1, 0.0, 0,
-                                                       0.0, None, 0, 0, 0)
+                                                       0.0, None, 0, 0, 0, None)
     expected_grads = torch.autograd.grad(expected_out, (q, k, v), grad_out.double())
     results = [(out, expected_out), (lse, expected_lse), *zip(grads, expected_grads)]
     if not all(torch.allclose(got.double(), want.double(), atol=1e-4, rtol=1e-4) for got, want in results):

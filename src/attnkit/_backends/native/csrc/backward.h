@@ -63,8 +63,14 @@ void exact_backward_chunk(int64_t rows, int64_t width, int64_t c0, const int64_t
 }
 
 // FlashAttention's row term of the backward, dO . O - dlse (the lse's gradient, 0 when unused).
-inline float row_delta(const float* go_row, const float* o_row, int64_t Dv, const float* grad_lse) {
-  return dot(go_row, o_row, Dv) - (grad_lse ? *grad_lse : 0.0f);
+// A half-precision output comes with what its rounding took off (`low_row`, the forward's
+// residual): O = out + low, as the float32 kernel's row term reads it. Without it the rounded
+// output dominates dQ and dK on rows whose weights peak on one key (bf16, scale 1: dq off by 0.157
+// where PyTorch's math path is off by 0.054).
+inline float row_delta(const float* go_row, const float* o_row, const float* low_row, int64_t Dv,
+                       const float* grad_lse) {
+  const float low = low_row ? dot(go_row, low_row, Dv) : 0.0f;
+  return dot(go_row, o_row, Dv) + low - (grad_lse ? *grad_lse : 0.0f);
 }
 
 // The gradients of a row that attends the keys [lo, hi) but whose scores there were all -inf (lse
@@ -120,7 +126,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const at::Tensor& lo_rows, const at::Tensor& hi_rows,
     double scale, int64_t block, int64_t chunk, int64_t parts, double dropout_p, int64_t seed, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, int64_t dropout_head_start, int64_t dropout_row_start,
-    int64_t dropout_key_start) {
+    int64_t dropout_key_start, const std::optional<at::Tensor>& out_low) {
   Params c("interval_backward", query, key, value, lo_rows, hi_rows, /*together=*/false);
   const int64_t B = c.B, H = c.H, Lq = c.Lq, D = c.D, Hkv = c.Hkv, Lk = c.Lk, Dv = c.Dv;  // the lambdas capture these
   TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == B && grad_out.size(1) == H && grad_out.size(2) == Lq &&
@@ -131,6 +137,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
   TORCH_CHECK(out.sizes() == grad_out.sizes() && out.scalar_type() == c.dtype && out.device().is_cpu() &&
                   out.stride(3) == 1,
               "interval_backward: out must be the forward's output: [B, H, Lq, Dv] like grad_out");
+  const bool has_low = out_low.has_value() && out_low->numel() > 0;
+  TORCH_CHECK(!has_low || (out_low->sizes() == out.sizes() && out_low->scalar_type() == c.dtype &&
+                           out_low->device().is_cpu() && out_low->stride(3) == 1),
+              "interval_backward: out_low must be the forward's residual: [B, H, Lq, Dv] like out");
   TORCH_CHECK(block > 0 && chunk > 0 && parts > 0, "interval_backward: block, chunk and parts must be positive");
   c.modifiers(scale, dropout_p, seed, softcap, alibi_slopes, dropout_head_start, dropout_row_start, dropout_key_start);
   const Dropout& dropout = c.dropout;
@@ -203,7 +213,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       std::vector<int64_t> row_lo(padded), row_hi(padded);
       std::vector<DropoutRow> row_keys(padded);
       BlockRows r(padded);
-      FloatRows queries(c.q), keys(c.k), values(c.v), grads_given(go), outputs(o);  // as float32 (half.h)
+      FloatRows queries(c.q), keys(c.k), values(c.v), grads_given(go), outputs(o),
+          lows(has_low ? Rows(*out_low) : Rows());  // as float32 (half.h)
       OutputRows dq_out(dq_rows);
       KeyGradRows dk_sums(dk_rows, Lk), dv_sums(dv_rows, Lk);
       for (int64_t claimed; (claimed = next_task.fetch_add(1)) < tasks;) {
@@ -244,8 +255,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 const auto [q_rows, q_stride] = queries.head(b, h, first, first + rows);
                 const auto [g_rows, g_stride] = grads_given.head(b, h, first, first + rows);
                 const auto [o_rows, o_stride] = outputs.head(b, h, first, first + rows);
+                const auto [low_rows, low_stride] = has_low ? lows.head(b, h, first, first + rows)
+                                                            : std::pair<const float*, int64_t>{nullptr, 0};
                 const float* go_row = g_rows + (first + j) * g_stride;
-                const float delta = row_delta(go_row, o_rows + (first + j) * o_stride, Dv,
+                const float delta = row_delta(go_row, o_rows + (first + j) * o_stride,
+                                              low_rows ? low_rows + (first + j) * low_stride : nullptr, Dv,
                                               gl ? gl + (b * H + h) * Lq + first + j : nullptr);
                 const auto [k_rows, k_stride] = keys.head(b, kv, a, z);
                 const auto [v_rows, v_stride] = values.head(b, kv, a, z);
@@ -263,6 +277,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
             }
             const auto [go_head, g2s] = grads_given.head(b, h, first, first + rows);
             const auto [o_head, o2s] = outputs.head(b, h, first, first + rows);
+            const auto [low_head, low2s] = has_low ? lows.head(b, h, first, first + rows)
+                                                   : std::pair<const float*, int64_t>{nullptr, 0};
             const float* go_block = go_head + first * g2s;
             // On the tiles the products read the bfloat16 rows; float32 query, key and value rows are
             // converted only for the chunks redone by attended pairs.
@@ -301,7 +317,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               // FlashAttention's D term: dS = P * (f dP - delta), and a row's sum of f * P * dP is
               // dO . O whatever the dropout factors f
               const float* grad_lse_j = gl_block ? gl_block + j : nullptr;
-              r.delta[j] = real ? row_delta(go_block + j * g2s, o_block + j * o2s, Dv, grad_lse_j) : 0.0f;
+              const float* low_row = low_head ? low_head + (first + j) * low2s : nullptr;
+              r.delta[j] = real ? row_delta(go_block + j * g2s, o_block + j * o2s, low_row, Dv, grad_lse_j) : 0.0f;
             }
             for (int64_t j = 0; j < rs; j += L::kWidth) {
               const int64_t whole = std::min(rows, j + L::kWidth);

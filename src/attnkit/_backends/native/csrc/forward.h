@@ -119,13 +119,15 @@ inline void prefetch_rows(const char* first, int64_t rows, int64_t stride, int64
 // Output [B, H, Lq, Dv] (the inputs' dtype, laid out as the query: see like_layout) and the
 // natural-log sum-exp [B, H, Lq] (float32, before dropout) of attention over the intervals [lo, hi) (params.h has the layout);
 // a row with no key gives zeros and -inf. Optional dropout on the weights, from a seed (dropout.h).
-std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, const at::Tensor& key,
+// Third, with `residual` and half-precision inputs, what rounding the output took off, like the
+// output (half.h's OutputRows); else an empty tensor.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, const at::Tensor& key,
                                                     const at::Tensor& value, const at::Tensor& lo_rows,
                                                     const at::Tensor& hi_rows, double scale, int64_t block,
                                                     int64_t chunk, double dropout_p, int64_t seed, double softcap,
                                                     const std::optional<at::Tensor>& alibi_slopes,
                                                     int64_t dropout_head_start, int64_t dropout_row_start,
-                                                    int64_t dropout_key_start) {
+                                                    int64_t dropout_key_start, bool residual) {
   Params c("interval_forward", query, key, value, lo_rows, hi_rows, /*together=*/true);
   TORCH_CHECK(block > 0 && chunk > 0, "interval_forward: block and chunk must be positive");
   TORCH_CHECK(c.Lk < (int64_t{1} << 31), "interval_forward: at most 2^31 - 1 keys");
@@ -135,11 +137,13 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
 
   at::Tensor out = like_layout(query, B, H, Lq, Dv, c.dtype);
   at::Tensor lse = at::empty({B, H, Lq}, query.options().dtype(at::kFloat));
-  if (lse.numel() == 0) return {out, lse};
+  at::Tensor low = residual && c.dtype != at::kFloat ? like_layout(query, B, H, Lq, Dv, c.dtype)
+                                                     : at::empty({0}, query.options());
+  if (lse.numel() == 0) return {out, lse, low};
   // the products on AMX tiles (amx.h)
   const bool amx = amx_applies(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2);
   const int64_t blocks = (Lq + block - 1) / block;
-  const Rows o(out);
+  const Rows o(out), o_low = low.numel() > 0 ? Rows(low) : Rows();
   float* l = lse.data_ptr<float>();
   using L = RowLanes;
   const SoftmaxRows<L> softmax = pick_softmax_rows<L>(c.plain(), dropout.active);  // one per call
@@ -171,7 +175,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
     std::vector<DropoutRow> row_keys(padded);
     Floats exact_scores;
     FloatRows queries(c.q), keys(c.k), values(c.v);  // as float32 (half.h)
-    OutputRows outputs(o);
+    OutputRows outputs(o, o_low);
     for (int64_t begin; (begin = next_task.fetch_add(claim)) < tasks;) {
       const int64_t end = std::min(tasks, begin + claim);
       for (int64_t task = begin; task < end; ++task) {
@@ -284,7 +288,7 @@ std::tuple<at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, con
       }
     }
   });
-  return {out, lse};
+  return {out, lse, low};
 }
 
 }  // namespace

@@ -153,10 +153,13 @@ class FloatRows {
 };
 
 // Where a block's float32 results go before the output: the output's own rows (float32), or a
-// thread's buffer of `rows` x C floats rounded into the output's rows by `store`.
+// thread's buffer of `rows` x C floats rounded into the output's rows by `store`. With `low` (a
+// tensor like the half-precision output), `store` also writes what the rounding took off, rounded
+// in its turn: out + low holds the float32 result to about 16 bits more, for the backward's row
+// term (backward.h), which would otherwise read the rounded output.
 class OutputRows {
  public:
-  explicit OutputRows(const Rows& out) : out_(out) {}
+  explicit OutputRows(const Rows& out, const Rows& low = Rows()) : out_(out), low_(low) {}
 
   // Rows [first, first + rows) of (b, h): a float32 destination and its row stride.
   std::pair<float*, int64_t> block(int64_t b, int64_t h, int64_t first, int64_t rows) {
@@ -169,14 +172,24 @@ class OutputRows {
   // The block's results into a half-precision output (nothing to do for float32).
   void store() {
     if (out_.is_float()) return;
+    const int64_t w = out_.width;
+    if (low_.data != nullptr && static_cast<int64_t>(rounded_.size()) < w) rounded_.resize(w);
     for (int64_t j = 0; j < rows_; ++j) {
-      from_float(buffer_.data() + j * out_.width, out_.width, out_.type, const_cast<char*>(out_.at(b_, h_, first_ + j)));
+      const float* exact = buffer_.data() + j * w;
+      char* row = const_cast<char*>(out_.at(b_, h_, first_ + j));
+      from_float(exact, w, out_.type, row);
+      if (low_.data == nullptr) continue;
+      to_float(row, out_.type, w, rounded_.data());
+      // exact in float32 (the two are within a rounding of each other); inf - inf leaves NaN, read
+      // only where the output itself is not finite
+      for (int64_t d = 0; d < w; ++d) rounded_[d] = exact[d] - rounded_[d];
+      from_float(rounded_.data(), w, out_.type, const_cast<char*>(low_.at(b_, h_, first_ + j)));
     }
   }
 
  private:
-  Rows out_;
-  Floats buffer_;
+  Rows out_, low_;
+  Floats buffer_, rounded_;
   int64_t b_ = 0, h_ = 0, first_ = 0, rows_ = 0;
 };
 

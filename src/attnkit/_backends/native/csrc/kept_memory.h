@@ -9,6 +9,9 @@
 // or the next training step's output and gradients, writes to pages already there (window
 // forward 82-84 -> 75-77 ms, training step 317-319 -> 282-289 ms). attnkit.kernel.release_memory()
 // unmaps what is kept. A fresh mapping gets the huge-page advice where that cannot stall.
+// From 8 MiB, not 32: with a half-precision output and its residual (16 MiB each at that size,
+// forward.h) alive together, glibc mapped one of them afresh on every call, 7,500 page faults a
+// window forward (L = 16384, bf16), its cost 4-9%; from 8 MiB, 2 faults a call.
 // (MADV_FREE on the kept mappings, to let the system reclaim them, cost half the gain.)
 
 #pragma once
@@ -45,7 +48,7 @@ bool huge_pages_without_stalls() {
 
 class KeptMappings final : public c10::Allocator {
  public:
-  static constexpr size_t kFromBytes = size_t{32} << 20, kKeptBytes = size_t{256} << 20;
+  static constexpr size_t kFromBytes = size_t{8} << 20, kKeptBytes = size_t{256} << 20;
 
   static KeptMappings& instance() {
     static KeptMappings* const pool = [] {
