@@ -66,7 +66,8 @@ def _keeps_residual(query: Tensor, keep_residual: bool) -> bool:
     """Whether the op returns a residual with its output: asked for (a backward will follow), and
     half precision on the CPU, where the native kernel computes in float32 and its backward can
     read the output as computed. The fake implementation decides from the same, so the shapes agree
-    whichever kernel runs. (Writing it costs a forward 2-4%: bf16 window, L = 16384.)"""
+    whichever kernel runs. (Writing and reading it: -7% to +9% of the native kernel's time, within
+    the noise; docs/performance.md, the ninth session.)"""
     return keep_residual and query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
 
 
