@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent('''
                                                   for name in ("forward", "backward", "backward_kv", "backward_q"))
 
     POINTERS = {"Lse": "*fp32", "Delta": "*fp32", "dLse": "*fp32", "Slopes": "*fp32", "Lo": "*i32", "Hi": "*i32",
-                "Summary": "*i32", "Reached": "*i32", "Seed": "*i64"}
+                "Summary": "*i32", "Reached": "*i32", "Seed": "*i64", "Gate": "*i32"}
     FLOATS = ("scale", "softcap", "drop_scale")
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
@@ -57,8 +57,11 @@ SCRIPT = textwrap.dedent('''
         block_m, block_n, warps, stages = kernels.forward_blocks(dim, dtype)
         (kv_m, kv_n, q_m, q_n), b_warps, b_stages = kernels.backward_blocks(dim, dtype)
         pick = lambda fn, extra: {k: v for k, v in {**flags, **extra}.items() if k in fn.arg_names}
-        build(forward._forward_kernel, element, pick(forward._forward_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n)),
-              warps, stages)
+        # the forward with its second pass inline, without it, and as the gated redo launch
+        for second_pass, gated in ((True, False), (False, False), (True, True)):
+            build(forward._forward_kernel, element,
+                  pick(forward._forward_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, SECOND_PASS=second_pass,
+                                                     GATED=gated)), warps, stages)
         build(backward_kv.dkdv_kernel, element, pick(backward_kv.dkdv_kernel, dict(BLOCK_M=kv_m, BLOCK_N=kv_n)),
               b_warps, b_stages)
         build(backward_q.dq_kernel, element, pick(backward_q.dq_kernel, dict(BLOCK_M=q_m, BLOCK_N=q_n)),

@@ -316,6 +316,37 @@ def test_non_finite_values_in_partial_blocks_reach_only_the_rows_that_attend_the
     torch.testing.assert_close(lse.cpu().double(), want_lse, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("poison", ["none", "partial blocks", "padding only"])
+def test_the_gated_second_pass_gives_the_inline_passs_bits(poison: str) -> None:
+    """``second_pass="gated"`` runs the kernel without the pass, then a second launch that redoes
+    only the programs whose partly attended blocks hold a NaN or inf value: the same bits as the
+    pass compiled in, with clean values, with such values where part of a block attends them (where
+    the kernel without any pass differs), and with NaN only in keys no row attends."""
+    import importlib
+
+    forward = importlib.import_module("attnkit._backends.triton.forward")
+    n, heads, kv_heads, length = 2, 2, 1, 40
+    mask = (masks.first_keys(3) | masks.sliding_window(10)) & masks.causal() & masks.padding([40, 33])
+    lo, hi = mask.row_ranges(length, length)
+    q, k, v = _inputs(n, heads, kv_heads, length, length, dim=16, v_dim=16, seed=21)
+    if poison == "partial blocks":
+        v[0, 0, 7, 3], v[1, 0, 20, 0] = float("inf"), float("nan")
+    elif poison == "padding only":
+        v[1, 0, 35:] = float("nan")  # keys 33.. of the second sequence are padding
+    prep = kernel.prepare(q, k, v, lo, hi, scale=0.3, softcap=2.0, alibi_slopes=None, dropout=0.2,
+                          seed=torch.tensor(4242, dtype=torch.int64, device=DEVICE))
+    inline = forward.launch(prep, 16, 16, 4, 1, second_pass="inline")
+    gated = forward.launch(prep, 16, 16, 4, 1, second_pass="gated")
+    off = forward.launch(prep, 16, 16, 4, 1, second_pass="off")
+    for got, want in zip(gated, inline):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    leaked = not torch.equal(off[0].isnan(), inline[0].isnan()) or not torch.equal(off[0].nan_to_num(),
+                                                                                 inline[0].nan_to_num())
+    assert leaked == (poison == "partial blocks")
+    with pytest.raises(ValueError, match="second_pass"):
+        forward.launch(prep, 16, 16, 4, 1, second_pass=False)
+
+
 def test_a_dropped_nan_weight_stays_nan() -> None:
     """Dropout multiplies the weights by 0 or ``1 / (1 - p)``, so a NaN weight that is dropped is
     still NaN in ``dV = P^T dO``, as the definition (``weights * keep``) has it; selecting 0 for it

@@ -14,6 +14,14 @@ others do not still meets all of them in ``P @ V``, where a NaN or inf value wou
 through ``0 * inf`` (FlashAttention's kernels let it). So after its loop a program looks at the
 values of its partly attended blocks again, and where one holds a NaN or inf it computes its
 output a second time without that leak (:mod:`.non_finite`): rare, and off the hot loop.
+
+Compiled into the kernel, that pass costs registers even where it never runs: ptxas (sm_90a, bf16,
+D = 128, the default 64 x 64 tiles, 4 warps) reports 240 bytes of spill stores and 504 of spill
+loads without it, 896 and 1,808 with it. So :func:`launch` can also run it ``"gated"``: the kernel
+without the pass, then the same kernel with it, as a second launch whose programs return at once
+unless the values hold a NaN or inf (one ``aminmax`` over them on the device, no host sync) and
+their own partly attended blocks do. Both give the same bits; which is faster is for an H100 to
+say (``benchmarks/triton_blocks.py``).
 """
 
 from __future__ import annotations
@@ -68,7 +76,7 @@ def _visit(acc, m_i, l_i, q, k_base, v_base, start, rows, lo, hi, drop_a, drop_c
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed,
+def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed, Gate,
                     stride_qn, stride_qh, stride_qm, stride_qd,
                     stride_kn, stride_kh, stride_km, stride_kd,
                     stride_vn, stride_vh, stride_vm, stride_vd,
@@ -79,11 +87,20 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, RANGES: tl.constexpr, SOFTCAP: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
-                    SECOND_PASS: tl.constexpr):
-    """Grid ``(cdiv(Lq, BLOCK_M), N * H)``: output and lse of one query block of one head."""
+                    SECOND_PASS: tl.constexpr, GATED: tl.constexpr):
+    """Grid ``(cdiv(Lq, BLOCK_M), N * H)``: output and lse of one query block of one head. ``GATED``
+    (with ``SECOND_PASS``): the redo launch, whose program writes nothing unless ``Gate`` says the
+    values hold a NaN or inf and its own partly attended blocks do."""
+    if GATED:
+        if tl.load(Gate) == 0:
+            return
     pid_nh, n, h, n64, rows, valid, k_base, v_base, slope, drop_a, drop_c = c.query_block(
         K, V, Slopes, Seed, stride_kn, stride_kh, stride_vn, stride_vh, stride_sn, stride_sh,
         heads, heads_per_kv, q_len, BLOCK_M, HAS_ALIBI, DROPOUT)
+    if GATED:
+        if not non_finite.in_partial_blocks(v_base, rows, valid, Lo + n * stride_ls, Hi + n * stride_ls, stride_lr,
+                                            stride_vm, stride_vd, q_len, k_len, v_dim, BLOCK_N, BLOCK_DV, RANGES):
+            return
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     q_base = Q + n64 * stride_qn + h.to(tl.int64) * stride_qh
@@ -137,11 +154,14 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed,
 
 
 def launch(prep: Prepared, block_m: int, block_n: int, num_warps: int, num_stages: int, *,
-           second_pass: bool = True) -> tuple[Tensor, Tensor]:
+           second_pass: str = "inline") -> tuple[Tensor, Tensor]:
     """Run the forward on prepared inputs: ``(out [N, H, Lq, Dv] in the input dtype, lse [N, H, Lq]
-    float32)``. ``second_pass=False`` compiles the kernel without :mod:`.non_finite`'s pass, which
-    a masked-out NaN or inf value then leaks through: only for ``benchmarks/triton_blocks.py`` to
-    time what the pass costs."""
+    float32)``. ``second_pass``: :mod:`.non_finite`'s pass ``"inline"`` (compiled into the kernel),
+    ``"gated"`` (a second launch that returns at once unless needed; the same bits), or ``"off"``
+    (a masked-out NaN or inf value then leaks through: only for ``benchmarks/triton_blocks.py`` to
+    time what the pass costs)."""
+    if second_pass not in ("inline", "gated", "off"):
+        raise ValueError(f"second_pass must be 'inline', 'gated' or 'off', got {second_pass!r}")
     query, key, value = prep.query, prep.key, prep.value
     n, heads, q_len, head_dim = query.shape
     k_len, v_dim = key.shape[2], value.shape[3]
@@ -150,13 +170,26 @@ def launch(prep: Prepared, block_m: int, block_n: int, num_warps: int, num_stage
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
     grid = (triton.cdiv(q_len, block_m), n * heads)
-    _forward_kernel[grid](
-        query, key, value, out, lse, prep.lo, prep.hi, prep.slopes, prep.seed,
-        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
-        prep.stride_ls, prep.stride_lr, prep.stride_sn, prep.stride_sh,
-        heads, prep.heads_per_kv, q_len, k_len, head_dim, v_dim,
-        prep.scale, prep.softcap, prep.drop_scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=prep.block_d, BLOCK_DV=prep.block_dv, RANGES=prep.ranges,
-        SOFTCAP=prep.has_softcap, HAS_ALIBI=prep.has_alibi, DROPOUT=prep.has_dropout, IEEE=prep.ieee,
-        SECOND_PASS=second_pass, num_warps=num_warps, num_stages=num_stages)
+
+    def run(gate: Tensor, pass_compiled: bool, gated: bool) -> None:
+        _forward_kernel[grid](
+            query, key, value, out, lse, prep.lo, prep.hi, prep.slopes, prep.seed, gate,
+            *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+            prep.stride_ls, prep.stride_lr, prep.stride_sn, prep.stride_sh,
+            heads, prep.heads_per_kv, q_len, k_len, head_dim, v_dim,
+            prep.scale, prep.softcap, prep.drop_scale,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=prep.block_d, BLOCK_DV=prep.block_dv, RANGES=prep.ranges,
+            SOFTCAP=prep.has_softcap, HAS_ALIBI=prep.has_alibi, DROPOUT=prep.has_dropout, IEEE=prep.ieee,
+            SECOND_PASS=pass_compiled, GATED=gated, num_warps=num_warps, num_stages=num_stages)
+
+    run(lse, second_pass == "inline", False)  # lse: a pointer the ungated kernel never reads
+    if second_pass == "gated" and value.numel() > 0:
+        run(_holds_non_finite(value), True, True)
     return out, lse
+
+
+def _holds_non_finite(value: Tensor) -> Tensor:
+    """An int32 scalar on the device: 1 where ``value`` holds a NaN or inf (its min or max is not
+    finite; both propagate NaN), else 0. No host sync."""
+    smallest, largest = torch.aminmax(value)
+    return (~(torch.isfinite(smallest) & torch.isfinite(largest))).to(torch.int32)
