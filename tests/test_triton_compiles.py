@@ -18,37 +18,14 @@ import pytest
 pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent('''
-    import importlib, os, subprocess, sys, tempfile
-    import torch, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    import importlib
+    import torch
     import attnkit._backends.triton as kernels
     # the modules (the package's own names forward / backward are its entry points)
     forward, backward, backward_kv, backward_q = (importlib.import_module("attnkit._backends.triton." + name)
                                                   for name in ("forward", "backward", "backward_kv", "backward_q"))
 
-    POINTERS = {"Lse": "*fp32", "Delta": "*fp32", "dLse": "*fp32", "Slopes": "*fp32", "Lo": "*i32", "Hi": "*i32",
-                "Summary": "*i32", "Reached": "*i32", "Seed": "*i64", "Gate": "*i32"}
-    FLOATS = ("scale", "softcap", "drop_scale")
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-
-    def build(fn, element, constants, warps, stages):
-        signature = {}
-        for name in fn.arg_names:
-            if name in constants:
-                signature[name] = "constexpr"
-            elif name in POINTERS:
-                signature[name] = POINTERS[name]
-            elif name[0].isupper() or name[:2] == "dO" or name[:2] in ("dQ", "dK", "dV"):
-                signature[name] = element
-            else:
-                signature[name] = "fp32" if name in FLOATS else "i32"
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
-                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(compiled.asm["ptx"])
-        done = subprocess.run([ptxas, "-arch=sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
+    from triton_spills import build  # benchmarks/: compiles for sm_90a and assembles with triton's ptxas
 
     # float32 (IEEE products on the FMA units, unrolled) takes a minute more to compile: left to the GPU tests
     for dtype, element, dim, features in ((torch.bfloat16, "*bf16", 128, False), (torch.float16, "*fp16", 64, True)):
@@ -73,7 +50,8 @@ SCRIPT = textwrap.dedent('''
 
 def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    benchmarks = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    env["PYTHONPATH"] = os.pathsep.join([*sys.path, benchmarks])
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     if done.returncode != 0 and "ptxas" in done.stderr and "No such file" in done.stderr:
         pytest.skip("this triton build ships no ptxas")
