@@ -145,6 +145,27 @@ def test_torch_func_grad_vmap_and_jacrev_match_the_reference(kernel):
     torch.testing.assert_close(jacobian, expected, **CLOSE)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_of_vmap_matches_a_loop_of_backwards(kernel, dtype):
+    """torch.func.grad over vmap(f): the op's batched backward runs while its inputs still track the
+    grad level (the op's autograd layer then built an autograd.Function that functorch refused),
+    and in half precision it reads the output's residual as a plain backward does."""
+    mask = masks.document([9, 11]) & masks.causal()
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, 2, 20, 32, generator=g).to(dtype) for _ in range(3))
+
+    def loss(x, key, value):
+        return attnkit.attention(x[None], key[None], value[None], mask=mask, backend="tiled").float().square().sum()
+
+    got = grad(lambda x: vmap(loss)(x, k, v).sum())(q)
+    expected = []
+    for i in range(3):
+        leaf = q[i].clone().requires_grad_()
+        loss(leaf, k[i], v[i]).backward()
+        expected.append(leaf.grad)
+    assert torch.equal(got, torch.stack(expected))
+
+
 def _masked_reference(query, key, value, allowed):
     """Plain float64 attention written out here (no attnkit code), for transforms of any order."""
     scores = (query @ key.transpose(-1, -2) / query.shape[-1] ** 0.5).masked_fill(~allowed, float("-inf"))

@@ -470,8 +470,10 @@ def run(inputs: IntervalInputs) -> tuple[Tensor, Tensor]:
     a small call's host time (measured: 0.24 of 0.9 ms, benchmarks/gpu_overhead.py's profile)."""
     if _torch_private.nested_differentiation():
         return plain_ops(inputs)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs.tensors()):
-        inputs = inputs.replace(keep_residual=True)  # a backward may follow
+    # a backward may follow (under torch.func transforms the wrapped inputs may not say so: kept there)
+    if torch.is_grad_enabled() and (any(t is not None and t.requires_grad for t in inputs.tensors())
+                                    or _torch_private.functorch_active()):
+        inputs = inputs.replace(keep_residual=True)
     if _torch_private.forward_ad_active():
         out, lse, *_ = IntervalAttentionForwardMode.apply(*inputs.as_tuple())
     elif torch.compiler.is_compiling() or any(_torch_private.without_values(t) for t in inputs.tensors()
@@ -575,7 +577,16 @@ def _(info, in_dims, *args):
 
 
 @torch.library.register_vmap("attnkit::interval_attention_backward")
-def _(info, in_dims, grad_out, grad_lse, out, lse, ran, *args):
+def _(info, in_dims, *args):
+    # Gradients are never differentiated through this op (second order recomputes densely,
+    # _dense_backward), and under torch.func.grad(vmap(f)) its inputs still track the grad level:
+    # the op's autograd layer would then wrap the call in an autograd.Function without
+    # setup_context, which functorch refuses. So the batched call runs with grad mode off.
+    with torch.no_grad():
+        return _backward_batched(info, in_dims, *args)
+
+
+def _backward_batched(info, in_dims, grad_out, grad_lse, out, lse, ran, *args):
     size = info.batch_size
     go_dim, gl_dim, o_dim, l_dim, _ = in_dims[:5]
     *fields, bias_grad, residual = args
