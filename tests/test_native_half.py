@@ -105,6 +105,7 @@ def test_half_precision_is_the_float32_kernel_rounded_once(c, dtype, dropout, so
     finite = torch.isfinite(out32)
     exact = out.float() + low.float()
     assert ((exact - out32).abs() <= out32.abs() * 2 ** -15 + 1e-7)[finite].all()
+    assert (low[~finite] == 0).all()  # out + residual is the output itself where it is not finite
     # and the backward that reads it is the float32 kernel's given the same pair, rounded once
     with native.matrix_units(False):
         grads = native.interval_backward(grad_out, q, k, v, out, lse, c["lo"], c["hi"], c["scale"], block=c["block"],

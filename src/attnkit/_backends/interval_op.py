@@ -76,7 +76,8 @@ def _split(exact: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     ``out + residual`` holds ``exact`` to about 16 more bits (the native kernel's forward writes the
     same pair itself, ``csrc/half.h``)."""
     out = exact.to(dtype)
-    return out, (exact - out.float()).to(dtype)
+    low = torch.where(torch.isfinite(exact), exact - out.float(), 0.0)  # as the kernel: 0 where not finite
+    return out, low.to(dtype)
 
 
 def _exact(out: Tensor, residual: Tensor | None) -> Tensor:

@@ -20,6 +20,7 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -180,9 +181,9 @@ class OutputRows {
       from_float(exact, w, out_.type, row);
       if (low_.data == nullptr) continue;
       to_float(row, out_.type, w, rounded_.data());
-      // exact in float32 (the two are within a rounding of each other); inf - inf leaves NaN, read
-      // only where the output itself is not finite
-      for (int64_t d = 0; d < w; ++d) rounded_[d] = exact[d] - rounded_[d];
+      // exact in float32 (the two are within a rounding of each other); 0 where the output is not
+      // finite (inf - inf would be NaN), so that out + low is the output itself there
+      for (int64_t d = 0; d < w; ++d) rounded_[d] = std::isfinite(exact[d]) ? exact[d] - rounded_[d] : 0.0f;
       from_float(rounded_.data(), w, out_.type, const_cast<char*>(low_.at(b_, h_, first_ + j)));
     }
   }
