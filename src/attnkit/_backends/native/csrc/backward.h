@@ -255,8 +255,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 const auto [q_rows, q_stride] = queries.head(b, h, first, first + rows);
                 const auto [g_rows, g_stride] = grads_given.head(b, h, first, first + rows);
                 const auto [o_rows, o_stride] = outputs.head(b, h, first, first + rows);
-                const auto [low_rows, low_stride] = has_low ? lows.head(b, h, first, first + rows)
-                                                            : std::pair<const float*, int64_t>{nullptr, 0};
+                const auto [low_rows, low_stride] = lows.head(b, h, first, first + rows);  // nullptr: none
                 const float* go_row = g_rows + (first + j) * g_stride;
                 const float delta = row_delta(go_row, o_rows + (first + j) * o_stride,
                                               low_rows ? low_rows + (first + j) * low_stride : nullptr, Dv,
@@ -277,8 +276,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
             }
             const auto [go_head, g2s] = grads_given.head(b, h, first, first + rows);
             const auto [o_head, o2s] = outputs.head(b, h, first, first + rows);
-            const auto [low_head, low2s] = has_low ? lows.head(b, h, first, first + rows)
-                                                   : std::pair<const float*, int64_t>{nullptr, 0};
+            const auto [low_head, low2s] = lows.head(b, h, first, first + rows);  // nullptr: no residual
             const float* go_block = go_head + first * g2s;
             // On the tiles the products read the bfloat16 rows; float32 query, key and value rows are
             // converted only for the chunks redone by attended pairs.

@@ -113,8 +113,9 @@ class FloatRows {
 
   // A pointer p with row i of (b, h) at p + i * stride for rows [first, last), and the stride.
   // (For half precision p lies before the buffer when rows before `first` were dropped; only rows
-  // in [first, last) are read through it.)
+  // in [first, last) are read through it.) An absent tensor (Rows()) gives {nullptr, 0}.
   std::pair<const float*, int64_t> head(int64_t b, int64_t h, int64_t first, int64_t last) {
+    if (in_.data == nullptr) return {nullptr, 0};
     if (in_.is_float()) return {in_.floats(b, h, 0), in_.s2};
     const int64_t w = in_.width;
     if (b != b_ || h != h_ || first < base_ || first > hi_) b_ = b, h_ = h, base_ = hi_ = first;
