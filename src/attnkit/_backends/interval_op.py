@@ -570,11 +570,13 @@ def _(info, in_dims, *args):
         return _stacked(results, list(dims_out)), dims_out
     out, lse, ran, residual = forward_op(_folded(original, dims, size))
     batch = out.shape[0] // size
-    if residual.numel():
-        return ((out.reshape(size, batch, *out.shape[1:]), lse.reshape(size, batch, *lse.shape[1:]), ran,
-                 residual.reshape(size, batch, *residual.shape[1:])), (0, 0, None, 0))
-    return (out.reshape(size, batch, *out.shape[1:]), lse.reshape(size, batch, *lse.shape[1:]), ran,
-            residual), (0, 0, None, None)
+
+    def unfold(t: Tensor) -> Tensor:
+        return t.reshape(size, batch, *t.shape[1:])
+
+    if residual.numel():  # else empty, not batched
+        return (unfold(out), unfold(lse), ran, unfold(residual)), (0, 0, None, 0)
+    return (unfold(out), unfold(lse), ran, residual), (0, 0, None, None)
 
 
 @torch.library.register_vmap("attnkit::interval_attention_backward")
