@@ -153,18 +153,24 @@ def test_within_twice_pytorchs_error_against_float64(dtype, name, mask, length, 
     allowed = allowed if allowed.dim() == 4 else allowed[None, None]
     assert allowed.any(-1).all(), "every row attends a key (SDPA gives NaN for rows with none)"
 
-    def gradients(fn, dt):
-        return output_and_gradients(fn, (q, k, v), grad_out, dt)
-
-    expected = gradients(lambda a, b, c: oracle_attention(a, b, c, mask=allowed)[0], torch.float64)
-    pytorch = gradients(lambda a, b, c: F.scaled_dot_product_attention(
-        a, b.repeat_interleave(2, 1), c.repeat_interleave(2, 1), attn_mask=allowed), dtype)
     assert auto_runs(_call(q.to(dtype), k.to(dtype), v.to(dtype), mask=mask)) == "tiled:native"
-    ours = gradients(lambda a, b, c: attnkit.attention(a, b, c, mask=mask), dtype)
-    for what, got, theirs, want in zip(("output", "dq", "dk", "dv"), ours, pytorch, expected):
-        assert got.dtype == dtype
-        bound = 2 * _max_error(theirs, want)
-        assert _max_error(got, want) <= bound, (what, _max_error(got, want), bound)
+    _beside_reference(lambda a, b, c: attnkit.attention(a, b, c, mask=mask),
+                      lambda a, b, c: oracle_attention(a, b, c, mask=allowed)[0],
+                      lambda a, b, c: F.scaled_dot_product_attention(
+                          a, b.repeat_interleave(2, 1), c.repeat_interleave(2, 1), attn_mask=allowed),
+                      (q, k, v), grad_out, dtype)
+
+
+def _beside_reference(ours, reference, bar, inputs, grad_out, dtype):
+    """Output and gradients of ``ours`` in ``dtype`` within twice the error of ``bar`` (PyTorch in
+    that dtype) against ``reference`` in float64."""
+    want = output_and_gradients(reference, inputs, grad_out, torch.float64)
+    theirs = output_and_gradients(bar, inputs, grad_out, dtype)
+    got = output_and_gradients(ours, inputs, grad_out, dtype)
+    for what, mine, pytorch, exact in zip(("output", "dq", "dk", "dv"), got, theirs, want):
+        assert mine.dtype == dtype, (what, mine.dtype)
+        assert _max_error(mine, exact) <= 2 * _max_error(pytorch, exact), (what, _max_error(mine, exact),
+                                                                          _max_error(pytorch, exact))
 
 
 @needs_native
@@ -201,17 +207,6 @@ def test_a_model_layout_keeps_its_layout_and_dtype(dtype):
     for got, want in zip(grads, grads32):
         assert got.dtype == dtype
         _same(got, want.to(dtype))
-
-
-def _beside_reference(ours, reference, bar, inputs, grad_out, dtype):
-    """Output and gradients of ``ours`` in ``dtype`` within twice the error of ``bar`` (PyTorch in
-    that dtype) against ``reference`` in float64."""
-    want = output_and_gradients(reference, inputs, grad_out, torch.float64)
-    theirs = output_and_gradients(bar, inputs, grad_out, dtype)
-    got = output_and_gradients(ours, inputs, grad_out, dtype)
-    for what, mine, pytorch, exact in zip(("output", "dq", "dk", "dv"), got, theirs, want):
-        assert _max_error(mine, exact) <= 2 * _max_error(pytorch, exact), (what, _max_error(mine, exact),
-                                                                          _max_error(pytorch, exact))
 
 
 @needs_native
