@@ -221,7 +221,7 @@ def test_peaked_rows_read_the_output_as_computed(dtype, tiles, mask):
     error of PyTorch's own call in bf16 (D != Dv: its math path, which sums P * dP). The forward
     keeps what the rounding took off (the op's residual), and the row term reads the output as
     computed: within twice PyTorch's error on the float32-convert path, and on the AMX tiles (whose
-    products round P and dS, as PyTorch's flash kernel does) where the key spans are short."""
+    forward rounds P for P V, as PyTorch's flash kernel does) where the key spans are short."""
     if tiles and (dtype != torch.bfloat16 or not native.matrix_units_available()):
         pytest.skip("the AMX tiles take bfloat16 on CPUs that have them")
     if tiles and mask.row_ranges(300, 300)[0].shape[1] > 1:
@@ -288,8 +288,9 @@ def test_a_row_on_one_key_under_dropout_has_no_query_gradient(dtype):
     """A row that attends one key has weight 1 there whatever its score, so its dq and the key's dk
     are exactly 0; under dropout its output is ``v / (1 - p)`` or 0, which the dtype rounds. A row
     term from that rounded output left dq off by 0.06 and dk by 0.18 in bf16 (p = 0.1); from the
-    output as computed, only float32's rounding is left on the float32-convert path. (The AMX tiles
-    round each weight times 1 / (1 - p) to bf16 for the products, which leaves 0.015 there.)"""
+    output as computed, only float32's rounding is left on the float32-convert path. (The AMX tiles'
+    forward rounds each weight times 1 / (1 - p) to bf16 for P V, so the output reads
+    v x bf16(1 / (1 - p)) while the backward's dP takes the exact factor: 0.015 is left there.)"""
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, 2, 128, 64, generator=g).to(dtype)
     k, v, grad_out = (torch.randn(1, 2, 128, 64, generator=g).to(dtype) for _ in range(3))

@@ -13,8 +13,10 @@
 //           chunk's weights, rounded to bfloat16 and packed by pairs of keys.
 // The backward's dP = dO V^T is the scores' product (dO packed as the queries are), dQ^T the values'
 // (K^T kept like V^T), and dV += (f P)^T dO, dK += dS^T Q the products over rows below.
-// The weights and score gradients are rounded to bfloat16 for the products that take them (as
-// PyTorch's bf16 CPU kernel and FlashAttention do); the softmax, its sums, delta and the lse stay
+// The forward's weights are rounded to bfloat16 for P V (as PyTorch's bf16 CPU kernel and
+// FlashAttention do); the backward's three products over P and dS take each as two bfloat16 parts
+// (split_halves: 2^-16 of the value instead of 2^-9), which keeps its gradients within twice
+// PyTorch's error where rounding once did not. The softmax, its sums, delta and the lse stay
 // float32. A call takes this path when its dtype is bfloat16 and D % 32 == Dv % 32 == 0 (whole
 // tiles; others convert).
 //
@@ -211,6 +213,31 @@ ATTNKIT_AMX void amx_scores(const uint16_t* k, int64_t k2s, int64_t W, int64_t r
   }
 }
 
+// Two vectors of float32 as two parts of bfloat16 each, 32 elements (first's in 0-15): `high`, each
+// element cut to its upper 16 bits, and `low`, what the cut left (exact in float32), rounded to
+// nearest even. high + low holds the elements to 2^-16 of themselves, where rounding them once holds
+// them to 2^-9. Cutting instead of rounding the high part leaves the low part one subtraction
+// (elements here are finite: non-finite ones take the exact path). Elements below 2^-100 keep the
+// high part alone: their low part could be subnormal, and a subnormal result or input costs the
+// vector units a microcode assist (the window's weights, many near 0, made the packing 5x slower).
+// They add at most 2^-108 each to sums of weights that reach 1.
+struct SplitHalves {
+  __m512i high, low;
+};
+ATTNKIT_AMX inline __m512 cut_remainder(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i exponent = _mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000));
+  const __mmask16 large = _mm512_cmpge_epu32_mask(exponent, _mm512_set1_epi32((127 - 100) << 23));
+  const __m512 high = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  return _mm512_maskz_sub_ps(large, x, high);
+}
+ATTNKIT_AMX inline SplitHalves split_halves(__m512 first, __m512 second) {
+  const __m512i odd_words = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29,
+                                             27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  return {_mm512_permutex2var_epi16(_mm512_castps_si512(first), odd_words, _mm512_castps_si512(second)),
+          (__m512i)_mm512_cvtne2ps_pbh(cut_remainder(second), cut_remainder(first))};
+}
+
 // The chunk's weights P[t][r] (key-major, t < W, rows as given in s) in B's layout for the values:
 // for query tile qt the 32-bit word [qt][pair][r] holds (P[2 pair][r], P[2 pair + 1][r]) rounded to
 // bfloat16 (nearest even), pairs up to round_up(W, 32) / 2, keys past W as 0.
@@ -233,9 +260,11 @@ ATTNKIT_AMX void pack_weights(const float* s, int64_t rs, int64_t W, uint32_t* p
 // The accumulators of group g start as start[g] says (rescaled in memory first). A last block
 // reaching past W is read from `spare` (Dv x 32) with those keys as 0: they are keys no row of the
 // chunk attends, and their weight of 0 times a NaN or inf there would reach the rows (the
-// backward's dQ has no redo to catch it).
+// backward's dQ has no redo to catch it). `weights_low`, where given, is the weights' low part in
+// the same layout (split_halves), joining each step's product.
 ATTNKIT_AMX void amx_values(const uint16_t* vt, int64_t W, int64_t Dv, const uint32_t* weights, int64_t rs,
-                            float* ot, const Start* start, const float* rescale, uint16_t* spare) {
+                            float* ot, const Start* start, const float* rescale, uint16_t* spare,
+                            const uint32_t* weights_low = nullptr) {
   const int64_t pairs = round_up(W, kTileK) / 2, steps = pairs / kTile, feature_tiles = Dv / kTile;
   const int64_t os = rs * 4, block = Dv * kTileK;
   const uint16_t* last = vt + (steps - 1) * block;  // the last step's block
@@ -286,6 +315,16 @@ ATTNKIT_AMX void amx_values(const uint16_t* vt, int64_t W, int64_t Dv, const uin
           _tile_dpbf16ps(2, 5, 6);
           _tile_dpbf16ps(3, 5, 7);
         }
+        if (weights_low != nullptr) {
+          _tile_loadd(6, weights_low + (b0 - weights) + step * kTile * kTile, 64);
+          _tile_loadd(7, weights_low + (b1 - weights) + step * kTile * kTile, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (two) {
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
       }
       _tile_stored(0, acc, os);
       _tile_stored(1, acc + kTile, os);
@@ -320,24 +359,25 @@ ATTNKIT_AMX void pack_rows(const uint16_t* x, int64_t x2s, int64_t rows, int64_t
   }
 }
 
-// The chunk's key-major w[t][r] (t < W, rs lanes) as bfloat16 rows [t][rs], rows up to
-// round_up(W, 16) (0 past W): A's layout, one tile per 16 keys and 32 rows.
-ATTNKIT_AMX void pack_key_rows(const float* w, int64_t rs, int64_t W, uint16_t* packed) {
+// The chunk's key-major w[t][r] (t < W, rs lanes) as bfloat16 rows [t][rs] in two parts
+// (split_halves), `high` and `low`, rows up to round_up(W, 16) (0 past W): A's layout, one tile per
+// 16 keys and 32 rows.
+ATTNKIT_AMX void pack_key_rows(const float* w, int64_t rs, int64_t W, uint16_t* high, uint16_t* low) {
   for (int64_t t = 0; t < round_up(W, kTile); ++t) {
     for (int64_t r = 0; r < rs; r += kTileK) {
-      const __m512i row = t < W ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(w + t * rs + r + kTile),
-                                                               _mm512_loadu_ps(w + t * rs + r))
-                                : _mm512_setzero_si512();
-      _mm512_storeu_si512(packed + t * rs + r, row);
+      SplitHalves both{_mm512_setzero_si512(), _mm512_setzero_si512()};
+      if (t < W) both = split_halves(_mm512_loadu_ps(w + t * rs + r), _mm512_loadu_ps(w + t * rs + r + kTile));
+      _mm512_storeu_si512(high + t * rs + r, both.high);
+      _mm512_storeu_si512(low + t * rs + r, both.low);
     }
   }
 }
 
-// Out[t][c] += sum_r W[t][r] X[r][c] for t < W, c < C (out: float32 rows os apart): `a` from
-// pack_key_rows, `b` from pack_rows. A last tile of fewer than 16 keys goes through `spare`
-// (16 x 16 floats), so no row past W is read or written.
-ATTNKIT_AMX void amx_rows_product(const uint16_t* a, int64_t rs, int64_t W, const uint32_t* b, int64_t C,
-                                  float* out, int64_t os, float* spare) {
+// Out[t][c] += sum_r W[t][r] X[r][c] for t < W, c < C (out: float32 rows os apart): W as its two
+// parts `a` and `a_low` from pack_key_rows, `b` from pack_rows. A last tile of fewer than 16 keys
+// goes through `spare` (16 x 16 floats), so no row past W is read or written.
+ATTNKIT_AMX void amx_rows_product(const uint16_t* a, const uint16_t* a_low, int64_t rs, int64_t W, const uint32_t* b,
+                                  int64_t C, float* out, int64_t os, float* spare) {
   const int64_t pairs = rs / 2, steps = rs / kTileK, key_tiles = (W + kTile - 1) / kTile;
   for (int64_t kt = 0; kt < key_tiles; ++kt) {
     const int64_t keys = std::min(kTile, W - kt * kTile);
@@ -365,6 +405,9 @@ ATTNKIT_AMX void amx_rows_product(const uint16_t* a, int64_t rs, int64_t W, cons
           _tile_loadd(7, b1 + step * kTile * kTile, 64);
           _tile_dpbf16ps(1, 4, 7);
         }
+        _tile_loadd(5, a_low + kt * kTile * rs + step * kTileK, rs * 2);
+        _tile_dpbf16ps(0, 5, 6);
+        if (two) _tile_dpbf16ps(1, 5, 7);
       }
       _tile_stored(0, at, stride);
       if (two) _tile_stored(1, at + kTile, stride);

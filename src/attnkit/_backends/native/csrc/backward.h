@@ -199,8 +199,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       TileScope tiles(amx);
       std::vector<uint32_t> packed_q(amx ? padded * D / 2 : 0), packed_go(amx ? padded * Dv / 2 : 0);
       std::vector<uint32_t> rows_q(amx ? padded * D / 2 : 0), rows_go(amx ? padded * Dv / 2 : 0);
-      std::vector<uint32_t> packed_ds(amx ? padded * round_up(chunk, kTileK) / 2 : 0);
-      std::vector<uint16_t> key_rows(amx ? (chunk + kTile) * padded : 0), spare_keys(amx ? kTile * std::max(D, Dv) : 0);
+      // the weights and score gradients as two bfloat16 parts each (amx.h, high and low), from a
+      // cache line (aligned.h: from glibc's 16-byte start every row of 64 bytes touched two lines;
+      // window backward 110-118 -> 96-102 ms with the two parts, L = 16384, 2 threads)
+      std::vector<uint32_t, CacheLineAllocator<uint32_t>> packed_ds(amx ? padded * round_up(chunk, kTileK) / 2 : 0),
+          packed_ds_low(packed_ds.size());
+      std::vector<uint16_t, CacheLineAllocator<uint16_t>> key_rows(amx ? (chunk + kTile) * padded : 0),
+          key_rows_low(key_rows.size());
+      std::vector<uint16_t> spare_keys(amx ? kTile * std::max(D, Dv) : 0);
       std::vector<uint16_t> spare_block(amx ? D * kTileK : 0);  // K^T's last block for dQ (amx_values)
       Floats spare_sums(amx ? 2 * kTile * kTile : 0);
       std::optional<TransposedRows> keys_transposed;
@@ -370,15 +376,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               std::fill(dq_start.begin(), dq_start.end(), dq_started ? Start::kKeep : Start::kZero);
               dq_started = true;
               if (amx) {
-                pack_key_rows(p, rs, width, key_rows.data());
-                amx_rows_product(key_rows.data(), rs, width, rows_go.data(), Dv, dv_head + c0 * dv2s, dv2s,
-                                 spare_sums.data());
-                pack_weights(ds, rs, width, packed_ds.data());
+                // P and dS in two bfloat16 parts each (amx.h, split_halves); dS's B layout for dQ is
+                // moved from its rows, both parts
+                pack_key_rows(p, rs, width, key_rows.data(), key_rows_low.data());
+                amx_rows_product(key_rows.data(), key_rows_low.data(), rs, width, rows_go.data(), Dv, dv_head + c0 * dv2s,
+                                 dv2s, spare_sums.data());
+                pack_key_rows(ds, rs, width, key_rows.data(), key_rows_low.data());
+                pack_rows(key_rows.data(), rs, width, rs, round_up(width, kTileK), packed_ds.data());
+                pack_rows(key_rows_low.data(), rs, width, rs, round_up(width, kTileK), packed_ds_low.data());
                 amx_values(keys_transposed->from(b, kv, c0, c0 + width), width, D, packed_ds.data(), rs, dqt.data(),
-                           dq_start.data(), no_rescale.data(), spare_block.data());
-                pack_key_rows(ds, rs, width, key_rows.data());
-                amx_rows_product(key_rows.data(), rs, width, rows_q.data(), D, dk_head + c0 * dk2s, dk2s,
-                                 spare_sums.data());
+                           dq_start.data(), no_rescale.data(), spare_block.data(), packed_ds_low.data());
+                amx_rows_product(key_rows.data(), key_rows_low.data(), rs, width, rows_q.data(), D, dk_head + c0 * dk2s,
+                                 dk2s, spare_sums.data());
               } else {
                 block_rows_product(p, rs, width, rows, go_block, g2s, Dv, dv_head + c0 * dv2s, dv2s);
                 block_values(k_head + c0 * k2s, k2s, width, D, ds, rs, dqt.data(), dq_start.data(), no_rescale.data());
