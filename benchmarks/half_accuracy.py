@@ -52,7 +52,7 @@ def random_mask(rng: random.Random, length: int) -> masks.StructuredMask:
 def outputs_and_gradients(fn, inputs, grad_out, dtype, lse_weight):
     """``[output, dq, dk, dv]`` of ``fn`` on fresh leaves in ``dtype``; with ``lse_weight`` the
     lse (finite entries) joins the loss."""
-    leaves = [t.to(dtype).requires_grad_() for t in inputs]
+    leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
     result = fn(*leaves)
     out = result[0] if isinstance(result, tuple) else result
     loss = (out.float() * grad_out.to(dtype).float()).sum()
