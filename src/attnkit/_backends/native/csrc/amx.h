@@ -361,14 +361,38 @@ ATTNKIT_AMX void pack_rows(const uint16_t* x, int64_t x2s, int64_t rows, int64_t
 
 // The chunk's key-major w[t][r] (t < W, rs lanes) as bfloat16 rows [t][rs] in two parts
 // (split_halves), `high` and `low`, rows up to round_up(W, 16) (0 past W): A's layout, one tile per
-// 16 keys and 32 rows.
-ATTNKIT_AMX void pack_key_rows(const float* w, int64_t rs, int64_t W, uint16_t* high, uint16_t* low) {
-  for (int64_t t = 0; t < round_up(W, kTile); ++t) {
+// 16 keys and 32 rows. With `pairs_high` and `pairs_low`, the same parts also in B's layout over
+// the keys (pack_weights': for query tile qt the 32-bit word [qt][pair][r] holds keys 2 pair and
+// 2 pair + 1 of row 16 qt + r, pairs up to round_up(W, 32) / 2), as the score gradients' dQ takes
+// them, from the same split (a second pass over the rows took ~5% of a window backward).
+ATTNKIT_AMX void pack_key_rows(const float* w, int64_t rs, int64_t W, uint16_t* high, uint16_t* low,
+                               uint32_t* pairs_high = nullptr, uint32_t* pairs_low = nullptr) {
+  // B's words from two keys' 32 lanes: lanes 0-15 (query tile 2 q) and 16-31 (2 q + 1), key by key
+  const __m512i lanes_0_15 = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                              6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i lanes_16_31 = _mm512_add_epi16(lanes_0_15, _mm512_set1_epi16(16));
+  const bool pairs = pairs_high != nullptr;
+  const int64_t rows = round_up(W, kTile), keys = pairs ? round_up(W, kTileK) : rows, words = round_up(W, kTileK) / 2;
+  for (int64_t t = 0; t < keys; t += 2) {
     for (int64_t r = 0; r < rs; r += kTileK) {
-      SplitHalves both{_mm512_setzero_si512(), _mm512_setzero_si512()};
-      if (t < W) both = split_halves(_mm512_loadu_ps(w + t * rs + r), _mm512_loadu_ps(w + t * rs + r + kTile));
-      _mm512_storeu_si512(high + t * rs + r, both.high);
-      _mm512_storeu_si512(low + t * rs + r, both.low);
+      const auto split_row = [&](int64_t key) {
+        if (key >= W) return SplitHalves{_mm512_setzero_si512(), _mm512_setzero_si512()};
+        return split_halves(_mm512_loadu_ps(w + key * rs + r), _mm512_loadu_ps(w + key * rs + r + kTile));
+      };
+      const SplitHalves first = split_row(t), second = split_row(t + 1);
+      if (t < rows) {  // rows is even: t + 1 is a row too
+        _mm512_storeu_si512(high + t * rs + r, first.high);
+        _mm512_storeu_si512(low + t * rs + r, first.low);
+        _mm512_storeu_si512(high + (t + 1) * rs + r, second.high);
+        _mm512_storeu_si512(low + (t + 1) * rs + r, second.low);
+      }
+      if (pairs) {
+        const int64_t at = ((r / kTile) * words + t / 2) * kTile, next = at + words * kTile;
+        _mm512_storeu_si512(pairs_high + at, _mm512_permutex2var_epi16(first.high, lanes_0_15, second.high));
+        _mm512_storeu_si512(pairs_high + next, _mm512_permutex2var_epi16(first.high, lanes_16_31, second.high));
+        _mm512_storeu_si512(pairs_low + at, _mm512_permutex2var_epi16(first.low, lanes_0_15, second.low));
+        _mm512_storeu_si512(pairs_low + next, _mm512_permutex2var_epi16(first.low, lanes_16_31, second.low));
+      }
     }
   }
 }

@@ -376,14 +376,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               std::fill(dq_start.begin(), dq_start.end(), dq_started ? Start::kKeep : Start::kZero);
               dq_started = true;
               if (amx) {
-                // P and dS in two bfloat16 parts each (amx.h, split_halves); dS's B layout for dQ is
-                // moved from its rows, both parts
+                // P and dS in two bfloat16 parts each (amx.h, split_halves); dS in B's layout too, for dQ
                 pack_key_rows(p, rs, width, key_rows.data(), key_rows_low.data());
                 amx_rows_product(key_rows.data(), key_rows_low.data(), rs, width, rows_go.data(), Dv, dv_head + c0 * dv2s,
                                  dv2s, spare_sums.data());
-                pack_key_rows(ds, rs, width, key_rows.data(), key_rows_low.data());
-                pack_rows(key_rows.data(), rs, width, rs, round_up(width, kTileK), packed_ds.data());
-                pack_rows(key_rows_low.data(), rs, width, rs, round_up(width, kTileK), packed_ds_low.data());
+                pack_key_rows(ds, rs, width, key_rows.data(), key_rows_low.data(), packed_ds.data(), packed_ds_low.data());
                 amx_values(keys_transposed->from(b, kv, c0, c0 + width), width, D, packed_ds.data(), rs, dqt.data(),
                            dq_start.data(), no_rescale.data(), spare_block.data(), packed_ds_low.data());
                 amx_rows_product(key_rows.data(), key_rows_low.data(), rs, width, rows_q.data(), D, dk_head + c0 * dk2s,
