@@ -359,6 +359,13 @@ ATTNKIT_AMX void pack_rows(const uint16_t* x, int64_t x2s, int64_t rows, int64_t
   }
 }
 
+// 32 lanes from `at` in two parts (split_halves), zeros where the key is not `present` (a function,
+// not a lambda: GCC gives a lambda no target attribute, and the AVX2 build then cannot inline).
+ATTNKIT_AMX inline SplitHalves split_lanes(const float* at, bool present) {
+  if (!present) return {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  return split_halves(_mm512_loadu_ps(at), _mm512_loadu_ps(at + kTile));
+}
+
 // The chunk's key-major w[t][r] (t < W, rs lanes) as bfloat16 rows [t][rs] in two parts
 // (split_halves), `high` and `low`, rows up to round_up(W, 16) (0 past W): A's layout, one tile per
 // 16 keys and 32 rows. With `pairs_high` and `pairs_low`, the same parts also in B's layout over
@@ -375,11 +382,7 @@ ATTNKIT_AMX void pack_key_rows(const float* w, int64_t rs, int64_t W, uint16_t* 
   const int64_t rows = round_up(W, kTile), keys = pairs ? round_up(W, kTileK) : rows, words = round_up(W, kTileK) / 2;
   for (int64_t t = 0; t < keys; t += 2) {
     for (int64_t r = 0; r < rs; r += kTileK) {
-      const auto split_row = [&](int64_t key) {
-        if (key >= W) return SplitHalves{_mm512_setzero_si512(), _mm512_setzero_si512()};
-        return split_halves(_mm512_loadu_ps(w + key * rs + r), _mm512_loadu_ps(w + key * rs + r + kTile));
-      };
-      const SplitHalves first = split_row(t), second = split_row(t + 1);
+      const SplitHalves first = split_lanes(w + t * rs + r, t < W), second = split_lanes(w + (t + 1) * rs + r, t + 1 < W);
       if (t < rows) {  // rows is even: t + 1 is a row too
         _mm512_storeu_si512(high + t * rs + r, first.high);
         _mm512_storeu_si512(low + t * rs + r, first.low);
