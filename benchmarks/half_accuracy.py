@@ -20,7 +20,9 @@ Not a test: 400 calls take minutes. The docs' fuzz figures (docs/guides/backends
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,9 @@ import attnkit
 from attnkit import masks
 from attnkit._backends import native
 from attnkit._backends.tiled_plan import tuning
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from oracle import output_and_gradients  # noqa: E402  (the tests' one way to run a contender)
 
 GRADIENTS = ("output", "dq", "dk", "dv")
 
@@ -47,19 +52,6 @@ def random_mask(rng: random.Random, length: int) -> masks.StructuredMask:
     if kind == "two ranges":
         return (masks.sliding_window(rng.randint(1, 50)) | masks.padding([rng.randint(1, 20)])) & masks.causal()
     return masks.prefix_lm(rng.randint(1, length))
-
-
-def outputs_and_gradients(fn, inputs, grad_out, dtype, lse_weight):
-    """``[output, dq, dk, dv]`` of ``fn`` on fresh leaves in ``dtype``; with ``lse_weight`` the
-    lse (finite entries) joins the loss."""
-    leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
-    result = fn(*leaves)
-    out = result[0] if isinstance(result, tuple) else result
-    loss = (out.float() * grad_out.to(dtype).float()).sum()
-    if lse_weight is not None:
-        loss = loss + (torch.where(result[1].isfinite(), result[1], 0).float() * lse_weight).sum()
-    loss.backward()
-    return [out.detach()] + [t.grad for t in leaves]
 
 
 def one_call(case: int, dropout: bool, tiles: bool) -> list[str]:
@@ -104,8 +96,8 @@ def one_call(case: int, dropout: bool, tiles: bool) -> list[str]:
                                      **drawn(), **extra)
 
     with native.matrix_units(tiles):
-        got = outputs_and_gradients(ours, (q, k, v), grad_out, dtype, lse_weight)
-    want = outputs_and_gradients(reference, (q, k, v), grad_out, torch.float64, lse_weight)
+        got = output_and_gradients(ours, (q, k, v), grad_out, dtype, lse_weight)
+    want = output_and_gradients(reference, (q, k, v), grad_out, torch.float64, lse_weight)
     plain = not extra and lse_weight is None
     if dtype == torch.float32:
         bar = None
@@ -115,9 +107,9 @@ def one_call(case: int, dropout: bool, tiles: bool) -> list[str]:
         def sdpa(a, b, c):
             return F.scaled_dot_product_attention(a, b.repeat_interleave(repeat, 1), c.repeat_interleave(repeat, 1),
                                                   attn_mask=dense, scale=scale)
-        bar = outputs_and_gradients(sdpa, (q, k, v), grad_out, dtype, None)
+        bar = output_and_gradients(sdpa, (q, k, v), grad_out, dtype, None)
     else:
-        bar = outputs_and_gradients(reference, (q, k, v), grad_out, dtype, lse_weight)
+        bar = output_and_gradients(reference, (q, k, v), grad_out, dtype, lse_weight)
     failures = []
     for index, what in enumerate(GRADIENTS):
         error = (got[index].double() - want[index]).abs().max().item()
