@@ -28,8 +28,10 @@ struct CacheLineAllocator {
   bool operator==(const CacheLineAllocator<U>&) const noexcept { return true; }
 };
 
-// A float buffer whose first element starts a cache line.
-using Floats = std::vector<float, CacheLineAllocator<float>>;
+// A buffer whose first element starts a cache line.
+template <class T>
+using LineVector = std::vector<T, CacheLineAllocator<T>>;
+using Floats = LineVector<float>;
 
 }  // namespace
 }  // namespace attnkit_native

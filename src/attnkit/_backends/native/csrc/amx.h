@@ -487,7 +487,7 @@ class TransposedRows {
 
   Rows v_;
   int64_t keys_;
-  std::vector<uint16_t> data_;
+  LineVector<uint16_t> data_;  // from a cache line: each 1 KiB block is whole tile rows
   Floats pairs_;  // one block as 32-bit words [Dv / 2][32]
   int64_t b_ = -1, kv_ = -1, lo_ = 0, hi_ = 0;
 };

@@ -197,17 +197,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       // scores and grads: a chunk's rows rounded up to whole tiles of keys (the tiles write past W)
       Floats qt(amx ? 0 : D * padded, 0.0f), scores((chunk + kTile) * padded), grads((chunk + kTile) * padded, 0.0f);
       TileScope tiles(amx);
-      std::vector<uint32_t> packed_q(amx ? padded * D / 2 : 0), packed_go(amx ? padded * Dv / 2 : 0);
-      std::vector<uint32_t> rows_q(amx ? padded * D / 2 : 0), rows_go(amx ? padded * Dv / 2 : 0);
-      // the weights and score gradients as two bfloat16 parts each (amx.h, high and low), from a
-      // cache line (aligned.h: from glibc's 16-byte start every row of 64 bytes touched two lines;
-      // window backward 110-118 -> 96-102 ms with the two parts, L = 16384, 2 threads)
-      std::vector<uint32_t, CacheLineAllocator<uint32_t>> packed_ds(amx ? padded * round_up(chunk, kTileK) / 2 : 0),
-          packed_ds_low(packed_ds.size());
-      std::vector<uint16_t, CacheLineAllocator<uint16_t>> key_rows(amx ? (chunk + kTile) * padded : 0),
-          key_rows_low(key_rows.size());
-      std::vector<uint16_t> spare_keys(amx ? kTile * std::max(D, Dv) : 0);
-      std::vector<uint16_t> spare_block(amx ? D * kTileK : 0);  // K^T's last block for dQ (amx_values)
+      LineVector<uint32_t> packed_q(amx ? padded * D / 2 : 0), packed_go(amx ? padded * Dv / 2 : 0);
+      LineVector<uint32_t> rows_q(amx ? padded * D / 2 : 0), rows_go(amx ? padded * Dv / 2 : 0);
+      // the weights and score gradients as two bfloat16 parts each (amx.h, high and low). Every
+      // buffer a tile reads or writes starts on a cache line (aligned.h: from glibc's 16-byte start
+      // every tile row of 64 bytes touched two lines; window backward 110-118 -> 96-102 ms with the
+      // two parts, L = 16384, 2 threads)
+      LineVector<uint32_t> packed_ds(amx ? padded * round_up(chunk, kTileK) / 2 : 0), packed_ds_low(packed_ds.size());
+      LineVector<uint16_t> key_rows(amx ? (chunk + kTile) * padded : 0), key_rows_low(key_rows.size());
+      LineVector<uint16_t> spare_keys(amx ? kTile * std::max(D, Dv) : 0);
+      LineVector<uint16_t> spare_block(amx ? D * kTileK : 0);  // K^T's last block for dQ (amx_values)
       Floats spare_sums(amx ? 2 * kTile * kTile : 0);
       std::optional<TransposedRows> keys_transposed;
       if (amx) keys_transposed.emplace(c.k, Lk);

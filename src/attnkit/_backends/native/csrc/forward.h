@@ -164,9 +164,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
     // scores: a chunk's rows rounded up to whole tiles of keys (the tiles write past W)
     Floats qt(amx ? 0 : D * padded), scores((chunk + kTile) * padded), ot(Dv * padded);
     TileScope tiles(amx);
-    std::vector<uint32_t> packed_queries(amx ? padded * D / 2 : 0);
-    std::vector<uint32_t> packed_weights(amx ? padded * round_up(chunk, kTileK) / 2 : 0);
-    std::vector<uint16_t> spare_keys(amx ? kTile * D : 0), spare_values(amx ? Dv * kTileK : 0);
+    // from a cache line, as every buffer a tile reads (backward.h)
+    LineVector<uint32_t> packed_queries(amx ? padded * D / 2 : 0);
+    LineVector<uint32_t> packed_weights(amx ? padded * round_up(chunk, kTileK) / 2 : 0);
+    LineVector<uint16_t> spare_keys(amx ? kTile * D : 0), spare_values(amx ? Dv * kTileK : 0);
     std::optional<TransposedRows> transposed;
     if (amx) transposed.emplace(c.v, Lk);
     BlockRows r(padded);
