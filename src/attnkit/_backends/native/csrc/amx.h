@@ -220,8 +220,7 @@ ATTNKIT_AMX void amx_scores(const uint16_t* k, int64_t k2s, int64_t W, int64_t r
 // (elements here are finite: non-finite ones take the exact path). Elements below 2^-100 keep the
 // high part alone: their low part could be subnormal, and a subnormal result or input costs the
 // vector units a microcode assist (the window's weights, many near 0: the guard took a quarter off
-// the packing's cycles).
-// They add at most 2^-108 each to sums of weights that reach 1.
+// the packing's cycles). They add at most 2^-108 each to sums of weights that reach 1.
 struct SplitHalves {
   __m512i high, low;
 };
@@ -403,7 +402,7 @@ ATTNKIT_AMX void pack_key_rows(const float* w, int64_t rs, int64_t W, uint16_t* 
 
 // Out[t][c] += sum_r W[t][r] X[r][c] for t < W, c < C (out: float32 rows os apart): W as its two
 // parts `a` and `a_low` from pack_key_rows, `b` from pack_rows. A last tile of fewer than 16 keys
-// goes through `spare` (16 x 16 floats), so no row past W is read or written.
+// goes through `spare` (16 x 32 floats: two tiles of features), so no row past W is read or written.
 ATTNKIT_AMX void amx_rows_product(const uint16_t* a, const uint16_t* a_low, int64_t rs, int64_t W, const uint32_t* b,
                                   int64_t C, float* out, int64_t os, float* spare) {
   const int64_t pairs = rs / 2, steps = rs / kTileK, key_tiles = (W + kTile - 1) / kTile;
