@@ -80,3 +80,27 @@ def test_weights_from_a_backend_that_cannot_return_them(monkeypatch):
 
 def test_backends_are_listed():
     assert attnkit.backends() == ("auto", "reference", "torch", "tiled")
+
+
+def test_a_validated_call_holds_every_field_the_dataclass_declares() -> None:
+    """make_call and with_fields build AttentionCall without its __init__ (for speed): the result
+    must still hold exactly the declared fields, in order, and with_fields must act as replace."""
+    from dataclasses import fields, replace
+
+    from attnkit._call import AttentionCall, make_call, with_fields
+
+    call = make_call(q4, k4, v4, mask=attnkit.masks.sliding_window(3), causal=False, scale=0.5, dropout=0.1,
+                     generator=None, return_weights=False, softcap=20.0, sinks=torch.zeros(6))
+    declared = [field.name for field in fields(AttentionCall)]
+    assert list(call.__dict__) == declared
+    rebuilt = AttentionCall(**{name: getattr(call, name) for name in declared})
+    assert all(getattr(rebuilt, name) is getattr(call, name) for name in declared)
+    seed = torch.tensor(7)
+    changed, expected = with_fields(call, seed=seed, route="x"), replace(call, seed=seed, route="x")
+    assert list(changed.__dict__) == declared
+    assert all(getattr(changed, name) is getattr(expected, name) for name in declared)
+    assert call.seed is None and call.route is None  # the original is untouched
+    with pytest.raises(TypeError, match="no field 'routes'"):
+        with_fields(call, routes=1)
+    with pytest.raises(AttributeError):  # still frozen
+        changed.scale = 1.0

@@ -10,7 +10,7 @@ from dataclasses import replace
 from . import _backends, _steps
 from ._backends import dropout as _dropout
 from ._autocast import follows_autocast
-from ._call import AttentionCall, make_call
+from ._call import AttentionCall, make_call, with_fields
 from .masks import StructuredMask
 
 
@@ -277,11 +277,11 @@ def _run(call, backend: str, seed: Tensor | None) -> Tensor | tuple[Tensor, ...]
     """Run a validated call; ``seed``: the dropout seed when given (else one is drawn)."""
     return_weights, return_lse = call.return_weights, call.return_lse
     chosen, route = _backends.resolve(backend, call)
-    call = replace(call, route=route)
+    call = with_fields(call, route=route)
     if call.dropout > 0:  # drawn only once the call is valid: a failed call leaves the generator alone
         if seed is None:
             seed = _dropout.draw_seed(call.generator, call.query.device)
-        call = replace(call, seed=seed)
+        call = with_fields(call, seed=seed)
     tracing = _steps.active() and not return_lse
     if (call.k_len == 0 and not return_lse) or tracing:
         # No keys at all (every row is empty), or a trace is listening: the readable formula

@@ -139,9 +139,11 @@ def choose(call: AttentionCall) -> Route:
         # SDPA has no fused CPU kernel with dropout (its math path materialises every weight): the
         # native kernel took 0.02-0.77x its time from 32 x 32 pairs (docs/performance.md).
         return _TILED_CHOOSES
+    if call.mask is not None or call.causal or call.q_len == 1:
+        return _TORCH  # a dense mask (causal or not), or a decoding step over every key: SDPA as it is
     table = NATIVE_UNMASKED_MIN_PAIRS_AMX if _native_matrix_units() else NATIVE_UNMASKED_MIN_PAIRS
     unmasked_from = table.get((call.query.dtype, call.needs_grad))
-    if (call.mask is None and not call.causal and call.q_len > 1 and unmasked_from is not None
+    if (unmasked_from is not None
             and call.q_len * call.k_len >= unmasked_from
             and max(call.query.shape[-1], call.value.shape[-1]) <= NATIVE_UNMASKED_MAX_HEAD_DIM
             and _native_serves(call.query.device.type, call.query.dtype, False)):
