@@ -147,6 +147,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
   float* l = lse.data_ptr<float>();
   using L = RowLanes;
   const SoftmaxRows<L> softmax = pick_softmax_rows<L>(c.plain(), dropout.active);  // one per call
+  // On the tiles P is rounded to bfloat16 for P V, so the weights carry the dropout's keep mask
+  // (factors 0 or 1) and 1 / (1 - p) multiplies each row once at the end, in float32: a row of one
+  // kept key then reads that key's value times the exact factor, where bf16(1 / (1 - p)) was off
+  // by up to 2^-9 (the backward takes the exact factor). Off the tiles the weights are float32.
+  Dropout kept = dropout;
+  if (amx) kept.keep_scale = 1.0f;
+  const float after_sum = amx && dropout.active ? dropout.keep_scale : 1.0f;
 
   const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
   if (amx) chunk = round_up(std::max(chunk, kAmxChunk), kTileK);
@@ -246,7 +253,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
           } else {
             block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s);
           }
-          for (int64_t j = 0; j < rs; j += L::kWidth) softmax(s + j, rs, width, c0, r, j, mods, first + j, dropout);
+          for (int64_t j = 0; j < rs; j += L::kWidth) softmax(s + j, rs, width, c0, r, j, mods, first + j, kept);
           for (int64_t g = 0; g < rs / kGroup; ++g) {
             const float* rescale = r.rescale.data() + g * kGroup;
             const bool ones = std::all_of(rescale, rescale + kGroup, [](float x) { return x == 1.0f; });
@@ -272,7 +279,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
             std::fill(acc, acc + Dv, std::numeric_limits<float>::quiet_NaN());
             l_block[j] = std::numeric_limits<float>::quiet_NaN();
           } else if (sum > 0.0f) {
-            if (scale_and_check(acc, Dv, 1.0f / sum)) {
+            if (scale_and_check(acc, Dv, after_sum / sum)) {
               l_block[j] = r.max[j] + std::log(sum);
             } else {
               float_rows();
