@@ -3,7 +3,9 @@
 The same random weights (seed 0) run with ``attn_implementation`` = ``"attnkit"``, ``"sdpa"``,
 ``"eager"``, ``"flex_attention"`` (where it runs on this machine) and ``"noop"``: an attention
 function that returns the values unchanged (reshaped to the query heads) with no mask built,
-the limit no attention implementation can beat. ``forward time - noop time`` is what attention
+the limit no attention implementation can beat. ``"attnkit_unchecked"`` (measurement only) is
+``"attnkit"`` with the check of SDPA's output for NaN and inf (on CUDA a read of the device per
+layer) skipped: what that check costs a decoding step. ``forward time - noop time`` is what attention
 costs; its share of the forward is ``1 - noop / time``. Below each length's table, the floor: the
 attention's useful flops at a square matmul's rate measured in the same run, the least time any
 exact attention can take on this machine, and the share of the forward that leaves.
@@ -55,7 +57,7 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE] + [_HERE]
 
-IMPLEMENTATIONS = ("attnkit", "sdpa", "eager", "flex_attention", "noop")
+IMPLEMENTATIONS = ("attnkit", "sdpa", "eager", "flex_attention", "noop", "attnkit_unchecked")
 
 
 def _rss_bytes() -> int:
@@ -75,6 +77,23 @@ def _register_noop() -> None:
 
     AttentionInterface.register("noop", noop_attention)
     AttentionMaskInterface.register("noop", lambda *args, **kwargs: None)
+
+    from attnkit._backends import fused
+    from attnkit.integrations.transformers import attnkit_attention_forward, attnkit_mask
+
+    def unchecked_attention(*args, **kwargs):
+        # A measurement of what the check of SDPA's output costs (on CUDA a read of the device per
+        # layer): "attnkit" with that check answering "no NaN or inf to chase". Not a mode attnkit
+        # has; a NaN input could then reach its output as SDPA leaves it.
+        checked = fused._may_differ_from_definition
+        fused._may_differ_from_definition = lambda output: False
+        try:
+            return attnkit_attention_forward(*args, **kwargs)
+        finally:
+            fused._may_differ_from_definition = checked
+
+    AttentionInterface.register("attnkit_unchecked", unchecked_attention)
+    AttentionMaskInterface.register("attnkit_unchecked", attnkit_mask)
 
 
 def _model(kind: str, implementation: str, args):
