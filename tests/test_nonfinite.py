@@ -367,3 +367,29 @@ def test_the_extremes_read_in_one_transfer_equal_those_read_one_by_one():
     assert one_by_one[1] == 0.0 and one_by_one[3] == float("inf") and one_by_one[5] == 3.0
     assert math.isnan(one_by_one[4]) and math.isnan(together[4])
     assert [x for i, x in enumerate(together) if i != 4] == [x for i, x in enumerate(one_by_one) if i != 4]
+
+
+@pytest.mark.parametrize("case", ["finite", "NaN out", "inf out", "-inf lse, row with keys", "-inf lse, empty row",
+                                  "NaN lse, row with keys", "empty output"])
+def test_the_flex_outputs_check_in_one_read_equals_the_two_checks(case):
+    """On a GPU FlexAttention's output and lse are checked in one read of the device (each read
+    waits for the queue); that path, run here on CPU tensors, must answer as the two checks do."""
+    g = torch.Generator().manual_seed(4)
+    out, lse = torch.randn(2, 3, 6, 4, generator=g), torch.randn(2, 3, 6, generator=g)
+    lo = torch.tensor([[[0, 0, 1, 2, 5, 3]], [[0, 1, 1, 9, 4, 0]]])
+    hi = torch.tensor([[[1, 2, 3, 4, 5, 6]], [[6, 6, 2, 9, 6, 6]]])  # rows (0, 4) and (1, 3) hold no key
+    if case == "NaN out":
+        out[1, 2, 3, 0] = float("nan")
+    elif case == "inf out":
+        out[0, 0, 5, 3] = -float("inf")
+    elif case == "-inf lse, row with keys":
+        lse[1, 1, 2] = -float("inf")
+    elif case == "-inf lse, empty row":
+        lse[0, 2, 4] = -float("inf")
+    elif case == "NaN lse, row with keys":
+        lse[0, 1, 0] = float("nan")
+    elif case == "empty output":
+        out = out[..., :0]
+    two_checks = not numerics.all_finite(out) or numerics.keyed_rows_not_finite(lse, lo, hi)
+    assert numerics._not_finite_in_one_read(out, lse, lo, hi) == two_checks
+    assert two_checks == (case not in ("finite", "-inf lse, empty row", "empty output"))

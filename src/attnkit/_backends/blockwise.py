@@ -308,7 +308,7 @@ def pairwise_if_not_finite(out: Tensor, lse: Tensor, query: Tensor, key: Tensor,
     kernels block by block check their inputs instead (:func:`forward`)."""
     if not numerics.can_read(out, lse):
         return out, lse
-    if not records_graph(query, key, value, sinks, alibi) and numerics.all_finite(out) and not numerics.keyed_rows_not_finite(lse, lo, hi):
+    if not records_graph(query, key, value, sinks, alibi) and not numerics.output_or_keyed_lse_not_finite(out, lse, lo, hi):
         return out, lse
     if not numerics.needs_pairwise(query, key, value, scale):
         return out, lse

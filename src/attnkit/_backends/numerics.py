@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .. import _torch_private
 
-__all__ = ["work_dtype", "softmax_rows", "softmax_with_lse", "fold_sinks", "soft_cap", "alibi_bias", "can_read", "all_finite", "zero_sum_or_non_finite_row", "rows_with_keys", "keyed_rows_not_finite", "needs_pairwise", "pairwise_fits", "pairwise_scores", "pairwise_values"]
+__all__ = ["work_dtype", "softmax_rows", "softmax_with_lse", "fold_sinks", "soft_cap", "alibi_bias", "can_read", "all_finite", "zero_sum_or_non_finite_row", "rows_with_keys", "keyed_rows_not_finite", "output_or_keyed_lse_not_finite", "needs_pairwise", "pairwise_fits", "pairwise_scores", "pairwise_values"]
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -159,6 +159,25 @@ def keyed_rows_not_finite(lse: Tensor, lo: Tensor, hi: Tensor) -> bool:
     if not can_read(lse, lo, hi):
         return False
     return bool((~torch.isfinite(lse) & rows_with_keys(lo, hi).to(lse.device)).any())
+
+
+def output_or_keyed_lse_not_finite(out: Tensor, lse: Tensor, lo: Tensor, hi: Tensor) -> bool:
+    """``not all_finite(out) or keyed_rows_not_finite(lse, lo, hi)`` in one read of the device: on
+    an accelerator each read waits for the queue to drain (FlexAttention's output took two a call,
+    ~0.15 ms each on an H100). On the CPU the two checks as they are (reads cost nothing there)."""
+    if not can_read(out, lse, lo, hi):
+        return False
+    if out.device.type == "cpu":
+        return not all_finite(out) or keyed_rows_not_finite(lse, lo, hi)
+    return _not_finite_in_one_read(out, lse, lo, hi)
+
+
+def _not_finite_in_one_read(out: Tensor, lse: Tensor, lo: Tensor, hi: Tensor) -> bool:
+    keyed = (~torch.isfinite(lse) & rows_with_keys(lo, hi).to(lse.device)).any().float()[None]
+    # aminmax propagates NaN and inf, as in _largest; an empty output has nothing to show
+    extremes = torch.stack(torch.aminmax(out)).float() if out.numel() else keyed.new_zeros(2)
+    low, high, any_keyed = torch.cat([extremes, keyed]).tolist()
+    return not (math.isfinite(low) and math.isfinite(high)) or any_keyed > 0
 
 
 #: float32's largest value, with a margin: scores below it in magnitude cannot overflow.
