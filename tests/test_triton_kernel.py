@@ -394,3 +394,48 @@ def test_default_blocks(dtype: torch.dtype) -> None:
     small = kernel.backward(grad_out, None, q, k, v, out, lse, lo, hi, scale=0.25, blocks=SMALL_BACKWARD)
     for got, want in zip(grads, small):
         torch.testing.assert_close(got, want, atol=tol, rtol=0)
+
+
+def test_what_the_bounds_give_is_kept_while_the_same_tensors_come_back() -> None:
+    """The int32 bounds and the backward's block summaries are built once per pair of bound tensors
+    (inputs.derived_from): the same pair again finds them; the pair modified in place, or another
+    pair with the same values, builds them anew, and every result follows the bounds it was given."""
+    inputs = kernel.inputs
+    n, heads, length, scale = 1, 2, 40, 24 ** -0.5
+    q, k, v = _inputs(n, heads, 1, length, length, seed=31)
+    lo, hi = (t.to(DEVICE) for t in masks.sliding_window(5).row_ranges(length, length))
+
+    def run():
+        prep = inputs.prepare(q, k, v, lo, hi, scale=scale, softcap=None, alibi_slopes=None, dropout=0.0, seed=None)
+        out, lse = kernel.forward(q, k, v, lo, hi, scale=scale, **SMALL)
+        grad_out = torch.ones_like(out)
+        grads = kernel.backward(grad_out, None, q, k, v, out, lse, lo, hi, scale=scale, blocks=SMALL_BACKWARD)
+        return prep, out, grads
+
+    first, out, grads = run()
+    again, out_again, grads_again = run()
+    assert again.lo is first.lo and again.hi is first.hi and again.seed is first.seed
+    kept = inputs.derived_from(first.lo, first.hi)
+    assert any(what[0] == "reached" for what in kept)  # the backward's summaries of those bounds
+    assert torch.equal(out, out_again) and all(torch.equal(a, b) for a, b in zip(grads, grads_again))
+
+    lo.clamp_(max=0)  # in place: every row now attends keys 0 .. hi, a different mask
+    changed, out_changed, _ = run()
+    assert changed.lo is not first.lo and int(changed.lo.max()) == 0
+    allowed = _allowed(lo.cpu(), hi.cpu(), length)
+    _close(out_changed, reference(q, k, v, allowed, scale)[0], what="after the bounds changed in place")
+
+    copies = lo.clone(), hi.clone()  # equal values, other tensors: built for them, not found
+    other = inputs.prepare(q, k, v, *copies, scale=scale, softcap=None, alibi_slopes=None, dropout=0.0, seed=None)
+    assert other.lo is not changed.lo and torch.equal(other.lo, changed.lo)
+
+
+def test_bounds_made_under_inference_mode_are_used_without_being_kept() -> None:
+    """Inference tensors keep no version counter (reading it raises), so nothing is kept for them."""
+    n, heads, length = 1, 2, 24
+    q, k, v = _inputs(n, heads, 2, length, length, seed=32)
+    with torch.inference_mode():
+        lo, hi = (t.to(DEVICE) for t in masks.sliding_window(4).row_ranges(length, length))
+        out, _ = kernel.forward(q, k, v, lo, hi, scale=0.2, **SMALL)
+    assert kernel.inputs.derived_from(lo, hi) is None
+    _close(out, reference(q, k, v, _allowed(lo.cpu(), hi.cpu(), length), 0.2)[0])

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .backward_kv import dkdv_kernel
 from .backward_q import dq_kernel
-from .inputs import Prepared, block_summary, reached_blocks
+from .inputs import Prepared, block_summary, derived_from, reached_blocks, remembered
 
 __all__ = ["launch"]
 
@@ -79,8 +79,13 @@ def launch(prep: Prepared, grad_out: Tensor, grad_lse: Tensor | None, out: Tenso
         BLOCK_M=rows_block, BLOCK_DV=prep.block_dv, HAS_DLSE=grad_lse is not None)
 
     kv_m, kv_n, q_m, q_n = blocks
-    summary = block_summary(prep.lo, prep.hi, k_len, kv_m)
-    reached = reached_blocks(summary, k_len, kv_n)
+    def summaries() -> tuple[Tensor, Tensor]:
+        summary = block_summary(prep.lo, prep.hi, k_len, kv_m)
+        return summary, reached_blocks(summary, k_len, kv_n)
+
+    # prep.lo, prep.hi are themselves kept per pair of bounds (inputs.derived_from), so a model's
+    # calls find these too
+    summary, reached = remembered(derived_from(prep.lo, prep.hi), ("reached", k_len, kv_m, kv_n), summaries)
     common = dict(BLOCK_D=prep.block_d, BLOCK_DV=prep.block_dv, RANGES=prep.ranges, SOFTCAP=prep.has_softcap,
                   HAS_ALIBI=prep.has_alibi, DROPOUT=prep.has_dropout, IEEE=prep.ieee,
                   num_warps=num_warps, num_stages=num_stages)

@@ -8,7 +8,10 @@ torch ops run: nothing waits on the device (the seed stays a tensor and is read 
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -16,10 +19,11 @@ import torch.nn.functional as F
 import triton
 from torch import Tensor
 
+from ... import _torch_private
 from .. import dropout as _dropout
 from ..transfer import to_device
 
-__all__ = ["Prepared", "prepare", "block_summary", "reached_blocks"]
+__all__ = ["Prepared", "prepare", "block_summary", "reached_blocks", "derived_from", "remembered"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -53,6 +57,56 @@ class Prepared:
     ieee: bool
 
 
+#: What follows from one pair of bound tensors alone (their int32 copies, the backward's block
+#: summaries), per pair: ``(id(lo), id(hi)) -> (weak lo, weak hi, their versions, {what: value})``.
+_DERIVED: OrderedDict[tuple[int, int], tuple] = OrderedDict()
+_DERIVED_LIMIT = 32
+
+
+def derived_from(lo: Tensor, hi: Tensor) -> dict | None:
+    """A dict for what is computed from ``lo, hi`` alone, kept while these very tensors (not copies,
+    not modified in place) come back: the tiled backend keeps one pair per mask object, so a model's
+    layers and a training loop's steps pass the same pair, and each call would otherwise launch the
+    same dozen small kernels again (a Triton call's host time on an H100 was 0.54 ms, 0.07 of it the
+    kernel's own launch). None while tracing or under ``torch.func`` (the tensors carry no values),
+    and for inference tensors (``torch.inference_mode``), which keep no version to tell an in-place
+    change by."""
+    if (torch.compiler.is_compiling() or _torch_private.functorch_active()
+            or _torch_private.without_values(lo) or _torch_private.without_values(hi)
+            or lo.is_inference() or hi.is_inference()):
+        return None
+    key = (id(lo), id(hi))
+    entry = _DERIVED.get(key)
+    if entry is not None:
+        lo_ref, hi_ref, versions, values = entry
+        if lo_ref() is lo and hi_ref() is hi and versions == (lo._version, hi._version):
+            _DERIVED.move_to_end(key)
+            return values
+    values: dict = {}
+    _DERIVED[key] = (weakref.ref(lo), weakref.ref(hi), (lo._version, hi._version), values)
+    while len(_DERIVED) > _DERIVED_LIMIT:
+        _DERIVED.popitem(last=False)
+    return values
+
+
+def remembered(values: dict | None, what: tuple, build):
+    """``values[what]``, built by ``build()`` the first time (every time when ``values`` is None)."""
+    if values is None:
+        return build()
+    if what not in values:
+        values[what] = build()
+    return values[what]
+
+
+@functools.lru_cache(maxsize=16)
+def _constant(kind: str, device: torch.device) -> Tensor:
+    """Tensors the kernels read and nothing writes, the same for every call on ``device``: the
+    seed words without dropout, the ALiBi slopes without ALiBi."""
+    if kind == "no seed":
+        return torch.zeros(5, dtype=torch.int64, device=device)  # threshold 0: dropout 0 keeps every weight
+    return torch.zeros(1, dtype=torch.float32, device=device)
+
+
 def _width(size: int) -> int:
     """A head width padded for ``tl.dot``: a power of two, at least 16."""
     return max(16, triton.next_power_of_2(size))
@@ -60,6 +114,8 @@ def _width(size: int) -> int:
 
 def _seed_words(seed: Tensor | None, dropout: float, device: torch.device) -> Tensor:
     """``[seed, h0, i0, j0, threshold]`` (int64, on ``device``) without reading the seed on the host."""
+    if seed is None and _dropout.threshold(dropout) == 0 and not torch.compiler.is_compiling():
+        return _constant("no seed", torch.device(device))
     threshold = to_device(torch.tensor([_dropout.threshold(dropout)], dtype=torch.int64), device)
     if seed is None:
         return torch.cat([torch.zeros(4, dtype=torch.int64, device=device), threshold])
@@ -98,10 +154,12 @@ def prepare(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, *
         raise ValueError(f"lo, hi must be [S, R, Lq] with S in (1, {n}), R in (1, 2), Lq = {q_len}; "
                          f"got {tuple(lo.shape)} and {tuple(hi.shape)}")
     # int32 in the kernels: clipping to [0, Lk] keeps every bound in range, and empty ranges empty
-    lo32 = to_device(lo, device).clamp(0, k_len).to(torch.int32).contiguous()
-    hi32 = to_device(hi, device).clamp(0, k_len).to(torch.int32).contiguous()
+    lo32, hi32 = remembered(derived_from(lo, hi), ("int32", k_len, device), lambda: tuple(
+        to_device(t, device).clamp(0, k_len).to(torch.int32).contiguous() for t in (lo, hi)))
     if alibi_slopes is None:
-        slopes, stride_sn, stride_sh = torch.zeros(1, dtype=torch.float32, device=device), 0, 0
+        slopes = torch.zeros(1, dtype=torch.float32, device=device) if torch.compiler.is_compiling() \
+            else _constant("no slopes", torch.device(device))
+        stride_sn, stride_sh = 0, 0
     else:
         slopes = to_device(alibi_slopes.to(torch.float32), device)
         if slopes.shape == (heads,):
