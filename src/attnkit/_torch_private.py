@@ -130,12 +130,9 @@ def forward_ad_active() -> bool:
 def beyond_first_order() -> bool:
     """Forward-mode AD or ``torch.func`` transforms that differentiate twice: what PyTorch's fused
     kernels (SDPA's, FlexAttention's) have no rules for."""
-    if torch.autograd.forward_ad._current_level >= 0:
-        return not torch.compiler.is_compiling()
-    if not functorch_active():  # the common case: one check, not the two of the functions above
-        return False
-    kinds = _transforms()
-    return TransformType.Jvp in kinds or sum(kind in (TransformType.Grad, TransformType.Jvp) for kind in kinds) >= 2
+    if torch.autograd.forward_ad._current_level < 0 and not functorch_active():
+        return False  # the common case, answered by one look at the functorch stack, not three
+    return forward_ad_active() or nested_differentiation()
 
 
 def legacy_batched(tensor: torch.Tensor | None) -> bool:
