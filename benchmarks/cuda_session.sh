@@ -9,7 +9,8 @@
 # Stages: tests (tests/test_cuda.py on 8 processes: STAGE_SECONDS_tests for all but the two large
 # oracle grids, then STAGE_SECONDS_grids for those), kernel (the Triton kernel's own oracle tests,
 # compiled: tests/test_triton_kernel.py and the Triton cases of tests/test_nonfinite.py), bench (benchmarks/gpu.py at L = 32768),
-# blocks (benchmarks/triton_blocks.py), overhead (benchmarks/gpu_overhead.py), models (benchmarks/transformers.py, Mistral-style, bf16),
+# blocks (benchmarks/triton_blocks.py), overhead (benchmarks/gpu_overhead.py), models (benchmarks/transformers.py, Mistral-style, bf16,
+# L = 16384; models-long: L = 65536; models-train: a training step at 16384; STAGE_SECONDS_models_long etc.),
 # decode (generate() of a Llama-style model at batch 1 and 8, beside attnkit_unchecked: attnkit
 # with the check of SDPA's output skipped, a read of the device per layer, which may be why attnkit
 # trailed sdpa by 0.7 ms a token at batch 1 and 2.5 at batch 8 in the third session).
@@ -61,10 +62,18 @@ for stage in "$@"; do
     overhead)
         timeout "$(limit overhead 50)" "$python" benchmarks/gpu_overhead.py >"$out/overhead.txt" 2>&1
         ;;
-    models)
-        timeout "$(limit models 150)" "$python" benchmarks/transformers.py --device cuda --dtype bfloat16 \
-            --hidden 2048 --heads 16 --kv-heads 4 --intermediate 7168 --window 1024 --lengths 16384 \
-            --implementations attnkit flex_attention sdpa --repeats 5 >"$out/models.txt" 2>&1
+    models | models-long | models-train)
+        # flex_attention last and 60 s a process: in the third session its process at L = 16384 had
+        # not ended after 140 and 180 s, which took the whole stage
+        case $stage in
+        models) extra="--lengths 16384" ;;
+        models-long) extra="--lengths 65536 --repeats 3" ;;
+        models-train) extra="--lengths 16384 --train" ;;
+        esac
+        # shellcheck disable=SC2086  # $extra is several arguments
+        timeout "$(limit "${stage//-/_}" 150)" "$python" benchmarks/transformers.py --device cuda --dtype bfloat16 \
+            --hidden 2048 --heads 16 --kv-heads 4 --intermediate 7168 --window 1024 \
+            --implementations attnkit sdpa flex_attention --repeats 5 --timeout 60 $extra >>"$out/models.txt" 2>&1
         ;;
     decode)
         for batch in 1 8; do
