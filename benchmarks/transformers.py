@@ -285,7 +285,8 @@ def main() -> None:
     parser.add_argument("--train", action="store_true", help="time a forward and backward instead of a forward")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
-    parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
+    parser.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS,
+                        default=[name for name in IMPLEMENTATIONS if name != "attnkit_unchecked"])
     parser.add_argument("--generate", type=int, nargs=2, metavar=("PROMPT", "NEW"), default=None,
                         help="time generate() with the cache instead of one forward")
     parser.add_argument("--repeats", type=int, default=3)
