@@ -268,26 +268,6 @@ def _rms_error(got, want):
     return (got.double() - want.double()).square().mean().sqrt().item()
 
 
-def _four_ways(q, k, v, grad_out, generator_seed=None, **options):
-    """The output and gradients (``output_and_gradients``) of one call on the bf16-rounded inputs,
-    four ways: the float64 reference, plain ops in bf16, the tiles, the float32-convert path. With
-    ``generator_seed`` each call draws its dropout from a generator seeded with it."""
-    def run(backend, kernel=""):
-        def fn(a, b, c):
-            extra = {} if generator_seed is None else dict(generator=torch.Generator().manual_seed(generator_seed))
-            with tuning(kernel=kernel):
-                return attnkit.attention(a, b, c, backend=backend, **options, **extra)
-        return fn
-
-    lows = [t.bfloat16().double() for t in (q, k, v)]
-    want = output_and_gradients(run("reference"), lows, grad_out, torch.float64)
-    pytorch = output_and_gradients(run("reference"), lows, grad_out, torch.bfloat16)
-    got = output_and_gradients(run("tiled", "native"), lows, grad_out, torch.bfloat16)
-    with native.matrix_units(False):
-        converted = output_and_gradients(run("tiled", "native"), lows, grad_out, torch.bfloat16)
-    return want, pytorch, got, converted
-
-
 BACKWARD_PRODUCT_CASES = {  # (length, D, Dv, scale, mask, options): where one bf16 part per weight lost
     "sinks": (694, 32, 32, 0.3, masks.causal(), dict(sinks=torch.tensor([0.7]))),
     "softcap+alibi": (590, 32, 32, 0.3, masks.causal(), dict(softcap=5.0, alibi_slopes=torch.tensor([0.4]))),
@@ -310,35 +290,21 @@ def test_backward_products_take_the_weights_and_score_gradients_in_two_parts(cas
     q, k, v = _inputs(1, 1, 1, length, length, dim, dim_v, seed=19)
     grad_out = torch.randn(1, 1, length, dim_v, generator=torch.Generator().manual_seed(20))
 
-    want, pytorch, got, converted = _four_ways(q, k, v, grad_out, mask=mask, scale=scale, **options)
+    def run(backend, kernel=""):
+        def fn(a, b, c):
+            with tuning(kernel=kernel):
+                return attnkit.attention(a, b, c, mask=mask, backend=backend, scale=scale, **options)
+        return fn
+
+    lows = [t.bfloat16().double() for t in (q, k, v)]
+    want = output_and_gradients(run("reference"), lows, grad_out, torch.float64)
+    pytorch = output_and_gradients(run("reference"), lows, grad_out, torch.bfloat16)
+    got = output_and_gradients(run("tiled", "native"), lows, grad_out, torch.bfloat16)
+    with native.matrix_units(False):
+        converted = output_and_gradients(run("tiled", "native"), lows, grad_out, torch.bfloat16)
     for what, mine, theirs, exact, other in zip(("output", "dq", "dk", "dv"), got, pytorch, want, converted):
         assert _error(mine, exact) <= 2 * _error(theirs, exact) + 1e-6, (what, _error(mine, exact),
                                                                          _error(theirs, exact))
         if what != "output":
             assert _rms_error(mine, exact) <= 1.1 * _rms_error(other, exact), (what, _rms_error(mine, exact),
                                                                               _rms_error(other, exact))
-
-
-@needs_tiles
-def test_dropout_scales_the_tiles_output_after_the_product():
-    """Rows that attend one key under dropout: the output is that key's value times 0 or 1 / (1 - p),
-    and dq, dk are 0 in exact arithmetic (a softmax over one key does not move). With the factor
-    inside the bf16 weights of P V (bf16(1 / 0.7) is 2^-9 off), the output read v x bf16(1 / (1 - p))
-    while the backward used the exact factor: dq and dk came out 0.011 here. On the tiles the weights
-    now carry the keep mask alone and the factor multiplies each row in float32, as on the
-    float32-convert path, whose results the tiles now give."""
-    q, k, v = _inputs(1, 4, 2, 150, 150, 64, 64, seed=21)
-    grad_out = torch.randn(1, 4, 150, 64, generator=torch.Generator().manual_seed(22))
-    mask = masks.sliding_window(1)  # each row attends its own key
-
-    want, pytorch, got, converted = _four_ways(q, k, v, grad_out, generator_seed=23, mask=mask, dropout=0.3)
-    for what, mine, theirs, exact, other in zip(("output", "dq", "dk", "dv"), got, pytorch, want, converted):
-        if what in ("output", "dv"):
-            assert _error(mine, exact) <= 2 * _error(theirs, exact) + 1e-6, (what, _error(mine, exact),
-                                                                             _error(theirs, exact))
-        else:
-            # Plain ops give exactly 0. The kernel's f dP - delta is a difference of two float32
-            # numbers whose delta comes from the output kept as two bf16 parts (16 more bits): ~4e-5
-            # on both paths here; the bar is the float32-convert path's.
-            assert _error(mine, exact) <= _error(other, exact) + 1e-6 and _error(mine, exact) < 1e-4, (
-                what, _error(mine, exact), _error(other, exact))

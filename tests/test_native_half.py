@@ -284,19 +284,23 @@ def test_the_output_is_the_same_with_or_without_a_backward_to_follow(dtype, mask
 
 @needs_native
 @pytest.mark.parametrize("dtype", HALF)
-def test_a_row_on_one_key_under_dropout_has_no_query_gradient(dtype):
+@pytest.mark.parametrize("tiles", [False, True])
+def test_a_row_on_one_key_under_dropout_has_no_query_gradient(dtype, tiles):
     """A row that attends one key has weight 1 there whatever its score, so its dq and the key's dk
     are exactly 0; under dropout its output is ``v / (1 - p)`` or 0, which the dtype rounds. A row
     term from that rounded output left dq off by 0.06 and dk by 0.18 in bf16 (p = 0.1); from the
-    output as computed, only float32's rounding is left on the float32-convert path. (The AMX tiles'
-    forward rounds each weight times 1 / (1 - p) to bf16 for P V, so the output reads
-    v x bf16(1 / (1 - p)) while the backward's dP takes the exact factor: 0.015 is left there.)"""
+    output as computed, only float32's rounding is left on the float32-convert path. On the AMX
+    tiles the forward's bf16 weights carry the keep mask alone and 1 / (1 - p) multiplies each row
+    in float32: inside the weights it made the output read v x bf16(1 / (1 - p)) while the
+    backward's dP took the exact factor, and 0.015 was left."""
+    if tiles and (dtype != torch.bfloat16 or not native.matrix_units_available()):
+        pytest.skip("the AMX tiles take bfloat16 on CPUs that have them")
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, 2, 128, 64, generator=g).to(dtype)
     k, v, grad_out = (torch.randn(1, 2, 128, 64, generator=g).to(dtype) for _ in range(3))
     mask = masks.sliding_window(1)  # each row attends its own key alone
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    with tuning(kernel="native"), native.matrix_units(False):  # the backward too
+    with tuning(kernel="native"), native.matrix_units(tiles):  # the backward too
         out = attnkit.attention(*leaves, mask=mask, backend="tiled", dropout=0.1,
                                 generator=torch.Generator().manual_seed(1))
         out.backward(grad_out)
