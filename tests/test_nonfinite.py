@@ -371,9 +371,10 @@ def test_the_extremes_read_in_one_transfer_equal_those_read_one_by_one():
 
 @pytest.mark.parametrize("case", ["finite", "NaN out", "inf out", "-inf lse, row with keys", "-inf lse, empty row",
                                   "NaN lse, row with keys", "empty output"])
-def test_the_flex_outputs_check_in_one_read_equals_the_two_checks(case):
-    """On a GPU FlexAttention's output and lse are checked in one read of the device (each read
-    waits for the queue); that path, run here on CPU tensors, must answer as the two checks do."""
+def test_the_flex_outputs_one_check_equals_the_two_checks(case):
+    """FlexAttention's output and the lse of its rows with keys are checked as one set of extremes
+    (on a GPU one read of the device, where each read waits for the queue): it must answer as the
+    two checks do."""
     g = torch.Generator().manual_seed(4)
     out, lse = torch.randn(2, 3, 6, 4, generator=g), torch.randn(2, 3, 6, generator=g)
     lo = torch.tensor([[[0, 0, 1, 2, 5, 3]], [[0, 1, 1, 9, 4, 0]]])
@@ -391,5 +392,5 @@ def test_the_flex_outputs_check_in_one_read_equals_the_two_checks(case):
     elif case == "empty output":
         out = out[..., :0]
     two_checks = not numerics.all_finite(out) or numerics.keyed_rows_not_finite(lse, lo, hi)
-    assert numerics._not_finite_in_one_read(out, lse, lo, hi) == two_checks
+    assert numerics.output_or_keyed_lse_not_finite(out, lse, lo, hi) == two_checks
     assert two_checks == (case not in ("finite", "-inf lse, empty row", "empty output"))

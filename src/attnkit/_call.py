@@ -157,7 +157,7 @@ class AttentionCall:
 
 def _new_call(values: dict[str, Any]) -> AttentionCall:
     """An :class:`AttentionCall` holding ``values`` (every field), built without the frozen
-    dataclass's ``__init__``: it sets each of the 17 fields through ``object.__setattr__``, which
+    dataclass's ``__init__``: it sets each of the 16 fields through ``object.__setattr__``, which
     was a sixth of a decoding step's time in :func:`attnkit.attention` (``[8, 4, 1, 16]`` over 100
     keys on the CPU). The instance is an ordinary frozen one (equality, ``replace``). While
     ``torch.compile`` traces, the constructor runs as written: Dynamo follows dataclasses, not
