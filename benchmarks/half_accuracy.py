@@ -8,13 +8,15 @@ the reference's scale, bf16 and fp16 to twice the error of PyTorch's own call in
 against float64 (SDPA over the dense mask for plain calls, PyTorch ops in the dtype where SDPA has
 no such feature: the reference backend), for the output and each gradient at its worst element.
 ``--dropout`` adds dropout 0.2 (the reference then draws the same pattern: it is a function of the
-seed and position). ``--tiles off`` keeps bf16 off the AMX tiles (the float32-convert path).
+seed and position). ``--units`` names the units bf16's products run on (``tiles``, the AMX tiles and
+the default; ``dots``, AVX512-BF16's dot products; ``convert``, float32), each where the CPU has them.
 
 Not a test: 400 calls take minutes. The docs' fuzz figures (docs/guides/backends.md) come from
 
     python benchmarks/half_accuracy.py --calls 400
     python benchmarks/half_accuracy.py --calls 150 --dropout
-    python benchmarks/half_accuracy.py --calls 400 --tiles off
+    python benchmarks/half_accuracy.py --calls 400 --units convert
+    python benchmarks/half_accuracy.py --calls 400 --units dots
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def random_mask(rng: random.Random, length: int) -> masks.StructuredMask:
     return masks.prefix_lm(rng.randint(1, length))
 
 
-def one_call(case: int, dropout: bool, tiles: bool) -> list[str]:
+def one_call(case: int, dropout: bool, units: str) -> list[str]:
     """The failures of call ``case`` (its draws are a function of ``case``), as lines."""
     rng, g = random.Random(case), torch.Generator().manual_seed(case)
     length, heads = rng.randint(1, 700), rng.choice([1, 2, 4])
@@ -95,7 +97,7 @@ def one_call(case: int, dropout: bool, tiles: bool) -> list[str]:
             return attnkit.attention(a, b, c, mask=mask, backend="tiled", scale=scale, return_lse=True,
                                      **drawn(), **extra)
 
-    with native.matrix_units(tiles):
+    with native.half_products(units):
         got = output_and_gradients(ours, (q, k, v), grad_out, dtype, lse_weight)
     want = output_and_gradients(reference, (q, k, v), grad_out, torch.float64, lse_weight)
     plain = not extra and lse_weight is None
@@ -129,16 +131,17 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--first", type=int, default=0, help="the first call's number")
     parser.add_argument("--dropout", action="store_true", help="dropout 0.2 on every call")
-    parser.add_argument("--tiles", choices=["on", "off"], default="on",
-                        help="bf16 on the AMX tiles where the CPU has them (default) or converted to float32")
+    parser.add_argument("--units", choices=native.HALF_PRODUCTS, default="tiles",
+                        help="the units bf16's products run on, where the CPU has them (else converted to float32)")
     args = parser.parse_args()
     failed = 0
     for case in range(args.first, args.first + args.calls):
-        for line in one_call(case, args.dropout, args.tiles == "on"):
+        for line in one_call(case, args.dropout, args.units):
             print(line, flush=True)
             failed += 1
-    tiles = native.matrix_units_available() and args.tiles == "on"
-    print(f"{args.calls} calls, {failed} results over the bar (bf16 on the AMX tiles: {'yes' if tiles else 'no'})")
+    ran = {"tiles": native.matrix_units_available(), "dots": native.dot_products_available(), "convert": True}
+    print(f"{args.calls} calls, {failed} results over the bar (bf16's products on "
+          f"{args.units if ran[args.units] else 'convert'})")
 
 
 if __name__ == "__main__":

@@ -5,12 +5,16 @@ native kernel forced (``backend="tiled"`` with ``kernel="native"``), and PyTorch
 same call (SDPA for no mask and plain causal, PyTorch's kernels block by block for the structured
 masks: the native kernel turned off). Forward, or forward + backward with ``--train``; medians of
 ``--repeats`` rounds after two warm-ups, the three taking turns (``common.median_times``); the
-ratios are native / PyTorch's. With ``--tiles off`` the
-kernel's bfloat16 products leave the AMX tiles (``native.matrix_units(False)``), to compare the two
-paths on a CPU that has them.
+ratios are native / PyTorch's. ``--units`` names the units the kernel's bfloat16 products run on
+(``native.half_products``: ``tiles``, the AMX tiles and the default; ``dots``, AVX512-BF16's dot
+products; ``convert``, float32), each where the CPU has them, to compare the paths on one CPU. A
+CPU without AMX can be played on one that has it: PyTorch's kernels (oneDNN) then run with
+``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` in the environment, and the kernel with ``--units dots``
+or ``--units convert``.
 
     python benchmarks/half_routes.py --dtype bfloat16 --lengths 8192
     python benchmarks/half_routes.py --dtype bfloat16 --masks none causal --lengths 256 512 1024 2048 4096
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python benchmarks/half_routes.py --units dots --masks window512
 """
 
 from __future__ import annotations
@@ -49,18 +53,19 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--tiles", choices=("on", "off"), default="on")
+    parser.add_argument("--units", choices=native.HALF_PRODUCTS, default="tiles")
     args = parser.parse_args()
     if not native.available():
         raise SystemExit(f"the native kernel is not built: {native.why_unavailable()}")
     dtype = getattr(torch, args.dtype)
-    tiles = native.matrix_units(args.tiles == "on")
+    units = native.half_products(args.units)
     print(f"# {args.dtype}, {'forward + backward' if args.train else 'forward'}, B = 1, H = {args.heads}, "
-          f"D = {args.dim}, {torch.get_num_threads()} threads, AMX tiles available: "
-          f"{native.matrix_units_available()} ({args.tiles})")
+          f"D = {args.dim}, {torch.get_num_threads()} threads; the kernel's bf16 products on {args.units} "
+          f"(AMX tiles available: {native.matrix_units_available()}, AVX512-BF16 dot products: "
+          f"{native.dot_products_available()}); ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(unset)')}")
     print("| mask | L | auto's pick | auto (ms) | native kernel (ms) | PyTorch's (ms) | native / PyTorch's |")
     print("|---|---:|---|---:|---:|---:|---:|")
-    with tiles:
+    with units:
         for length in args.lengths:
             g = torch.Generator().manual_seed(0)
             q, k, v = (torch.randn(1, args.heads, length, args.dim, generator=g).to(dtype).requires_grad_(args.train)

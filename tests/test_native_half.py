@@ -78,7 +78,7 @@ def test_half_precision_is_the_float32_kernel_rounded_once(c, dtype, dropout, so
         v[-1, -1, -1, -1] = float("inf")
     slopes = torch.rand(q.shape[1]) if alibi else None
     options = dict(block=c["block"], chunk=c["chunk"], dropout=dropout, seed=7, softcap=softcap, alibi_slopes=slopes)
-    with native.matrix_units(False):  # the float32-convert path (the AMX tiles: test_native_amx.py)
+    with native.half_products("convert"):  # the float32-convert path (the half-precision units: test_native_bf16_products.py)
         out, lse = native.interval_forward(q, k, v, c["lo"], c["hi"], c["scale"], **options)
     out32, lse32 = native.interval_forward(q.float(), k.float(), v.float(), c["lo"], c["hi"], c["scale"], **options)
     assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == out32.shape
@@ -86,7 +86,7 @@ def test_half_precision_is_the_float32_kernel_rounded_once(c, dtype, dropout, so
     _same(lse, lse32)
 
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-    with native.matrix_units(False):
+    with native.half_products("convert"):
         grads = native.interval_backward(grad_out, q, k, v, out, lse, c["lo"], c["hi"], c["scale"], block=c["block"],
                                          chunk=c["chunk"], parts=parts, dropout=dropout, seed=7, softcap=softcap,
                                          alibi_slopes=slopes)
@@ -99,7 +99,7 @@ def test_half_precision_is_the_float32_kernel_rounded_once(c, dtype, dropout, so
         _same(got, want.to(dtype))
 
     # With the residual: the same output, and out + residual is the float32 output to ~16 more bits
-    with native.matrix_units(False):
+    with native.half_products("convert"):
         same_out, _, low = native.interval_forward(q, k, v, c["lo"], c["hi"], c["scale"], residual=True, **options)
     _same(same_out, out)
     finite = torch.isfinite(out32)
@@ -107,7 +107,7 @@ def test_half_precision_is_the_float32_kernel_rounded_once(c, dtype, dropout, so
     assert ((exact - out32).abs() <= out32.abs() * 2 ** -15 + 1e-7)[finite].all()
     assert (low[~finite] == 0).all()  # out + residual is the output itself where it is not finite
     # and the backward that reads it is the float32 kernel's given the same pair, rounded once
-    with native.matrix_units(False):
+    with native.half_products("convert"):
         grads = native.interval_backward(grad_out, q, k, v, out, lse, c["lo"], c["hi"], c["scale"], block=c["block"],
                                          chunk=c["chunk"], parts=parts, dropout=dropout, seed=7, softcap=softcap,
                                          alibi_slopes=slopes, out_low=low)
@@ -195,12 +195,12 @@ def test_a_model_layout_keeps_its_layout_and_dtype(dtype):
     k = torch.randn(1, length, 2, 16, generator=g).to(dtype).transpose(1, 2)
     lo = torch.clamp(torch.arange(length) - 40, min=0)[None]
     hi = (torch.arange(length) + 1)[None]
-    with native.matrix_units(False):  # the float32-convert path (the AMX tiles: test_native_amx.py)
+    with native.half_products("convert"):  # the float32-convert path (the half-precision units: test_native_bf16_products.py)
         out, lse = native.interval_forward(q, k, k, lo, hi, 0.2)
     assert out.dtype == dtype and out.transpose(1, 2).is_contiguous()
     _same(out, native.interval_forward(q.float(), k.float(), k.float(), lo, hi, 0.2)[0].to(dtype))
     grad_out = torch.ones_like(out)
-    with native.matrix_units(False):
+    with native.half_products("convert"):
         grads = native.interval_backward(grad_out, q, k, k, out, lse, lo, hi, 0.2)
     grads32 = native.interval_backward(grad_out.float(), q.float(), k.float(), k.float(), out.float(), lse, lo, hi, 0.2)
     assert all(grad.transpose(1, 2).is_contiguous() for grad in grads)
@@ -235,7 +235,7 @@ def test_peaked_rows_read_the_output_as_computed(dtype, tiles, mask):
     dense = mask.dense(300, 300, ndim=4)
 
     def ours(a, b, c):
-        with tuning(kernel="native"), native.matrix_units(tiles):  # the backward too
+        with tuning(kernel="native"), native.half_products("tiles" if tiles else "convert"):  # the backward too
             return attnkit.attention(a, b, c, mask=mask, backend="tiled", scale=1.0)
 
     _beside_reference(ours, lambda a, b, c: attnkit.attention(a, b, c, mask=mask, backend="reference", scale=1.0),
@@ -255,7 +255,7 @@ def test_sinks_fold_into_the_output_before_its_rounding(dtype):
     sinks = torch.randn(2, generator=g)
 
     def ours(a, b, c):
-        with tuning(kernel="native"), native.matrix_units(False):
+        with tuning(kernel="native"), native.half_products("convert"):
             return attnkit.attention(a, b, c, causal=True, backend="tiled", scale=0.3, sinks=sinks)
 
     def reference(a, b, c):
@@ -300,7 +300,7 @@ def test_a_row_on_one_key_under_dropout_has_no_query_gradient(dtype, tiles):
     k, v, grad_out = (torch.randn(1, 2, 128, 64, generator=g).to(dtype) for _ in range(3))
     mask = masks.sliding_window(1)  # each row attends its own key alone
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    with tuning(kernel="native"), native.matrix_units(tiles):  # the backward too
+    with tuning(kernel="native"), native.half_products("tiles" if tiles else "convert"):  # the backward too
         out = attnkit.attention(*leaves, mask=mask, backend="tiled", dropout=0.1,
                                 generator=torch.Generator().manual_seed(1))
         out.backward(grad_out)

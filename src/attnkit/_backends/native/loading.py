@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ... import _torch_private
 from . import building as _build
-from .ops import EXPECTED_SCHEMAS, registered_schemas
+from .ops import _UNITS_CODE, EXPECTED_SCHEMAS, HALF_PRODUCTS, registered_schemas
 
 REBUILD = "attnkit build-kernel"
 
@@ -46,6 +46,7 @@ class _Library:
         self.not_built = False  # it would run here: only the build step is missing
         self.hinted = False
         self.matrix_units = False  # the bfloat16 products on AMX tiles (csrc/amx.h), asked once at load
+        self.dot_products = False  # AVX512-BF16's dot products (csrc/dots.h), asked once at load
 
     def load(self) -> bool:
         if self.loaded is None:
@@ -78,7 +79,21 @@ class _Library:
             return _refused(f"{path} registered {registered_schemas()}, expected {EXPECTED_SCHEMAS}")
         with _torch_private.untraced():  # a first load may happen while torch.jit.trace records
             self.matrix_units = bool(torch.ops.attnkit_native.matrix_units_available())
+            self.dot_products = bool(torch.ops.attnkit_native.dot_products_available())
+            _ask_half_products(os.environ.get("ATTNKIT_NATIVE_HALF_PRODUCTS", ""))
         return True, ""
+
+
+def _ask_half_products(units: str) -> None:
+    """Sets the units ``ATTNKIT_NATIVE_HALF_PRODUCTS`` names (empty: the default, the tiles); another
+    value is warned about and the default kept."""
+    if not units:
+        return
+    if units not in HALF_PRODUCTS:
+        warnings.warn(f"ATTNKIT_NATIVE_HALF_PRODUCTS must be one of {HALF_PRODUCTS}, got {units!r}; "
+                      f"bfloat16 products stay on the default units", RuntimeWarning, stacklevel=5)
+        return
+    torch.ops.attnkit_native.use_half_products(_UNITS_CODE[units])
 
 
 def _refused(why: str) -> tuple[bool, str]:

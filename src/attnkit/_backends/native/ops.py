@@ -28,7 +28,8 @@ EXPECTED_SCHEMAS = {
                          "int dropout_key_start, Tensor? out_low) -> (Tensor, Tensor, Tensor)",
     "release_kept_memory": "attnkit_native::release_kept_memory() -> int",
     "matrix_units_available": "attnkit_native::matrix_units_available() -> bool",
-    "use_matrix_units": "attnkit_native::use_matrix_units(bool on) -> bool",
+    "dot_products_available": "attnkit_native::dot_products_available() -> bool",
+    "use_half_products": "attnkit_native::use_half_products(int limit) -> int",
 }
 
 
@@ -130,17 +131,45 @@ def matrix_units_available() -> bool:
     return available() and _library.matrix_units
 
 
-@contextmanager
-def matrix_units(on: bool) -> Iterator[None]:
-    """Inside the ``with``, bfloat16 calls take the AMX tiles where available (``on``) or the
-    float32-convert path (``csrc/half.h``), for tests and benchmarks that compare the two. The
-    setting is the kernel's, for the whole process (not one thread)."""
+def dot_products_available() -> bool:
+    """Whether the CPU has AVX512-BF16's dot products (``csrc/dots.h``), which multiply the kernel's
+    bfloat16 calls where no AMX tiles are granted; False where the kernel is not loaded."""
+    from .loading import _library, available  # loading imports this module
+
+    return available() and _library.dot_products
+
+
+#: The units a bfloat16 call's products can run on (``csrc/products.h``): the AMX tiles (the
+#: default), the AVX512-BF16 dot products, and neither (the float32-convert path, ``csrc/half.h``).
+HALF_PRODUCTS = ("tiles", "dots", "convert")
+
+
+def use_half_products(units: str) -> str:
+    """Sets the units (one of :data:`HALF_PRODUCTS`) bfloat16 calls run their products on, each where
+    the CPU has them, else the float32-convert path; returns the previous setting. The setting is the
+    kernel's, for the whole process (not one thread); the environment variable
+    ``ATTNKIT_NATIVE_HALF_PRODUCTS`` sets it when the kernel loads (benchmarks in their own processes).
+    The tiles by default; the dot products only when asked (slower than converting on the one CPU
+    measured: docs/performance.md)."""
+    if units not in HALF_PRODUCTS:
+        raise ValueError(f"half_products: units must be one of {HALF_PRODUCTS}, got {units!r}")
     _require_library()
-    previous = bool(torch.ops.attnkit_native.use_matrix_units(on))
+    previous = int(torch.ops.attnkit_native.use_half_products(_UNITS_CODE[units]))
+    return next(name for name, code in _UNITS_CODE.items() if code == previous)
+
+
+_UNITS_CODE = {"convert": 0, "dots": 1, "tiles": 2}  # csrc/products.h's HalfProducts
+
+
+@contextmanager
+def half_products(units: str) -> Iterator[None]:
+    """Inside the ``with``, bfloat16 calls run their products on ``units`` (:func:`use_half_products`),
+    for tests and benchmarks that compare the paths."""
+    previous = use_half_products(units)
     try:
         yield
     finally:
-        torch.ops.attnkit_native.use_matrix_units(previous)
+        use_half_products(previous)
 
 
 def _slopes(alibi_slopes: Tensor | None) -> Tensor | None:

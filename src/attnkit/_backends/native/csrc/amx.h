@@ -1,6 +1,7 @@
 // The bfloat16 products on AMX tiles (bfloat16 in, float32 accumulated), the forward's two and the
-// backward's five, where the CPU has AMX-BF16 and the OS grants the tile state; the float32-convert
-// path (half.h) everywhere else.
+// backward's five, where the CPU has AMX-BF16 and the OS grants the tile state; and the packed
+// layouts they read, which the AVX512-BF16 dot products (dots.h) read too where there are no tiles.
+// products.h chooses among the two and the float32-convert path (half.h).
 //
 // The products keep the float32 kernel's layouts, so everything between them (softmax.h: masks,
 // soft-capping, ALiBi, dropout, the running max) is the same code:
@@ -22,7 +23,7 @@
 //
 // Every tile is 16 rows x 64 bytes: tmm0-3 accumulate (2 x 2 tiles), tmm4-5 hold A, tmm6-7 B.
 // The functions carry their ISA in a target attribute, so the library still loads on CPUs without
-// it; matrix_units() decides at run time (CPUID, XCR0, and Linux's per-process tile permission).
+// it; matrix_units_available() asks at run time (CPUID, XCR0, and Linux's per-process tile permission).
 
 #pragma once
 
@@ -32,7 +33,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -64,17 +64,10 @@ bool cpu_grants_amx_bf16() {
   return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
 }
 
-std::atomic<bool> matrix_units_on{true};  // attnkit_native::use_matrix_units (tests compare paths)
-
 bool matrix_units_available() {
   static const bool granted = cpu_grants_amx_bf16();
   return granted;
 }
-
-bool matrix_units() { return matrix_units_available() && matrix_units_on.load(std::memory_order_relaxed); }
-
-// Sets whether bfloat16 calls use the tiles where available; returns the previous setting.
-bool use_matrix_units(bool on) { return matrix_units_on.exchange(on); }
 
 constexpr int64_t kTile = 16;     // rows of a tile, and float32 columns of an accumulator
 constexpr int64_t kTileK = 32;    // bfloat16 elements in a tile row: the products' inner step
@@ -82,15 +75,16 @@ constexpr int64_t kMaxTransposedBytes = int64_t{64} << 20;  // per thread; longe
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// The forward and the backward take the tiles for this call: bfloat16, whole tiles of features (D
-// and Dv multiples of 32: the backward's dP = dO V^T steps over Dv as the scores step over D, and
-// both passes must compute the scores alike), V^T (and the backward's K^T) within bounds, query,
-// key and value rows an even number of elements apart (they are moved by pairs of features).
-bool amx_applies(at::ScalarType type, int64_t D, int64_t Dv, int64_t Lk, int64_t q_row_stride,
-                 int64_t k_row_stride, int64_t v_row_stride) {
+// The call's bfloat16 products can run on the packed layouts below (the AMX tiles', or the dot
+// products' of dots.h): bfloat16, whole tiles of features (D and Dv multiples of 32: the backward's
+// dP = dO V^T steps over Dv as the scores step over D, and both passes must compute the scores
+// alike), V^T (and the backward's K^T) within bounds, query, key and value rows an even number of
+// elements apart (they are moved by pairs of features). products.h decides which units multiply.
+bool bf16_layouts_fit(at::ScalarType type, int64_t D, int64_t Dv, int64_t Lk, int64_t q_row_stride,
+                      int64_t k_row_stride, int64_t v_row_stride) {
   return type == at::kBFloat16 && D % kTileK == 0 && Dv % kTileK == 0 && q_row_stride % 2 == 0 &&
          k_row_stride % 2 == 0 && v_row_stride % 2 == 0 &&
-         std::max(D, Dv) * (round_up(Lk, kTileK) + kTileK) * 2 <= kMaxTransposedBytes && matrix_units();
+         std::max(D, Dv) * (round_up(Lk, kTileK) + kTileK) * 2 <= kMaxTransposedBytes;
 }
 
 // Keys a chunk takes on the tiles at least: the accumulators then load and store once per block

@@ -22,12 +22,12 @@
 #include <vector>
 
 #include "aligned.h"
-#include "amx.h"
 #include "dropout.h"
 #include "half.h"
 #include "kept_memory.h"
 #include "lanes.h"
 #include "params.h"
+#include "products.h"
 #include "score_mods.h"
 #include "softmax.h"
 #include "tiles.h"
@@ -172,9 +172,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const float* l = lse.data_ptr<float>();
     const float* gl = grad_lse.defined() ? grad_lse.data_ptr<float>() : nullptr;
     const Rows dq_rows(dq), dk_rows(dk), dv_rows(dv);
-    // The five products on AMX tiles where the forward's were (amx.h; dO's rows moved by pairs too)
-    const bool amx = amx_applies(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2) && go.s2 % 2 == 0;
-    if (amx) chunk = round_up(std::max(chunk, kAmxChunk), kTileK);
+    // The five products on the units the forward's took (products.h; dO's rows moved by pairs too)
+    const HalfProducts units = go.s2 % 2 == 0 ? half_products(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2)
+                                              : HalfProducts::kConvert;
+    const bool packed = units != HalfProducts::kConvert;
+    if (packed) chunk = round_up(std::max(chunk, kAmxChunk), kTileK);
     const bool capped = c.capped();  // the cap's derivative is stored then
     using L = RowLanes;
     const WeightsRows<L> weights = pick_weights_rows<L>(c.plain());  // one per call
@@ -195,22 +197,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       // causal backward).
       const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
       // scores and grads: a chunk's rows rounded up to whole tiles of keys (the tiles write past W)
-      Floats qt(amx ? 0 : D * padded, 0.0f), scores((chunk + kTile) * padded), grads((chunk + kTile) * padded, 0.0f);
-      TileScope tiles(amx);
-      LineVector<uint32_t> packed_q(amx ? padded * D / 2 : 0), packed_go(amx ? padded * Dv / 2 : 0);
-      LineVector<uint32_t> rows_q(amx ? padded * D / 2 : 0), rows_go(amx ? padded * Dv / 2 : 0);
+      Floats qt(packed ? 0 : D * padded, 0.0f), scores((chunk + kTile) * padded), grads((chunk + kTile) * padded, 0.0f);
+      TileScope tiles(units == HalfProducts::kTiles);
+      LineVector<uint32_t> packed_q(packed ? padded * D / 2 : 0), packed_go(packed ? padded * Dv / 2 : 0);
+      LineVector<uint32_t> rows_q(packed ? padded * D / 2 : 0), rows_go(packed ? padded * Dv / 2 : 0);
       // the weights and score gradients as two bfloat16 parts each (amx.h, high and low). Every
       // buffer a tile reads or writes starts on a cache line (aligned.h: from glibc's 16-byte start
       // every tile row of 64 bytes touched two lines; window backward 110-118 -> 96-102 ms with the
       // two parts, L = 16384, 2 threads)
-      LineVector<uint32_t> packed_ds(amx ? padded * round_up(chunk, kTileK) / 2 : 0), packed_ds_low(packed_ds.size());
-      LineVector<uint16_t> key_rows(amx ? (chunk + kTile) * padded : 0), key_rows_low(key_rows.size());
-      LineVector<uint16_t> spare_keys(amx ? kTile * std::max(D, Dv) : 0);
-      LineVector<uint16_t> spare_block(amx ? D * kTileK : 0);  // K^T's last block for dQ (amx_values)
-      Floats spare_sums(amx ? 2 * kTile * kTile : 0);
+      LineVector<uint32_t> packed_ds(packed ? padded * round_up(chunk, kTileK) / 2 : 0), packed_ds_low(packed_ds.size());
+      LineVector<uint16_t> key_rows(packed ? (chunk + kTile) * padded : 0), key_rows_low(key_rows.size());
+      LineVector<uint16_t> spare_keys(packed ? kTile * std::max(D, Dv) : 0);
+      LineVector<uint16_t> spare_block(packed ? D * kTileK : 0);  // K^T's last block for dQ (amx_values)
+      Floats spare_sums(packed ? 2 * kTile * kTile : 0);
       std::optional<TransposedRows> keys_transposed;
-      if (amx) keys_transposed.emplace(c.k, Lk);
-      Floats got(amx ? 0 : Dv * padded), dqt(D * padded);  // dO^T and dQ^T: rows as lanes, like Qt
+      if (packed) keys_transposed.emplace(c.k, Lk);
+      Floats got(packed ? 0 : Dv * padded), dqt(D * padded);  // dO^T and dQ^T: rows as lanes, like Qt
       std::vector<Start> dq_start(padded / kGroup);
       const Floats no_rescale(padded);
       Floats cap_grads(capped ? chunk * padded : 0);
@@ -283,7 +285,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
             const auto [o_head, o2s] = outputs.head(b, h, first, first + rows);
             const auto [low_head, low2s] = lows.head(b, h, first, first + rows);  // nullptr: no residual
             const float* go_block = go_head + first * g2s;
-            // On the tiles the products read the bfloat16 rows; float32 query, key and value rows are
+            // On the packed layouts the products read the bfloat16 rows; float32 query, key and value rows are
             // converted only for the chunks redone by attended pairs.
             const float *q_head = nullptr, *k_head = nullptr, *v_head = nullptr, *q_block = nullptr;
             int64_t q2s = 0, k2s = 0, v2s = 0;
@@ -295,7 +297,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               q_block = q_head + first * q2s;
             };
             const int64_t rs = (rows + kGroup - 1) / kGroup * kGroup;
-            if (amx) {
+            if (packed) {
               pack_queries(bf16_row(c.q, b, h, first), c.q.s2, rows, D, rs, packed_q.data());
               pack_queries(bf16_row(go, b, h, first), go.s2, rows, Dv, rs, packed_go.data());
               pack_rows(bf16_row(c.q, b, h, first), c.q.s2, rows, D, rs, rows_q.data());
@@ -330,16 +332,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               all_lo = 0, all_hi = whole - j < L::kWidth ? 0 : Lk;  // padding rows attend nothing
               for (int64_t i = j; i < whole; ++i) all_lo = std::max(all_lo, row_lo[i]), all_hi = std::min(all_hi, row_hi[i]);
             }
-            // on the tiles chunks start at multiples of 32 keys, as the forward's (K^T's blocks)
-            const int64_t chunk_lo = amx ? span_lo / kTileK * kTileK : span_lo;
+            // on the packed layouts chunks start at multiples of 32 keys, as the forward's (K^T's blocks)
+            const int64_t chunk_lo = packed ? span_lo / kTileK * kTileK : span_lo;
             for (int64_t c0 = chunk_lo; c0 < span_hi; c0 += chunk) {
               const int64_t width = std::min(chunk, span_hi - c0);
               float* p = scores.data();  // S, then P in its place: [t][r], row stride rs
               float* ds = grads.data();  // dP, then dS in its place, the same layout
               float* cap = cap_grads.empty() ? nullptr : cap_grads.data();
               L::F bad = L::zero();
-              if (amx) {
-                amx_scores(bf16_row(c.k, b, kv, c0), c.k.s2, width, Lk - c0, D, packed_q.data(), rs, p, spare_keys.data());
+              if (packed) {
+                scores_product(units, bf16_row(c.k, b, kv, c0), c.k.s2, width, Lk - c0, D, packed_q.data(), rs, p, spare_keys.data());
               } else {
                 block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, p);
               }
@@ -347,8 +349,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 weights(p + j, rs, width, c0, r, j, mods, first + j, cap ? cap + j : nullptr, bad);
               }
               // dP[t][r] = sum_dv V[t][dv] dOt[dv][r]: the scores' tiles (padding rows of dOt are 0)
-              if (amx) {
-                amx_scores(bf16_row(c.v, b, kv, c0), c.v.s2, width, Lk - c0, Dv, packed_go.data(), rs, ds,
+              if (packed) {
+                scores_product(units, bf16_row(c.v, b, kv, c0), c.v.s2, width, Lk - c0, Dv, packed_go.data(), rs, ds,
                            spare_keys.data());
               } else {
                 block_scores(v_head + c0 * v2s, v2s, width, Dv, got.data(), rs, ds);
@@ -374,15 +376,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               // dV_chunk += (f P)^T dO, dQt (+)= K_chunk^T dS^T, dK_chunk += dS^T Q
               std::fill(dq_start.begin(), dq_start.end(), dq_started ? Start::kKeep : Start::kZero);
               dq_started = true;
-              if (amx) {
+              if (packed) {
                 // P and dS in two bfloat16 parts each (amx.h, split_halves); dS in B's layout too, for dQ
                 pack_key_rows(p, rs, width, key_rows.data(), key_rows_low.data());
-                amx_rows_product(key_rows.data(), key_rows_low.data(), rs, width, rows_go.data(), Dv, dv_head + c0 * dv2s,
+                rows_product(units, key_rows.data(), key_rows_low.data(), rs, width, rows_go.data(), Dv, dv_head + c0 * dv2s,
                                  dv2s, spare_sums.data());
                 pack_key_rows(ds, rs, width, key_rows.data(), key_rows_low.data(), packed_ds.data(), packed_ds_low.data());
-                amx_values(keys_transposed->from(b, kv, c0, c0 + width), width, D, packed_ds.data(), rs, dqt.data(),
+                values_product(units, keys_transposed->from(b, kv, c0, c0 + width), width, D, packed_ds.data(), rs, dqt.data(),
                            dq_start.data(), no_rescale.data(), spare_block.data(), packed_ds_low.data());
-                amx_rows_product(key_rows.data(), key_rows_low.data(), rs, width, rows_q.data(), D, dk_head + c0 * dk2s,
+                rows_product(units, key_rows.data(), key_rows_low.data(), rs, width, rows_q.data(), D, dk_head + c0 * dk2s,
                                  dk2s, spare_sums.data());
               } else {
                 block_rows_product(p, rs, width, rows, go_block, g2s, Dv, dv_head + c0 * dv2s, dv2s);

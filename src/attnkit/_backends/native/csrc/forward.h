@@ -25,12 +25,12 @@
 #include <vector>
 
 #include "aligned.h"
-#include "amx.h"
 #include "dropout.h"
 #include "half.h"
 #include "kept_memory.h"
 #include "lanes.h"
 #include "params.h"
+#include "products.h"
 #include "score_mods.h"
 #include "softmax.h"
 #include "tiles.h"
@@ -140,23 +140,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
   at::Tensor low = residual && c.dtype != at::kFloat ? like_layout(query, B, H, Lq, Dv, c.dtype)
                                                      : at::empty({0}, query.options());
   if (lse.numel() == 0) return {out, lse, low};
-  // the products on AMX tiles (amx.h)
-  const bool amx = amx_applies(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2);
+  // bfloat16 products on the AMX tiles or the dot products, read from packed layouts (products.h)
+  const HalfProducts units = half_products(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2);
+  const bool packed = units != HalfProducts::kConvert;
   const int64_t blocks = (Lq + block - 1) / block;
   const Rows o(out), o_low = low.numel() > 0 ? Rows(low) : Rows();
   float* l = lse.data_ptr<float>();
   using L = RowLanes;
   const SoftmaxRows<L> softmax = pick_softmax_rows<L>(c.plain(), dropout.active);  // one per call
-  // On the tiles P is rounded to bfloat16 for P V, so the weights carry the dropout's keep mask
+  // On the packed layouts P is rounded to bfloat16 for P V, so the weights carry the dropout's keep mask
   // (factors 0 or 1) and 1 / (1 - p) multiplies each row once at the end, in float32: a row of one
   // kept key then reads that key's value times the exact factor, where bf16(1 / (1 - p)) was off
-  // by up to 2^-9 (the backward takes the exact factor). Off the tiles the weights are float32.
+  // by up to 2^-9 (the backward takes the exact factor). Converted, the weights are float32.
   Dropout kept = dropout;
-  if (amx) kept.keep_scale = 1.0f;
-  const float after_sum = amx && dropout.active ? dropout.keep_scale : 1.0f;
+  if (packed) kept.keep_scale = 1.0f;
+  const float after_sum = packed && dropout.active ? dropout.keep_scale : 1.0f;
 
   const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
-  if (amx) chunk = round_up(std::max(chunk, kAmxChunk), kTileK);
+  if (packed) chunk = round_up(std::max(chunk, kAmxChunk), kTileK);
   // Tasks are (batch, head, block) in order, and threads claim runs of `claim` consecutive ones as
   // they go (consecutive blocks share most keys): a range split in halves waits for the slower
   // thread, and on a shared machine one core often is (window, L = 16384, 2 threads: 84-87 or
@@ -169,14 +170,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     // scores: a chunk's rows rounded up to whole tiles of keys (the tiles write past W)
-    Floats qt(amx ? 0 : D * padded), scores((chunk + kTile) * padded), ot(Dv * padded);
-    TileScope tiles(amx);
+    Floats qt(packed ? 0 : D * padded), scores((chunk + kTile) * padded), ot(Dv * padded);
+    TileScope tiles(units == HalfProducts::kTiles);
     // from a cache line, as every buffer a tile reads (backward.h)
-    LineVector<uint32_t> packed_queries(amx ? padded * D / 2 : 0);
-    LineVector<uint32_t> packed_weights(amx ? padded * round_up(chunk, kTileK) / 2 : 0);
-    LineVector<uint16_t> spare_keys(amx ? kTile * D : 0), spare_values(amx ? Dv * kTileK : 0);
+    LineVector<uint32_t> packed_queries(packed ? padded * D / 2 : 0);
+    LineVector<uint32_t> packed_weights(packed ? padded * round_up(chunk, kTileK) / 2 : 0);
+    LineVector<uint16_t> spare_keys(packed ? kTile * D : 0), spare_values(packed ? Dv * kTileK : 0);
     std::optional<TransposedRows> transposed;
-    if (amx) transposed.emplace(c.v, Lk);
+    if (packed) transposed.emplace(c.v, Lk);
     BlockRows r(padded);
     std::vector<Start> start(padded / kGroup);
     std::vector<int64_t> row_lo(padded), row_hi(padded);
@@ -207,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
           continue;
         }
         // after the check: an empty block's span would make the threads' converted rows start over.
-        // On the tiles the products read the bfloat16 rows, and float32 rows are converted only for
+        // On the packed layouts the products read the bfloat16 rows, and float32 rows are converted only for
         // the rows redone below.
         const float *q_head = nullptr, *k_head = nullptr, *v_head = nullptr;
         int64_t q2s = 0, k2s = 0, v2s = 0;
@@ -217,7 +218,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
           std::tie(k_head, k2s) = keys.head(b, h / c.group, span_lo, span_hi);
           std::tie(v_head, v2s) = values.head(b, h / c.group, span_lo, span_hi);
         };
-        if (!amx) float_rows();
+        if (!packed) float_rows();
         // Rows past the block's last (padding up to a whole group, queries 0) attend the whole span, so
         // that they do not narrow the keys all rows of their vector attend; their results are dropped.
         for (int64_t j = rows; j < rs; ++j) row_lo[j] = span_lo, row_hi[j] = span_hi;
@@ -232,24 +233,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
           r.all_lo[j / L::kWidth] = std::max<int64_t>(0, *std::max_element(lo_j, lo_j + L::kWidth));
           r.all_hi[j / L::kWidth] = std::min<int64_t>(Lk, *std::min_element(hi_j, hi_j + L::kWidth));
         }
-        if (amx) {
+        if (packed) {
           pack_queries(bf16_row(c.q, b, h, first), c.q.s2, rows, D, rs, packed_queries.data());
         } else {  // Qt[d][r] = q_r[d], padding rows 0
           transpose(q_head + first * q2s, q2s, rows, D, qt.data(), rs);
           for (int64_t d = 0; d < D; ++d) std::fill(qt.data() + d * rs + rows, qt.data() + (d + 1) * rs, 0.0f);
         }
-        // On the tiles chunks start at multiples of 32 keys (V^T's blocks): the keys before span_lo in
+        // On the packed layouts chunks start at multiples of 32 keys (V^T's blocks): the keys before span_lo in
         // the first are masked for every row, as any key outside a row's interval is.
-        const int64_t chunk_lo = amx ? span_lo / kTileK * kTileK : span_lo;
+        const int64_t chunk_lo = packed ? span_lo / kTileK * kTileK : span_lo;
         for (int64_t c0 = chunk_lo; c0 < span_hi; c0 += chunk) {
           const int64_t width = std::min(chunk, span_hi - c0);
           if (c0 + chunk >= span_hi) {  // written next
             prefetch_rows(o.at(b, h, first), rows, o.s2 * o.bytes, Dv * o.bytes, true);
           }
           float* s = scores.data();
-          if (amx) {
-            amx_scores(bf16_row(c.k, b, h / c.group, c0), c.k.s2, width, Lk - c0, D, packed_queries.data(), rs,
-                       s, spare_keys.data());
+          if (packed) {
+            scores_product(units, bf16_row(c.k, b, h / c.group, c0), c.k.s2, width, Lk - c0, D,
+                           packed_queries.data(), rs, s, spare_keys.data());
           } else {
             block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s);
           }
@@ -259,11 +260,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
             const bool ones = std::all_of(rescale, rescale + kGroup, [](float x) { return x == 1.0f; });
             start[g] = c0 == chunk_lo ? Start::kZero : ones ? Start::kKeep : Start::kRescale;
           }
-          if (amx) {
+          if (packed) {
             pack_weights(s, rs, width, packed_weights.data());
             const uint16_t* vt = transposed->from(b, h / c.group, c0, c0 + width);
-            amx_values(vt, width, Dv, packed_weights.data(), rs, ot.data(), start.data(), r.rescale.data(),
-                       spare_values.data());
+            values_product(units, vt, width, Dv, packed_weights.data(), rs, ot.data(), start.data(),
+                           r.rescale.data(), spare_values.data());
           } else {
             block_values(v_head + c0 * v2s, v2s, width, Dv, s, rs, ot.data(), start.data(), r.rescale.data());
           }

@@ -12,6 +12,8 @@
 //   aligned.h      scratch buffers aligned to a cache line
 //   half.h         bfloat16 and float16 inputs read as float32 rows, outputs rounded once
 //   amx.h          the bfloat16 products on AMX tiles, forward and backward (where the CPU has them)
+//   dots.h         the same products on AVX512-BF16 dot products (where it has those and no tiles)
+//   products.h     which of the two (or the float32-convert path) a call's products take
 //   params.h       the call's checked inputs, pointers, strides and sizes (Params)
 //   softmax.h      the row loops: running softmax, the backward's weights and score gradients
 //   tiles.h        register tiles, one template over the lane traits for both ISAs
@@ -44,7 +46,8 @@ TORCH_LIBRARY(attnkit_native, m) {
         "Tensor? out_low) -> (Tensor, Tensor, Tensor)");
   m.def("release_kept_memory() -> int", &attnkit_native::release_kept_memory);
   m.def("matrix_units_available() -> bool", &attnkit_native::matrix_units_available);
-  m.def("use_matrix_units(bool on) -> bool", &attnkit_native::use_matrix_units);
+  m.def("dot_products_available() -> bool", &attnkit_native::dot_products_available);
+  m.def("use_half_products(int limit) -> int", &attnkit_native::use_half_products);
 }
 
 TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {

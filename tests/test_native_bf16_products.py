@@ -1,16 +1,22 @@
-"""The native kernel's bfloat16 forward and backward on AMX tiles (``csrc/amx.h``), where the CPU has them.
+"""The native kernel's bfloat16 products on half-precision units: AMX tiles (``csrc/amx.h``) and
+AVX512-BF16 dot products (``csrc/dots.h``), each where the CPU has them.
 
-The tiles round the forward's weights to bfloat16 for P V (as PyTorch's bf16 CPU kernel does) and
-take the backward's weights and score gradients in two bfloat16 parts each, so their results are
-not the float32 kernel's bits: they are held to the float64 reference
-by FlashAttention's rule (at most twice the error of PyTorch's own computation in bf16), for every
-mask kind and feature, and compared with the float32-convert path (``native.matrix_units(False)``)
-for what must not change: the lse (float32 scores), the dropout pattern, empty rows, NaN rows.
-Skipped on CPUs without AMX-BF16 (the same tests then have nothing to run).
+Both units read the same packed layouts: they round the forward's weights to bfloat16 for P V (as
+PyTorch's bf16 CPU kernel does) and take the backward's weights and score gradients in two bfloat16
+parts each, so their results are not the float32 kernel's bits (nor each other's: they add in
+another order). Every test runs once per unit (``native.half_products``): results are held to the
+float64 reference by FlashAttention's rule (at most twice the error of PyTorch's own computation in
+bf16), for every mask kind and feature, and compared with the float32-convert path
+(``native.half_products("convert")``) for what must not change: the lse (float32 scores), the
+dropout pattern, empty rows, NaN rows. A unit the CPU lacks is skipped (this CI's CPU may have
+neither).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,8 +29,23 @@ from attnkit._backends import native
 from attnkit._backends.tiled_plan import tuning
 from oracle import output_and_gradients
 
-needs_tiles = pytest.mark.skipif(not native.matrix_units_available(),
-                                 reason="the CPU has no AMX-BF16 (or the OS does not grant its state)")
+UNITS_AVAILABLE = {
+    "tiles": (native.matrix_units_available, "the CPU has no AMX-BF16 (or the OS does not grant its state)"),
+    "dots": (native.dot_products_available, "the CPU has no AVX512-BF16"),
+}
+
+
+@pytest.fixture(params=list(UNITS_AVAILABLE))
+def units(request):
+    """Each test once on the AMX tiles and once on the dot products (``native.half_products``)."""
+    available, why_not = UNITS_AVAILABLE[request.param]
+    if not available():
+        pytest.skip(why_not)
+    with native.half_products(request.param):
+        yield request.param
+
+
+on_units = pytest.mark.usefixtures("units")
 
 
 def _cpu_flags() -> set[str]:
@@ -43,6 +64,41 @@ def test_the_tiles_are_used_where_the_cpu_lists_them():
     if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= _cpu_flags():
         pytest.skip("the CPU lists no AMX-BF16")
     assert native.matrix_units_available()
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernel not built")
+def test_the_dot_products_are_available_where_the_cpu_lists_them():
+    """A CPU whose flags list AVX-512 (F, BW, VL) and AVX512-BF16 can run the dot products (Linux
+    lists only what the OS enables): a broken CPUID or XCR0 test would hide them from the tests."""
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= _cpu_flags():
+        pytest.skip("the CPU lists no AVX512-BF16")
+    assert native.dot_products_available()
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernel not built")
+def test_half_products_names_its_units():
+    with pytest.raises(ValueError, match="units must be one of"):
+        with native.half_products("amx"):
+            pass
+    assert native.use_half_products("tiles") == "tiles"  # the default, unchanged by the refusal
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernel not built")
+@pytest.mark.parametrize("value, units, warned", [("dots", "dots", False), ("convert", "convert", False),
+                                                  ("amx", "tiles", True)])
+def test_the_environment_sets_the_units_at_load(value, units, warned):
+    """Benchmarks run each contender in its own process: ``ATTNKIT_NATIVE_HALF_PRODUCTS`` sets the
+    units there; an unknown name is warned about and the default kept."""
+    code = ("import warnings, attnkit\n"
+            "from attnkit._backends import native\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    assert native.available()\n"
+            "print(native.use_half_products('tiles'), any('ATTNKIT_NATIVE_HALF_PRODUCTS' in str(w.message) for w in caught))")
+    env = dict(os.environ, ATTNKIT_NATIVE_HALF_PRODUCTS=value)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [units, str(warned)]
 
 
 def _inputs(batch, heads, kv_heads, q_len, k_len, dim, dim_v, seed=0, layout="heads"):
@@ -84,7 +140,7 @@ MASKS = {
 }
 
 
-@needs_tiles
+@on_units
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:7])) + s[7])
 @pytest.mark.parametrize("name", list(MASKS))
 def test_forward_within_twice_pytorchs_bf16_error(shape, name):
@@ -99,11 +155,11 @@ def test_forward_within_twice_pytorchs_bf16_error(shape, name):
     pytorch = attnkit.attention(*lows, mask=mask, backend="reference")  # plain PyTorch ops in bf16
     with tuning(kernel="native"):  # short calls would run PyTorch's dense kernel
         got, lse = attnkit.attention(*lows, mask=mask, backend="tiled", return_lse=True)
-        with native.matrix_units(False):
+        with native.half_products("convert"):
             converted, converted_lse = attnkit.attention(*lows, mask=mask, backend="tiled", return_lse=True)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     assert _error(got, want) <= 2 * _error(pytorch, want) + 1e-6, (_error(got, want), _error(pytorch, want))
-    assert not torch.equal(got, converted) or _error(converted, want) == 0  # the tiles did run
+    assert not torch.equal(got, converted) or _error(converted, want) == 0  # the units did run
     # the lse comes from float32 scores on both paths: equal up to float32 summation order
     torch.testing.assert_close(lse, converted_lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-4)
@@ -113,7 +169,7 @@ def test_forward_within_twice_pytorchs_bf16_error(shape, name):
     assert got.masked_select(empty[..., None]).eq(0).all()
 
 
-@needs_tiles
+@on_units
 @pytest.mark.parametrize("feature", ["softcap", "alibi", "dropout", "scale"])
 def test_features_within_twice_pytorchs_bf16_error(feature):
     q, k, v = _inputs(1, 4, 2, 160, 160, 64, 64, seed=3)
@@ -132,12 +188,12 @@ def test_features_within_twice_pytorchs_bf16_error(feature):
     got = run(lows, "tiled")
     assert _error(got, want) <= 2 * _error(pytorch, want) + 1e-6, (feature, _error(got, want), _error(pytorch, want))
     if feature == "dropout":  # the same pattern as the float32-convert path: the same zeros
-        with native.matrix_units(False):
+        with native.half_products("convert"):
             converted = run(lows, "tiled")
         assert _error(got, converted) < 0.05
 
 
-@needs_tiles
+@on_units
 def test_gradients_after_the_tiles_forward_within_twice_pytorchs_bf16_error():
     """Training: the tiles' forward, the float32-convert backward (from the tiles' output and lse)."""
     q, k, v = _inputs(1, 4, 2, 192, 192, 64, 64, seed=5)
@@ -156,7 +212,7 @@ def test_gradients_after_the_tiles_forward_within_twice_pytorchs_bf16_error():
         assert _error(mine, exact) <= 2 * _error(theirs, exact), (what, _error(mine, exact), _error(theirs, exact))
 
 
-@needs_tiles
+@on_units
 def test_non_finite_inputs_follow_the_float32_kernels_rules():
     """NaN in an attended query makes its row NaN; NaN or inf in a key or value that no row attends
     changes nothing (the tiles multiply it by a weight of 0: such rows are redone pair by pair)."""
@@ -167,7 +223,7 @@ def test_non_finite_inputs_follow_the_float32_kernels_rules():
     mask = masks.sliding_window(16)
     with tuning(kernel="native"):
         got, lse = attnkit.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
-        with native.matrix_units(False):
+        with native.half_products("convert"):
             converted, converted_lse = attnkit.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
     assert torch.equal(got.isnan(), converted.isnan()) and torch.equal(lse.isnan(), converted_lse.isnan())
     assert got[0, 0, 10].isnan().all() and not got[0, 0, 11:].isnan().any()
@@ -178,16 +234,20 @@ def test_non_finite_inputs_follow_the_float32_kernels_rules():
     assert _error(got[0, 1, clean], converted[0, 1, clean]) < 0.05
 
 
-@needs_tiles
-def test_keys_past_every_rows_span_are_never_read_by_the_tiles():
+@on_units
+@pytest.mark.parametrize("kept", [68, 67])
+def test_keys_past_every_rows_span_are_never_read_by_the_units(kept):
     """Keys that no row attends, past the span of a block's rows but inside the last 32-key block of
-    K^T or V^T that the products read, hold -inf and NaN: the gradients (dQ has no pairwise redo)
-    and the output stay finite, as on the float32-convert path. Before the fix dQ was NaN in the
-    feature of the -inf for every row of the blocks that read that key block."""
+    K^T or V^T that the tiles read (or, for the dot products, the second key of a chunk's last pair
+    when the chunk has an odd number of keys: 67), hold -inf and NaN: the gradients (dQ has no
+    pairwise redo) and the output stay finite, as on the float32-convert path. Before the fix dQ was
+    NaN in the feature of the -inf for every row of the blocks that read that key block."""
     q, k, v = (t.bfloat16() for t in _inputs(1, 2, 2, 100, 100, 64, 64, seed=21))
-    k[0, 0, 75, 10] = float("-inf")  # keys 68-99 are padding: no row attends them
+    k[0, 0, 75, 10] = float("-inf")  # keys from `kept` on are padding: no row attends them
     v[0, 1, 90, 3] = float("nan")
-    mask = masks.causal() & masks.padding([68])
+    k[0, 1, kept, 5] = float("nan")
+    v[0, 0, kept, 2] = float("inf")
+    mask = masks.causal() & masks.padding([kept])
     grad_out = torch.randn(1, 2, 100, 64, generator=torch.Generator().manual_seed(22))
 
     def run():
@@ -198,15 +258,15 @@ def test_keys_past_every_rows_span_are_never_read_by_the_tiles():
         return [out.detach()] + [t.grad for t in leaves]
 
     got = run()
-    with native.matrix_units(False):
+    with native.half_products("convert"):
         converted = run()
     for what, mine, theirs in zip(("output", "dq", "dk", "dv"), got, converted):
         assert mine.isfinite().all(), (what, int((~mine.isfinite()).sum()))
         assert _error(mine, theirs) < 0.1, (what, _error(mine, theirs))
-    assert got[2][0, 0, 68:].eq(0).all() and got[3][0, 1, 68:].eq(0).all()  # unattended keys: no gradient
+    assert got[2][0, :, kept:].eq(0).all() and got[3][0, :, kept:].eq(0).all()  # unattended keys: no gradient
 
 
-@needs_tiles
+@on_units
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:7])) + s[7])
 @pytest.mark.parametrize("name", ["window", "causal+padding"])
 def test_backward_within_twice_pytorchs_bf16_error(shape, name):
@@ -231,15 +291,15 @@ def test_backward_within_twice_pytorchs_bf16_error(shape, name):
     want = output_and_gradients(on("blocks"), lows, grad_out, torch.float64, lse_weight)
     pytorch = output_and_gradients(on("blocks"), lows, grad_out, torch.bfloat16, lse_weight)
     got = output_and_gradients(ours, lows, grad_out, torch.bfloat16, lse_weight)
-    with native.matrix_units(False):
+    with native.half_products("convert"):
         converted = output_and_gradients(ours, lows, grad_out, torch.bfloat16, lse_weight)
     for what, mine, theirs, exact, other in zip(("output", "dq", "dk", "dv"), got, pytorch, want, converted):
         assert mine.dtype == torch.bfloat16 and mine.shape == exact.shape
         assert _error(mine, exact) <= 2 * _error(theirs, exact) + 1e-6, (what, _error(mine, exact), _error(theirs, exact))
-    assert any(not torch.equal(mine, other) for mine, other in zip(got[1:], converted[1:]))  # the tiles ran
+    assert any(not torch.equal(mine, other) for mine, other in zip(got[1:], converted[1:]))  # the units ran
 
 
-@needs_tiles
+@on_units
 @pytest.mark.parametrize("feature", ["softcap", "alibi", "dropout"])
 def test_backward_features_within_twice_pytorchs_bf16_error(feature):
     q, k, v = _inputs(1, 4, 2, 160, 160, 64, 64, seed=14)
@@ -275,7 +335,7 @@ BACKWARD_PRODUCT_CASES = {  # (length, D, Dv, scale, mask, options): where one b
 }
 
 
-@needs_tiles
+@on_units
 @pytest.mark.parametrize("case", list(BACKWARD_PRODUCT_CASES))
 def test_backward_products_take_the_weights_and_score_gradients_in_two_parts(case):
     """dV = P^T dO, dQ = dS K and dK = dS^T Q take P and dS on the tiles as two bfloat16 parts each
@@ -300,7 +360,7 @@ def test_backward_products_take_the_weights_and_score_gradients_in_two_parts(cas
     want = output_and_gradients(run("reference"), lows, grad_out, torch.float64)
     pytorch = output_and_gradients(run("reference"), lows, grad_out, torch.bfloat16)
     got = output_and_gradients(run("tiled", "native"), lows, grad_out, torch.bfloat16)
-    with native.matrix_units(False):
+    with native.half_products("convert"):
         converted = output_and_gradients(run("tiled", "native"), lows, grad_out, torch.bfloat16)
     for what, mine, theirs, exact, other in zip(("output", "dq", "dk", "dv"), got, pytorch, want, converted):
         assert _error(mine, exact) <= 2 * _error(theirs, exact) + 1e-6, (what, _error(mine, exact),

@@ -1,0 +1,75 @@
+// Which units multiply a bfloat16 call's products: the AMX tiles (amx.h), the AVX512-BF16 dot
+// products (dots.h), or neither (the float32-convert path, half.h, which float16 and shapes off the
+// packed layouts always take). Both units read the same packed layouts,
+// so the forward and the backward call the three products below and only these choose.
+
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include "amx.h"
+#include "dots.h"
+
+namespace attnkit_native {
+namespace {
+
+enum class HalfProducts : int64_t { kConvert = 0, kDots = 1, kTiles = 2 };
+
+// The units bfloat16 calls ask for, each where the CPU has them, else the float32-convert path
+// (attnkit_native::use_half_products). The tiles by default; the dot products only when asked: on
+// the one CPU measured (a Xeon with AMX, tiles turned off) they took 1.5-1.8x the convert path's
+// time forward and 2.2-2.8x backward, as VDPBF16PS ran at half the float32 FMA's flops there
+// (docs/performance.md, "AVX512-BF16's dot products"); no CPU whose dot product outruns its FMA
+// (AMD Zen 4 and 5, by their instruction tables) was at hand to measure.
+std::atomic<int64_t> half_products_asked{static_cast<int64_t>(HalfProducts::kTiles)};
+
+// Sets the units bfloat16 calls ask for (0 convert, 1 dot products, 2 tiles); returns the previous.
+int64_t use_half_products(int64_t units) {
+  TORCH_CHECK(units >= 0 && units <= 2, "use_half_products: units must be 0, 1 or 2, got ", units);
+  return half_products_asked.exchange(units);
+}
+
+// The units this call's bfloat16 products run on (bf16_layouts_fit's conditions first).
+HalfProducts half_products(at::ScalarType type, int64_t D, int64_t Dv, int64_t Lk, int64_t q_row_stride,
+                           int64_t k_row_stride, int64_t v_row_stride) {
+  if (!bf16_layouts_fit(type, D, Dv, Lk, q_row_stride, k_row_stride, v_row_stride)) return HalfProducts::kConvert;
+  const auto asked = static_cast<HalfProducts>(half_products_asked.load(std::memory_order_relaxed));
+  if (asked == HalfProducts::kTiles && matrix_units_available()) return HalfProducts::kTiles;
+  if (asked == HalfProducts::kDots && dot_products_available()) return HalfProducts::kDots;
+  return HalfProducts::kConvert;
+}
+
+// S[t][r] = sum_d K[t][d] Q[r][d] (amx_scores, dot_scores).
+void scores_product(HalfProducts units, const uint16_t* k, int64_t k2s, int64_t W, int64_t readable, int64_t D,
+                    const uint32_t* queries, int64_t rs, float* s, uint16_t* spare) {
+  if (units == HalfProducts::kTiles) {
+    amx_scores(k, k2s, W, readable, D, queries, rs, s, spare);
+  } else {
+    dot_scores(k, k2s, W, readable, D, queries, rs, s, spare);
+  }
+}
+
+// Ot[dv][r] (+)= sum_t V^T[dv][t] P[t][r] (amx_values, dot_values).
+void values_product(HalfProducts units, const uint16_t* vt, int64_t W, int64_t Dv, const uint32_t* weights,
+                    int64_t rs, float* ot, const Start* start, const float* rescale, uint16_t* spare,
+                    const uint32_t* weights_low = nullptr) {
+  if (units == HalfProducts::kTiles) {
+    amx_values(vt, W, Dv, weights, rs, ot, start, rescale, spare, weights_low);
+  } else {
+    dot_values(vt, W, Dv, weights, rs, ot, start, rescale, spare, weights_low);
+  }
+}
+
+// Out[t][c] += sum_r W[t][r] X[r][c] (amx_rows_product, dot_rows_product).
+void rows_product(HalfProducts units, const uint16_t* a, const uint16_t* a_low, int64_t rs, int64_t W,
+                  const uint32_t* b, int64_t C, float* out, int64_t os, float* spare) {
+  if (units == HalfProducts::kTiles) {
+    amx_rows_product(a, a_low, rs, W, b, C, out, os, spare);
+  } else {
+    dot_rows_product(a, a_low, rs, W, b, C, out, os, spare);
+  }
+}
+
+}  // namespace
+}  // namespace attnkit_native
