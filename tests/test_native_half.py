@@ -34,13 +34,13 @@ HALF = [torch.bfloat16, torch.float16]
 
 
 @contextlib.contextmanager
-def _policy_of_a_cpu(*, multiplies_half: bool, tiles: bool):
+def _policy_of_a_cpu(*, multiplies: tuple[torch.dtype, ...], tiles: bool):
     """"auto"'s half-precision rules as on a CPU that does (or does not) multiply half precision in
     hardware and give the kernel AMX tiles, on any CPU: the CPU probe and the tiles' state read when
     the kernel loaded (which the policy and ``serves_half_precision`` both read) are patched, and
     the cached rule is recomputed inside and after."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_torch_private, "cpu_multiplies_half_precision", lambda: multiplies_half)
+        patch.setattr(_torch_private, "cpu_multiplies_half_precision", lambda dtype: dtype in multiplies)
         patch.setattr(loading._library, "matrix_units", tiles)
         loading.serves_half_precision.cache_clear()
         try:
@@ -54,7 +54,7 @@ def cpu_without_half_units():
     """The policy of a CPU with no half-precision matrix units (AVX2, Zen 3), on any CPU: on one
     with AVX512-BF16 and no AMX, "auto" keeps PyTorch's kernels for half precision (see the last
     test), and these tests are about the kernel's route."""
-    with _policy_of_a_cpu(multiplies_half=False, tiles=False):
+    with _policy_of_a_cpu(multiplies=(), tiles=False):
         yield
 
 
@@ -130,8 +130,8 @@ def _cases():
     return [(name, mask, length) for name, mask in made.items()]
 
 
-def _call(q, k, v, mask=None, causal=False):
-    return make_call(q, k, v, mask=mask, causal=causal, scale=None, dropout=0.0, generator=None,
+def _call(q, k, v, mask=None, causal=False, dropout=0.0):
+    return make_call(q, k, v, mask=mask, causal=causal, scale=None, dropout=dropout, generator=None,
                      return_weights=False)
 
 
@@ -351,7 +351,7 @@ def test_half_precision_plain_causal_runs_the_kernel_at_every_length(cpu_without
 def test_where_the_kernel_multiplies_on_amx_tiles_it_serves_half_precision():
     """A CPU with AMX-BF16: the kernel's bf16 products run on the tiles and beat PyTorch's AMX
     kernels in bf16 and fp16, forward and training (loading.serves_half_precision)."""
-    with _policy_of_a_cpu(multiplies_half=True, tiles=True):
+    with _policy_of_a_cpu(multiplies=(torch.bfloat16, torch.float16), tiles=True):
         assert native.serves("cpu", torch.bfloat16, False) and native.serves("cpu", torch.float16, False)
         q = torch.randn(1, 2, 512, 32, dtype=torch.bfloat16)
         assert auto_runs(_call(q, q, q, mask=masks.sliding_window(64))) == "tiled:native"
@@ -362,11 +362,35 @@ def test_where_the_kernel_multiplies_on_amx_tiles_it_serves_half_precision():
         assert auto_runs(_call(wide, wide, wide)) == "tiled:native"
 
 
-def test_where_the_cpu_multiplies_half_precision_pytorchs_kernels_keep_those_calls():
-    """AVX512-BF16 CPUs without AMX (unmeasured): PyTorch's bf16 kernels use those units and the
-    kernel has no such path, so half-precision calls stay off it (float32 calls do not change)."""
-    with _policy_of_a_cpu(multiplies_half=True, tiles=False):
-        assert not native.serves("cpu", torch.bfloat16, False) and not native.serves("cpu", torch.float16, False)
+def test_where_the_cpu_multiplies_half_precision_pytorchs_kernels_keep_forward_only_calls():
+    """AVX512-BF16 CPUs without AMX (played on a Xeon with oneDNN held to AVX512_CORE_BF16):
+    PyTorch's bf16 kernels use those units and were faster forward, the kernel in training, so
+    bfloat16 calls with no backward stay off the kernel and calls with one run on it (the route
+    names it: the op sees no requires_grad). Float16 and float32 calls run the kernel."""
+    with _policy_of_a_cpu(multiplies=(torch.bfloat16,), tiles=False):
+        assert not native.serves("cpu", torch.bfloat16, False)
+        assert native.serves("cpu", torch.bfloat16, False, True) == native.enabled()
+        # no float16 units there: PyTorch's float16 converts too, and the kernel beat it forward
+        assert native.serves("cpu", torch.float16, False) == native.enabled()
         q = torch.randn(1, 2, 512, 32, dtype=torch.bfloat16)
-        assert auto_runs(_call(q, q, q, mask=masks.sliding_window(64))) == "tiled:blocks"
+        trained = q.clone().requires_grad_()
+        window = masks.sliding_window(64)
+        assert auto_runs(_call(q, q, q, mask=window)) == "tiled:blocks"
+        assert auto_runs(_call(q, q, q, causal=True)) == "torch"
+        if native.enabled():
+            assert auto_runs(_call(trained, q, q, mask=window)) == "tiled:native"
+            assert auto_runs(_call(trained, q, q, causal=True)) == "tiled:native"
+            assert auto_runs(_call(trained, q, q, mask=window, dropout=0.1)) == "tiled:native"
+            with torch.no_grad():
+                assert auto_runs(_call(trained, q, q, mask=window)) == "tiled:blocks"
+            # and the call runs it, backward included, to the float32 kernel's results rounded once
+            leaves = [t.clone().requires_grad_() for t in (q, q, q)]
+            out = attnkit.attention(*leaves, mask=window)
+            out.sum().backward()
+            wide = [t.detach().double().requires_grad_() for t in (q, q, q)]
+            want = attnkit.attention(*wide, mask=window, backend="reference")
+            want.sum().backward()
+            torch.testing.assert_close(out.double(), want, rtol=1e-2, atol=1e-2)
+            for got, exact in zip(leaves, wide):
+                torch.testing.assert_close(got.grad.double(), exact.grad, rtol=2e-2, atol=2e-2)
         assert native.serves("cpu", torch.float32, False) == native.enabled()

@@ -16,7 +16,7 @@ the test suite runs on.
   versions than dynamo's default 8 and, past that, fails loudly instead of running FlexAttention
   unfused (an ``Lq x Lk`` score matrix) (:func:`recompile_limit`, :func:`recompile_limit_hit`).
 - ``torch.cpu._is_amx_tile_supported``, ``_is_amx_fp16_supported``, ``_is_avx512_bf16_supported``:
-  whether the CPU multiplies half precision in hardware (:func:`cpu_multiplies_half_precision`).
+  whether the CPU multiplies bfloat16 or float16 in hardware (:func:`cpu_multiplies_half_precision`).
 - ``nn.MultiheadAttention._qkv_same_embed_dim``: whether a module packs its in-projections
   (``in_proj_weight``) or keeps three (``attnkit.nn.interop``).
 - ``torch._C._functorch.is_functorch_wrapped_tensor``, ``torch._subclasses``' fake and functional
@@ -214,8 +214,17 @@ def untraced() -> Iterator[None]:
         torch._C._set_tracing_state(state)
 
 
-def cpu_multiplies_half_precision() -> bool:
-    """Whether this CPU has half-precision matrix or dot-product instructions (AMX-BF16, AMX-FP16,
-    AVX512-BF16), which PyTorch's own bf16/fp16 CPU kernels use; False where torch cannot say."""
-    probes = ("_is_amx_tile_supported", "_is_amx_fp16_supported", "_is_avx512_bf16_supported")
+#: The instructions with which PyTorch's CPU kernels multiply each half-precision dtype in hardware
+#: (by ``torch.cpu``'s probes): bfloat16 on AMX tiles or AVX512-BF16's dot products, float16 on
+#: AMX-FP16 tiles (AVX512-FP16's multiply-adds round to float16: not for its matrix products).
+_HALF_PRECISION_PROBES = {
+    torch.bfloat16: ("_is_amx_tile_supported", "_is_avx512_bf16_supported"),
+    torch.float16: ("_is_amx_fp16_supported",),
+}
+
+
+def cpu_multiplies_half_precision(dtype: torch.dtype) -> bool:
+    """Whether this CPU has matrix or dot-product instructions for ``dtype`` (bfloat16 or float16)
+    that PyTorch's own CPU kernels use; False where torch cannot say."""
+    probes = _HALF_PRECISION_PROBES.get(dtype, ())
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)

@@ -83,7 +83,8 @@ NATIVE_UNMASKED_MIN_PAIRS = {  # (dtype, a backward will run) -> pairs
 NATIVE_UNMASKED_MIN_PAIRS_AMX = {**NATIVE_UNMASKED_MIN_PAIRS, (torch.bfloat16, False): 1024 * 1024}
 NATIVE_UNMASKED_MAX_HEAD_DIM = 128
 #: Half precision runs the kernel where it serves it (CPUs without half-precision matrix units, or
-#: with AMX: see :func:`.native.serves_half_precision`): SDPA's bf16 / fp16 backward took 4.8x / 8x
+#: with AMX, and with AVX512-BF16 but no AMX when a backward will run: see
+#: :func:`.native.serves_half_precision`): SDPA's bf16 / fp16 backward took 4.8x / 8x
 #: the kernel's time (causal, L = 4096, AVX2) and its forward is no faster at any length measured
 #: (with AMX: the kernel's causal forward 0.91x SDPA's time at L = 8192); structured
 #: masks in half precision always run the kernel, whose alternatives are the same SDPA kernels, per
@@ -118,6 +119,8 @@ def choose(call: AttentionCall) -> Route:
         return _TILED
     if call.query.device.type not in MEASURED_DEVICES or call.return_weights:
         return _TORCH
+    # the op's own choice of kernel, or the native kernel named where only a backward brings it in
+    tiled = _TILED_NATIVE if _native_for_training_only(call) else _TILED_CHOOSES
     if _plain_causal(call) and not call.modifies_scores and call.dropout == 0:
         # masks.causal() and causal=True are one rule (over one query row, a decoding step, the call
         # holds neither: make_call drops them, and SDPA runs with no mask). Square: the native kernel
@@ -125,20 +128,21 @@ def choose(call: AttentionCall) -> Route:
         # kernel, which builds the L x L mask. Otherwise (a chunk of rows after a cache) the op.
         if call.q_len == call.k_len:
             pairs = call.q_len * call.k_len
-            served = _native_serves(call.query.device.type, call.query.dtype, False)
+            served = _native_serves(call.query.device.type, call.query.dtype, False, call.needs_grad)
             native_faster = NATIVE_MIN_PAIRS <= pairs and served
-            return _TILED_CHOOSES if native_faster else _TORCH
+            return tiled if native_faster else _TORCH
         return _TILED_CHOOSES
     if call.q_len == 1 and call.structure is not None and not call.modifies_scores and call.dropout == 0:
         # A decoding step: its mask's dense form is one row of keys per sequence, [B, 1, 1, Lk], what
         # transformers' own SDPA path builds at every step (a third of the op's planning time).
         return _TORCH
     if call.structure is not None or call.modifies_scores:
-        return _TILED_CHOOSES  # soft-capping, ALiBi and sinks: SDPA has none of them
-    if call.dropout > 0 and _native_serves(call.query.device.type, call.query.dtype, call.mask is not None):
+        return tiled  # soft-capping, ALiBi and sinks: SDPA has none of them
+    if call.dropout > 0 and _native_serves(call.query.device.type, call.query.dtype, call.mask is not None,
+                                           call.needs_grad):
         # SDPA has no fused CPU kernel with dropout (its math path materialises every weight): the
         # native kernel took 0.02-0.77x its time from 32 x 32 pairs (docs/performance.md).
-        return _TILED_CHOOSES
+        return tiled
     if call.mask is not None or call.causal or call.q_len == 1:
         return _TORCH  # a dense mask (causal or not), or a decoding step over every key: SDPA as it is
     table = NATIVE_UNMASKED_MIN_PAIRS_AMX if _native_matrix_units() else NATIVE_UNMASKED_MIN_PAIRS
@@ -146,7 +150,7 @@ def choose(call: AttentionCall) -> Route:
     if (unmasked_from is not None
             and call.q_len * call.k_len >= unmasked_from
             and max(call.query.shape[-1], call.value.shape[-1]) <= NATIVE_UNMASKED_MAX_HEAD_DIM
-            and _native_serves(call.query.device.type, call.query.dtype, False)):
+            and _native_serves(call.query.device.type, call.query.dtype, False, call.needs_grad)):
         return _TILED_NATIVE  # no mask: the kernel over every key (its dense alternative would build a mask)
     return _TORCH
 
@@ -195,9 +199,18 @@ def _gpu_engines() -> GpuEngines:
 
 
 @_torch_private.assume_constant_result
-def _native_serves(device_type: str, dtype: torch.dtype, has_mask: bool) -> bool:
+def _native_serves(device_type: str, dtype: torch.dtype, has_mask: bool, needs_grad: bool = False) -> bool:
     """Process state (the kernel loaded, not turned off), read once per trace."""
-    return native.serves(device_type, dtype, has_mask)
+    return native.serves(device_type, dtype, has_mask, needs_grad)
+
+
+def _native_for_training_only(call: AttentionCall) -> bool:
+    """The call needs gradients, and the native kernel serves its dtype only so (half precision on a
+    CPU with AVX512-BF16 and no AMX: :func:`.native.serves_half_precision`), so the route names the
+    kernel: the op, which sees no ``requires_grad``, would choose PyTorch's kernels."""
+    device_type, dtype, has_mask = call.query.device.type, call.query.dtype, call.mask is not None
+    return (call.needs_grad and not _native_serves(device_type, dtype, has_mask)
+            and _native_serves(device_type, dtype, has_mask, True))
 
 
 @_torch_private.assume_constant_result

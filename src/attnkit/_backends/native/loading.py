@@ -184,28 +184,36 @@ def enabled() -> bool:
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def serves(device_type: str, dtype: torch.dtype, has_tensor_mask: bool) -> bool:
+def serves(device_type: str, dtype: torch.dtype, has_tensor_mask: bool, needs_grad: bool = False) -> bool:
     """The kernel serves calls of this kind: CPU tensors of float32, bfloat16 or float16, no dense
-    tensor mask, kernel enabled; half precision only where :func:`serves_half_precision`."""
+    tensor mask, kernel enabled; half precision where :func:`serves_half_precision`, and elsewhere
+    when the call needs gradients (``needs_grad``): PyTorch's half-precision backward on the CPU is
+    the slow part everywhere measured (see :func:`serves_half_precision`)."""
     if has_tensor_mask or device_type != "cpu" or dtype not in KERNEL_DTYPES or not enabled():
         return False
-    return dtype == torch.float32 or serves_half_precision()
+    return dtype == torch.float32 or needs_grad or serves_half_precision(dtype)
 
 
 @functools.cache
-def serves_half_precision() -> bool:
-    """Whether half-precision calls run on the kernel. On CPUs without half-precision matrix
-    instructions it computes them in float32 and PyTorch's own bf16/fp16 kernels convert too (AMD
-    Zen 3, AVX2, L = 4096 causal, 2 threads: its training step 850 ms in bf16 against SDPA's 4,107,
-    the forward level). On a CPU with AMX-BF16 its bfloat16 products run on the tiles
-    (``csrc/amx.h``), and it beat PyTorch's AMX kernels in bf16 and fp16, forward and training, on
-    every mask measured (Intel Xeon with AMX, L = 8192, H = 8, D = 64, 2 threads, benchmarks/
-    half_routes.py: bf16 forward 0.33-0.68x their time, training 0.10-0.70x; fp16 forward, which
-    converts, 0.53-0.86x; docs/performance.md). Where the CPU has AVX512-BF16 but no AMX
-    (unmeasured), PyTorch's kernels keep these calls."""
+def serves_half_precision(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` (bfloat16 or float16) calls run on the kernel. On CPUs without matrix
+    instructions for the dtype it computes them in float32 and PyTorch's own kernels convert too (AMD
+    Zen 3, AVX2, L = 4096 causal, 2 threads: its bf16 training step 850 ms against SDPA's 4,107, the
+    forward level). On a CPU with AMX-BF16 its bfloat16 products run on the tiles (``csrc/amx.h``),
+    and it beat PyTorch's AMX kernels in bf16 and fp16, forward and training, on every mask measured
+    (Intel Xeon with AMX, L = 8192, H = 8, D = 64, 2 threads, benchmarks/half_routes.py: bf16 forward
+    0.33-0.68x their time, training 0.10-0.70x; fp16 forward, which converts, 0.53-0.86x;
+    docs/performance.md). Where the CPU has AVX512-BF16 but no AMX, PyTorch's kernels keep the
+    bfloat16 calls that need no gradient: played on that Xeon (oneDNN held to AVX512_CORE_BF16, the
+    kernel's products converted; L = 4096-16384, 2 threads, the same benchmark) the kernel's forward
+    took 0.70-1.62x their time (faster on the window, slower on documents and plain causal) and its
+    training step 0.20-0.82x theirs (calls with a backward run it: :func:`serves`'s
+    ``needs_grad``); float16, which such a CPU does not multiply, ran on the kernel in 0.59-0.78x
+    their time forward, 0.04-0.05x in training. The kernel's AVX512-BF16 dot
+    products (``csrc/dots.h``) were slower there than its float32 products."""
     from .ops import matrix_units_available
 
-    return not _torch_private.cpu_multiplies_half_precision() or matrix_units_available()
+    return not _torch_private.cpu_multiplies_half_precision(dtype) or matrix_units_available()
 
 
 def applies(query: Tensor, key: Tensor, value: Tensor, has_tensor_mask: bool) -> bool:
