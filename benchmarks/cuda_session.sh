@@ -10,7 +10,9 @@
 # oracle grids, then STAGE_SECONDS_grids for those), kernel (the Triton kernel's own oracle tests,
 # compiled: tests/test_triton_kernel.py and the Triton cases of tests/test_nonfinite.py), bench (benchmarks/gpu.py at L = 32768),
 # blocks (benchmarks/triton_blocks.py), overhead (benchmarks/gpu_overhead.py), models (benchmarks/transformers.py, Mistral-style, bf16,
-# L = 16384; models-long: L = 65536; models-train: a training step at 16384; STAGE_SECONDS_models_long etc.),
+# L = 16384; models-long: L = 65536; models-train: a training step at 16384; models-others: Gemma 2,
+# soft-capping, and GPT-OSS, sinks, at 16384 against flex_attention and eager, which transformers
+# offers them where it refuses sdpa; STAGE_SECONDS_models_long etc.),
 # decode (generate() of a Llama-style model at batch 1 and 8, beside attnkit_unchecked: attnkit
 # with the check of SDPA's output skipped, a read of the device per layer, which may be why attnkit
 # trailed sdpa by 0.7 ms a token at batch 1 and 2.5 at batch 8 in the third session).
@@ -74,6 +76,14 @@ for stage in "$@"; do
         timeout "$(limit "${stage//-/_}" 150)" "$python" benchmarks/transformers.py --device cuda --dtype bfloat16 \
             --hidden 2048 --heads 16 --kv-heads 4 --intermediate 7168 --window 1024 \
             --implementations attnkit sdpa flex_attention --repeats 5 --timeout 60 $extra >>"$out/models.txt" 2>&1
+        ;;
+    models-others)
+        for model in gemma2 gpt-oss; do
+            timeout "$(limit models_others 150)" "$python" benchmarks/transformers.py --device cuda --dtype bfloat16 \
+                --model "$model" --hidden 2048 --heads 16 --kv-heads 4 --intermediate 7168 --window 1024 \
+                --lengths 16384 --implementations attnkit flex_attention eager --repeats 3 --timeout 60 \
+                >>"$out/models.txt" 2>&1
+        done
         ;;
     decode)
         for batch in 1 8; do
