@@ -3,7 +3,8 @@
 
 It calls the kernel's launchers directly (``attnkit._backends.triton.forward.launch`` and
 ``backward.launch``), so what is timed is the kernel alone; the defaults the package uses
-(``forward_blocks`` / ``backward_blocks``) are marked with ``*``. Medians of CUDA-event times
+(``forward_blocks`` / ``backward_blocks``) are marked with ``*``; the backward's default tiles are
+timed first with each walk of the dK/dV kernel (``backward.WALKS``). Medians of CUDA-event times
 over ``--repeats`` calls after one warm-up (the warm-up compiles; its time is printed too).
 
     python benchmarks/triton_blocks.py                       # window 1024 and 8 documents, L = 32768
@@ -103,6 +104,13 @@ def main() -> None:
             continue
         print(f"\n## {name}: backward ((dK/dV BLOCK_M, BLOCK_N, dQ BLOCK_M, BLOCK_N), warps, stages)")
         print("| config | ms | TFLOP/s (x2.5) | first s |\n|---|---:|---:|---:|")
+        # First: the default tiles with the dK/dV kernel walking its query blocks in runs (no branch
+        # in its loops) against the default walk, each checked against its block summary
+        for walk in backward_kernel.WALKS:
+            run = lambda: backward_kernel.launch(prep, grad, None, out, lse, *default_backward, walk=walk)  # noqa: E731
+            first, median = timed(run, args.repeats)
+            print(f"| {default_backward}, walk {walk} | {1e3 * median:.3f} | {2.5 * flops / median / 1e12:.0f} | "
+                  f"{first:.1f} |", flush=True)
         for blocks, warps, stages in dict.fromkeys([default_backward, *BACKWARD]):
             run = lambda: backward_kernel.launch(prep, grad, None, out, lse, blocks, warps, stages)  # noqa: E731
             try:

@@ -110,8 +110,10 @@ def main() -> None:
     for config in dict.fromkeys([default_backward, *BACKWARD]):
         (kv_m, kv_n, q_m, q_n), warps, stages = config
         mark = "*" if config == default_backward else ""
-        for name, fn, sizes in (("dK/dV", backward_kv.dkdv_kernel, (kv_m, kv_n)), ("dQ", backward_q.dq_kernel, (q_m, q_n))):
-            stats = build(fn, element, only(fn, dict(BLOCK_M=sizes[0], BLOCK_N=sizes[1])), warps, stages)
+        for name, fn, sizes, runs in (("dK/dV", backward_kv.dkdv_kernel, (kv_m, kv_n), False),
+                                      ("dK/dV, walk in runs", backward_kv.dkdv_kernel, (kv_m, kv_n), True),
+                                      ("dQ", backward_q.dq_kernel, (q_m, q_n), False)):
+            stats = build(fn, element, only(fn, dict(BLOCK_M=sizes[0], BLOCK_N=sizes[1], RUNS=runs)), warps, stages)
             print(f"| {config}{mark} | {name} | {row(stats)} |", flush=True)
 
 

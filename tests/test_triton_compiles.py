@@ -39,8 +39,9 @@ SCRIPT = textwrap.dedent('''
             build(forward._forward_kernel, element,
                   pick(forward._forward_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, SECOND_PASS=second_pass,
                                                      GATED=gated)), warps, stages)
-        build(backward_kv.dkdv_kernel, element, pick(backward_kv.dkdv_kernel, dict(BLOCK_M=kv_m, BLOCK_N=kv_n)),
-              b_warps, b_stages)
+        for runs in (False, True):  # the two walks of the query blocks (backward.WALKS)
+            build(backward_kv.dkdv_kernel, element,
+                  pick(backward_kv.dkdv_kernel, dict(BLOCK_M=kv_m, BLOCK_N=kv_n, RUNS=runs)), b_warps, b_stages)
         build(backward_q.dq_kernel, element, pick(backward_q.dq_kernel, dict(BLOCK_M=q_m, BLOCK_N=q_n)),
               b_warps, b_stages)
         build(backward._delta_kernel, element, pick(backward._delta_kernel, dict(BLOCK_M=64, HAS_DLSE=True)), 4, 1)

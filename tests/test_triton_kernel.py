@@ -84,14 +84,16 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5, what
     torch.testing.assert_close(actual, expected, atol=bound, rtol=0.0, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 
-def _check_gradients(q, k, v, lo, hi, allowed, scale, *, grad_lse: bool, dtype_tol: float = 2e-5, **options):
-    """The kernel's dq, dk, dv (and forward) against float64 autograd of :func:`reference`."""
+def _check_gradients(q, k, v, lo, hi, allowed, scale, *, grad_lse: bool, dtype_tol: float = 2e-5,
+                     walk: str = "checked", **options):
+    """The kernel's dq, dk, dv (and forward) against float64 autograd of :func:`reference`; ``walk``:
+    how the dK/dV kernel walks the query blocks."""
     out, lse = kernel.forward(q, k, v, lo, hi, scale=scale, **SMALL, **options)
     g = torch.Generator().manual_seed(7)
     grad_out = torch.randn(out.shape, generator=g).to(DEVICE, out.dtype)
     dlse = torch.randn(lse.shape, generator=g).to(DEVICE) if grad_lse else None
     dq, dk, dv = kernel.backward(grad_out, dlse, q, k, v, out, lse, lo, hi, scale=scale, blocks=SMALL_BACKWARD,
-                                 **options)
+                                 walk=walk, **options)
     leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
     slopes = options.get("alibi_slopes")
     ref_options = {"softcap": options.get("softcap"), "slopes": None if slopes is None else slopes.cpu()}
@@ -138,9 +140,12 @@ def _random_ranges(n: int, q_len: int, k_len: int) -> masks.StructuredMask:
     return masks.key_ranges([lo1, lo2], [hi1, hi2])
 
 
+@pytest.mark.parametrize("walk", ["checked", "runs"])
 @pytest.mark.parametrize("name", list(MASKS))
-def test_masks_forward_and_gradients(name: str) -> None:
-    """Every mask kind, GQA 2:1, D = 24 (padded to 32), ragged lengths, strided inputs."""
+def test_masks_forward_and_gradients(name: str, walk: str) -> None:
+    """Every mask kind, GQA 2:1, D = 24 (padded to 32), ragged lengths, strided inputs; the dK/dV
+    kernel walking its query blocks either way (two random ranges a row: blocks that no row reaches
+    between those that do, whole blocks apart)."""
     build, q_len, k_len = MASKS[name]
     n = 2
     mask = build(n)
@@ -156,7 +161,37 @@ def test_masks_forward_and_gradients(name: str) -> None:
     _close(lse, oracle_lse(q.cpu(), k.cpu(), allowed, scale), what="lse")
     empty = ~allowed.expand(n, 2, q_len, k_len).any(-1)
     assert torch.all(out.cpu()[empty] == 0) and torch.all(lse.cpu()[empty] == float("-inf"))
-    _check_gradients(q, k, v, lo, hi, allowed, scale, grad_lse=True)
+    _check_gradients(q, k, v, lo, hi, allowed, scale, grad_lse=True, walk=walk)
+
+
+def test_the_runs_of_query_blocks_a_key_block_reaches() -> None:
+    """``reached_blocks``: per key block, the first query block that reaches it, the run of whole
+    blocks from the first whole one, and one past the last that reaches it; a whole block after a
+    broken run is left to the masked walk (needless work, right results)."""
+    from attnkit._backends.triton.inputs import block_summary, reached_blocks
+
+    def runs(lo, hi, k_len, block_m=4, block_n=4):
+        lo, hi = (torch.tensor(x)[None, None] for x in (lo, hi))
+        return reached_blocks(block_summary(lo, hi, k_len, block_m), k_len, block_n)[0, 0].tolist()
+
+    # causal over 12 rows and keys, blocks of 4: key block 0 is whole in query blocks 1-2, reached by
+    # 0-2; key block 1 reached by 1-2, whole in 2; key block 2 reached (and partly) by block 2 only
+    rows = list(range(12))
+    assert runs([0] * 12, [i + 1 for i in rows], 12) == [[0, 1, 3, 3], [1, 2, 3, 3], [2, 3, 3, 3]]
+    # whole, broken, whole: the run stops at the break; a key block no row reaches: zeros
+    lo = [0] * 4 + [8] * 4 + [0] * 4
+    hi = [4] * 4 + [12] * 4 + [4] * 4
+    assert runs(lo, hi, 12) == [[0, 0, 1, 3], [0, 0, 0, 0], [1, 1, 2, 2]]
+    # a ragged last key block is never whole: masked
+    assert runs([0] * 4, [10] * 4, 10, block_m=4, block_n=8) == [[0, 0, 1, 1], [0, 1, 1, 1]]
+
+
+def test_the_walk_is_checked() -> None:
+    q, k, v = _inputs(1, 1, 1, 16, 16)
+    lo, hi = masks.causal().row_ranges(16, 16)
+    out, lse = kernel.forward(q, k, v, lo, hi, scale=0.25, **SMALL)
+    with pytest.raises(ValueError, match="walk must be one of"):
+        kernel.backward(torch.ones_like(out), None, q, k, v, out, lse, lo, hi, scale=0.25, walk="lists")
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])

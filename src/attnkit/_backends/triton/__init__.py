@@ -96,10 +96,11 @@ def forward(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, *
 def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tensor, value: Tensor,
              out: Tensor, lse: Tensor, lo: Tensor, hi: Tensor, *, scale: float, softcap: float | None = None,
              alibi_slopes: Tensor | None = None, dropout: float = 0.0, seed: Tensor | None = None,
-             blocks: tuple[int, int, int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+             blocks: tuple[int, int, int, int] | None = None, walk: str = "checked") -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`forward` (same arguments; contiguous, in the inputs'
     dtype), given ``grad_out [N, H, Lq, Dv]``, optionally ``grad_lse [N, H, Lq]``, and the forward's
-    ``out`` and ``lse``. ``blocks`` overrides ``(dK/dV BLOCK_M, BLOCK_N, dQ BLOCK_M, BLOCK_N)``."""
+    ``out`` and ``lse``. ``blocks`` overrides ``(dK/dV BLOCK_M, BLOCK_N, dQ BLOCK_M, BLOCK_N)``;
+    ``walk`` how the dK/dV kernel walks the query blocks (:data:`.backward.WALKS`)."""
     prep = prepare(query, key, value, lo, hi, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
                    dropout=dropout, seed=seed)
     if grad_out.shape != out.shape or out.shape != (*query.shape[:3], value.shape[3]):
@@ -108,4 +109,4 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, query: Tensor, key: Tens
     default, warps, stages = backward_blocks(max(query.shape[3], value.shape[3]), query.dtype)
     sizes = tuple(_check_block(size) for size in (blocks or default))
     # the products pair dO with V and P: one dtype (a float32 gradient of half inputs is rounded)
-    return _backward.launch(prep, grad_out.to(query.dtype), grad_lse, out, lse, sizes, warps, stages)
+    return _backward.launch(prep, grad_out.to(query.dtype), grad_lse, out, lse, sizes, warps, stages, walk)

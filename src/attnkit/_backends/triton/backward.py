@@ -7,8 +7,9 @@ forward. The dK/dV kernel (:mod:`.backward_kv`) owns one key block of one key/va
 the query blocks of every query head of its GQA group (without repeating K/V, nothing summed
 afterwards) between the first and the last that reach its keys (:func:`.inputs.reached_blocks`);
 it skips query blocks whose rows cannot reach its keys by a per-query-block summary
-(:func:`.inputs.block_summary`) and masks only the blocks that some row attends in part. This
-module holds the preprocess and the launches.
+(:func:`.inputs.block_summary`) and masks only the blocks that some row attends in part (or, with
+``walk="runs"``, takes them in three runs with no branch, as the forward). This module holds the
+preprocess and the launches.
 
 Masked pairs stay out of ``dS`` (``tl.where``; rows, or keys, that attend nothing in a block load
 as zeros), but not out of the products as the forward keeps them (:mod:`.non_finite`): a NaN or
@@ -57,10 +58,20 @@ def _delta_kernel(Out, dOut, dLse, Delta, stride_on, stride_oh, stride_om, strid
 
 
 
+#: How the dK/dV kernel walks the query blocks (:mod:`.backward_kv`): each checked against its
+#: summary (the default, measured), or in three runs with no branch (unmeasured on a GPU yet:
+#: ``benchmarks/triton_blocks.py`` times both).
+WALKS = ("checked", "runs")
+
+
 def launch(prep: Prepared, grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse: Tensor,
-           blocks: tuple[int, int, int, int], num_warps: int, num_stages: int) -> tuple[Tensor, Tensor, Tensor]:
+           blocks: tuple[int, int, int, int], num_warps: int, num_stages: int,
+           walk: str = "checked") -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` shaped (contiguous) and typed like query, key, value. ``blocks`` is
-    ``(BLOCK_M, BLOCK_N)`` of the dK/dV kernel then of the dQ kernel."""
+    ``(BLOCK_M, BLOCK_N)`` of the dK/dV kernel then of the dQ kernel; ``walk`` one of
+    :data:`WALKS`."""
+    if walk not in WALKS:
+        raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
     query, key, value = prep.query, prep.key, prep.value
     n, heads, q_len, head_dim = query.shape
     kv_heads, k_len, v_dim = key.shape[1], key.shape[2], value.shape[3]
@@ -96,7 +107,7 @@ def launch(prep: Prepared, grad_out: Tensor, grad_lse: Tensor | None, out: Tenso
         summary.stride(0) if summary.shape[0] > 1 else 0, summary.stride(1),
         reached.stride(0) if reached.shape[0] > 1 else 0, reached.stride(1), prep.stride_sn, prep.stride_sh,
         kv_heads, prep.heads_per_kv, q_len, k_len, head_dim, v_dim,
-        prep.scale, prep.softcap, prep.drop_scale, BLOCK_M=kv_m, BLOCK_N=kv_n, **common)
+        prep.scale, prep.softcap, prep.drop_scale, BLOCK_M=kv_m, BLOCK_N=kv_n, RUNS=walk == "runs", **common)
     dq_kernel[(triton.cdiv(q_len, q_m), n * heads)](
         query, key, value, grad_out, lse, delta, dq, prep.lo, prep.hi, prep.slopes, prep.seed,
         *strides, prep.stride_ls, prep.stride_lr, prep.stride_sn, prep.stride_sh,

@@ -3,10 +3,14 @@
 It walks the query blocks of every query head of its GQA group (without repeating K/V and with
 nothing summed afterwards), from the first to the last that reach its key block
 (:func:`.inputs.reached_blocks`; it used to read the summary of every query block, a scalar load
-per block and head in every program). A query block is visited only when the per-query-block
-summary (:func:`.inputs.block_summary`: the smallest lo and largest hi of its rows) reaches the
-key block, and masked only when not every row attends the whole key block (the largest lo and
-smallest hi).
+per block and head in every program), in one of two ways. Checked (the default): a query block is
+visited only when the per-query-block summary (:func:`.inputs.block_summary`: the smallest lo and
+largest hi of its rows) reaches the key block, and masked only when not every row attends the
+whole key block (the largest lo and smallest hi). In runs (``RUNS``), as the forward walks its key
+blocks: the run of query blocks that attend the whole key block unmasked, the blocks before and
+after it masked, with no branch in any loop (a branch in the loop body keeps Triton from
+pipelining the loads of the next block; FlexAttention's backward walks lists of blocks so). A
+masked visit of a block no row reaches adds zeros.
 Rows that attend nothing in a masked block load as zeros: a NaN in a padded query cannot reach dK.
 """
 
@@ -73,8 +77,10 @@ def dkdv_kernel(Q, K, V, dOut, Lse, Delta, dK, dV, Lo, Hi, Summary, Reached, Slo
                 scale, softcap, drop_scale,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, RANGES: tl.constexpr, SOFTCAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
-    """Grid ``(cdiv(Lk, BLOCK_N), N * Hkv)``: dK and dV of one key block, summed over the query heads sharing it."""
+                HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, RUNS: tl.constexpr):
+    """Grid ``(cdiv(Lk, BLOCK_N), N * Hkv)``: dK and dV of one key block, summed over the query heads
+    sharing it. ``RUNS``: walk the query blocks as three runs (:func:`.inputs.reached_blocks`), else
+    check each against its summary."""
     pid = tl.program_id(1)
     n = pid // kv_heads
     n64 = n.to(tl.int64)
@@ -103,24 +109,44 @@ def dkdv_kernel(Q, K, V, dOut, Lse, Delta, dK, dV, Lo, Hi, Summary, Reached, Slo
             lo_ptr = Lo + n * stride_ls + r * stride_lr
             hi_ptr = Hi + n * stride_ls + r * stride_lr
             # only the query blocks between the first and the last that reach this key block
-            span = Reached + n * stride_rs + r * stride_rr + tl.program_id(0) * 2
-            for block in range(tl.load(span), tl.load(span + 1)):
-                summary = Summary + n * stride_us + r * stride_ur + block * 4
-                reach = (tl.load(summary) < last_key) & (tl.load(summary + 1) > first_key)
-                if reach:
-                    full = (tl.load(summary + 2) <= first_key) & (last_key <= tl.load(summary + 3))
-                    if full:
-                        dk, dv = _visit_rows(dk, dv, k, v, keys, block * BLOCK_M, q_base, do_base,
-                                             Lse + nh * q_len, Delta + nh * q_len, lo_ptr, hi_ptr, Seed, n, h,
-                                             stride_qm, stride_qd, stride_gm, stride_gd, q_len, k_len,
-                                             head_dim, v_dim, scale, softcap, slope, drop_scale,
-                                             BLOCK_M, BLOCK_D, BLOCK_DV, False, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
-                    else:
-                        dk, dv = _visit_rows(dk, dv, k, v, keys, block * BLOCK_M, q_base, do_base,
-                                             Lse + nh * q_len, Delta + nh * q_len, lo_ptr, hi_ptr, Seed, n, h,
-                                             stride_qm, stride_qd, stride_gm, stride_gd, q_len, k_len,
-                                             head_dim, v_dim, scale, softcap, slope, drop_scale,
-                                             BLOCK_M, BLOCK_D, BLOCK_DV, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+            span = Reached + n * stride_rs + r * stride_rr + tl.program_id(0) * 4
+            lse_nh, delta_nh = Lse + nh * q_len, Delta + nh * q_len
+            if RUNS:  # the blocks before the whole run and after it masked, the run unmasked: no branch
+                begin, whole_begin = tl.load(span), tl.load(span + 1)
+                whole_end, end = tl.load(span + 2), tl.load(span + 3)
+                for block in range(begin, whole_begin):
+                    dk, dv = _visit_rows(dk, dv, k, v, keys, block * BLOCK_M, q_base, do_base, lse_nh, delta_nh,
+                                         lo_ptr, hi_ptr, Seed, n, h, stride_qm, stride_qd, stride_gm, stride_gd,
+                                         q_len, k_len, head_dim, v_dim, scale, softcap, slope, drop_scale,
+                                         BLOCK_M, BLOCK_D, BLOCK_DV, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+                for block in range(whole_begin, whole_end):
+                    dk, dv = _visit_rows(dk, dv, k, v, keys, block * BLOCK_M, q_base, do_base, lse_nh, delta_nh,
+                                         lo_ptr, hi_ptr, Seed, n, h, stride_qm, stride_qd, stride_gm, stride_gd,
+                                         q_len, k_len, head_dim, v_dim, scale, softcap, slope, drop_scale,
+                                         BLOCK_M, BLOCK_D, BLOCK_DV, False, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+                for block in range(whole_end, end):
+                    dk, dv = _visit_rows(dk, dv, k, v, keys, block * BLOCK_M, q_base, do_base, lse_nh, delta_nh,
+                                         lo_ptr, hi_ptr, Seed, n, h, stride_qm, stride_qd, stride_gm, stride_gd,
+                                         q_len, k_len, head_dim, v_dim, scale, softcap, slope, drop_scale,
+                                         BLOCK_M, BLOCK_D, BLOCK_DV, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+            else:  # each block checked against its summary: skipped, unmasked or masked
+                for block in range(tl.load(span), tl.load(span + 3)):
+                    summary = Summary + n * stride_us + r * stride_ur + block * 4
+                    reach = (tl.load(summary) < last_key) & (tl.load(summary + 1) > first_key)
+                    if reach:
+                        full = (tl.load(summary + 2) <= first_key) & (last_key <= tl.load(summary + 3))
+                        if full:
+                            dk, dv = _visit_rows(dk, dv, k, v, keys, block * BLOCK_M, q_base, do_base, lse_nh,
+                                                 delta_nh, lo_ptr, hi_ptr, Seed, n, h, stride_qm, stride_qd,
+                                                 stride_gm, stride_gd, q_len, k_len, head_dim, v_dim, scale,
+                                                 softcap, slope, drop_scale, BLOCK_M, BLOCK_D, BLOCK_DV, False,
+                                                 SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+                        else:
+                            dk, dv = _visit_rows(dk, dv, k, v, keys, block * BLOCK_M, q_base, do_base, lse_nh,
+                                                 delta_nh, lo_ptr, hi_ptr, Seed, n, h, stride_qm, stride_qd,
+                                                 stride_gm, stride_gd, q_len, k_len, head_dim, v_dim, scale,
+                                                 softcap, slope, drop_scale, BLOCK_M, BLOCK_D, BLOCK_DV, True,
+                                                 SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
     # dK and dV are fresh contiguous tensors [N, Hkv, Lk, D / Dv]
     rows_out = (n64 * kv_heads + hkv64) * k_len + key_rows
     tl.store(dK + rows_out * head_dim + d[None, :], (dk * scale).to(dK.dtype.element_ty), mask=k_mask)

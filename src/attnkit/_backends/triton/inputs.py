@@ -199,17 +199,31 @@ def block_summary(lo: Tensor, hi: Tensor, k_len: int, block_m: int) -> Tensor:
 
 
 def reached_blocks(summary: Tensor, k_len: int, block_n: int) -> Tensor:
-    """Per key block of ``block_n`` keys and range, int32 ``[S, R, cdiv(Lk, block_n), 2]``: the first
-    query block whose rows may reach it (by :func:`block_summary`) and one past the last (``0, 0``
-    when none does). The dK/dV kernel walks only those query blocks: a window's key block is
-    reached by a few of thousands, and reading every block's summary cost each program a scalar
-    load per query block and head. ``O((Lq / block_m) x (Lk / block_n))`` booleans, built with
-    no synchronisation."""
-    first, last = summary[..., 0], summary[..., 1]  # [S, R, Qb]
+    """Per key block of ``block_n`` keys and range, int32 ``[S, R, cdiv(Lk, block_n), 4]``: the first
+    query block whose rows may reach it (by :func:`block_summary`), the first and one past the last
+    of the run of query blocks from the first one whose rows all attend the whole key block (empty,
+    at the end, where none does), and one past the last query block that may reach it (``0, 0, 0,
+    0`` when none does). The dK/dV kernel walks only the query blocks between the first and the last
+    (a window's key block is reached by a few of thousands, and reading every block's summary cost
+    each program a scalar load per query block and head); with ``walk="runs"`` it takes the run of
+    whole blocks unmasked and the rest masked, as the forward takes its key blocks: one run where
+    ``lo`` and ``hi`` grow with the row, as every mask of :mod:`attnkit.masks` has them. Whole blocks
+    elsewhere are masked too, needlessly but correctly. ``O((Lq / block_m) x (Lk / block_n))``
+    booleans, built with no synchronisation."""
+    first, last, cover_lo, cover_hi = summary.unbind(-1)  # [S, R, Qb]
     starts = torch.arange(0, max(k_len, 1), block_n, device=summary.device, dtype=torch.int32)
     reach = (first[..., None, :] < (starts + block_n)[:, None]) & (last[..., None, :] > starts[:, None])
     any_block = reach.any(-1)
     blocks = reach.shape[-1]
     begin = torch.where(any_block, reach.to(torch.int8).argmax(-1), 0)
     end = torch.where(any_block, blocks - reach.flip(-1).to(torch.int8).argmax(-1), 0)
-    return torch.stack([begin, end], dim=-1).to(torch.int32).contiguous()
+    # whole: every row of the query block attends every key of the key block (as the kernel's
+    # check: the key block's end uncut, so a ragged last key block is never whole)
+    whole = (cover_lo[..., None, :] <= starts[:, None]) & ((starts + block_n)[:, None] <= cover_hi[..., None, :])
+    index = torch.arange(blocks, device=summary.device)
+    whole_begin = torch.where(whole.any(-1), whole.to(torch.int8).argmax(-1), end)
+    broken = ~whole & (index >= whole_begin[..., None])
+    whole_end = torch.where(broken.any(-1), broken.to(torch.int8).argmax(-1), blocks)
+    whole_begin = torch.minimum(torch.maximum(whole_begin, begin), end)
+    whole_end = torch.minimum(torch.maximum(whole_end, whole_begin), end)
+    return torch.stack([begin, whole_begin, whole_end, end], dim=-1).to(torch.int32).contiguous()
