@@ -8,7 +8,7 @@ visited only when the per-query-block summary (:func:`.inputs.block_summary`: th
 largest hi of its rows) reaches the key block, and masked only when not every row attends the
 whole key block (the largest lo and smallest hi). In runs (``RUNS``), as the forward walks its key
 blocks: the run of query blocks that attend the whole key block unmasked, the blocks before and
-after it masked, with no branch in any loop (a branch in the loop body keeps Triton from
+after it masked (one loop, its index jumping over the run), with no branch in either loop (a branch in the loop body keeps Triton from
 pipelining the loads of the next block; FlexAttention's backward walks lists of blocks so). A
 masked visit of a block no row reaches adds zeros.
 Rows that attend nothing in a masked block load as zeros: a NaN in a padded query cannot reach dK.
@@ -114,7 +114,11 @@ def dkdv_kernel(Q, K, V, dOut, Lse, Delta, dK, dV, Lo, Hi, Summary, Reached, Slo
             if RUNS:  # the blocks before the whole run and after it masked, the run unmasked: no branch
                 begin, whole_begin = tl.load(span), tl.load(span + 1)
                 whole_end, end = tl.load(span + 2), tl.load(span + 3)
-                for block in range(begin, whole_begin):
+                skip = whole_end - whole_begin
+                # one masked loop over the blocks before the run and after it (one inlined visit
+                # fewer than a loop for each: ptxas spilled more with three)
+                for i in range(begin, end - skip):
+                    block = i + skip * (i >= whole_begin).to(tl.int32)
                     dk, dv = _visit_rows(dk, dv, k, v, keys, block * BLOCK_M, q_base, do_base, lse_nh, delta_nh,
                                          lo_ptr, hi_ptr, Seed, n, h, stride_qm, stride_qd, stride_gm, stride_gd,
                                          q_len, k_len, head_dim, v_dim, scale, softcap, slope, drop_scale,
@@ -124,11 +128,6 @@ def dkdv_kernel(Q, K, V, dOut, Lse, Delta, dK, dV, Lo, Hi, Summary, Reached, Slo
                                          lo_ptr, hi_ptr, Seed, n, h, stride_qm, stride_qd, stride_gm, stride_gd,
                                          q_len, k_len, head_dim, v_dim, scale, softcap, slope, drop_scale,
                                          BLOCK_M, BLOCK_D, BLOCK_DV, False, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
-                for block in range(whole_end, end):
-                    dk, dv = _visit_rows(dk, dv, k, v, keys, block * BLOCK_M, q_base, do_base, lse_nh, delta_nh,
-                                         lo_ptr, hi_ptr, Seed, n, h, stride_qm, stride_qd, stride_gm, stride_gd,
-                                         q_len, k_len, head_dim, v_dim, scale, softcap, slope, drop_scale,
-                                         BLOCK_M, BLOCK_D, BLOCK_DV, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
             else:  # each block checked against its summary: skipped, unmasked or masked
                 for block in range(tl.load(span), tl.load(span + 3)):
                     summary = Summary + n * stride_us + r * stride_ur + block * 4
