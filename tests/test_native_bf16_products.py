@@ -368,3 +368,23 @@ def test_backward_products_take_the_weights_and_score_gradients_in_two_parts(cas
         if what != "output":
             assert _rms_error(mine, exact) <= 1.1 * _rms_error(other, exact), (what, _rms_error(mine, exact),
                                                                               _rms_error(other, exact))
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernel not built")
+def test_the_backward_takes_the_packed_tiles_table_where_the_units_run():
+    """bfloat16 on the packed layouts: 64-row backward blocks (tile_tables.PACKED_BACKWARD_TILES);
+    the float32-convert path (and float32) keeps the float32 table."""
+    from attnkit._backends.native import ops, tile_tables
+
+    q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    lo, hi = masks.sliding_window(16).row_ranges(64, 64)
+    units = "tiles" if native.matrix_units_available() else "dots" if native.dot_products_available() else None
+    if units is not None:
+        with native.half_products(units):
+            assert ops._packed(q, q, q, q)
+            assert tile_tables.backward_tiles(lo, hi, ops._packed(q, q, q, q)) == tile_tables.PACKED_BACKWARD_TILES[0][1]
+    with native.half_products("convert"):
+        assert not ops._packed(q, q, q, q)
+    assert not ops._packed(q.float(), q.float(), q.float(), q.float())
+    assert not ops._packed(q[..., :48], q[..., :48], q[..., :48], q[..., :48])  # not whole tiles of features
+    assert tile_tables.backward_tiles(lo, hi) == tile_tables.BACKWARD_TILES[0][1]

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ... import _torch_private
 from . import building as _build
-from .ops import _UNITS_CODE, EXPECTED_SCHEMAS, HALF_PRODUCTS, registered_schemas
+from .ops import EXPECTED_SCHEMAS, HALF_PRODUCTS, _ask_units, registered_schemas
 
 REBUILD = "attnkit build-kernel"
 
@@ -93,7 +93,7 @@ def _ask_half_products(units: str) -> None:
         warnings.warn(f"ATTNKIT_NATIVE_HALF_PRODUCTS must be one of {HALF_PRODUCTS}, got {units!r}; "
                       f"bfloat16 products stay on the default units", RuntimeWarning, stacklevel=5)
         return
-    torch.ops.attnkit_native.use_half_products(_UNITS_CODE[units])
+    _ask_units(units)
 
 
 def _refused(why: str) -> tuple[bool, str]:

@@ -99,7 +99,7 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
     (``interval_forward(..., residual=True)``) of a half-precision ``out``, so that the row term reads
     the output as computed, not as rounded; None (or empty) reads ``out`` alone."""
     if block is None or chunk is None:
-        default_block, default_chunk = backward_tiles(lo, hi)
+        default_block, default_chunk = backward_tiles(lo, hi, _packed(query, key, value, grad_out))
         block, chunk = block or default_block, chunk or default_chunk
     if parts is None:
         parts = backward_parts(query.shape[0], key.shape[1], query.shape[2], block)
@@ -154,11 +154,31 @@ def use_half_products(units: str) -> str:
     if units not in HALF_PRODUCTS:
         raise ValueError(f"half_products: units must be one of {HALF_PRODUCTS}, got {units!r}")
     _require_library()
-    previous = int(torch.ops.attnkit_native.use_half_products(_UNITS_CODE[units]))
-    return next(name for name, code in _UNITS_CODE.items() if code == previous)
+    return _ask_units(units)
 
 
 _UNITS_CODE = {"convert": 0, "dots": 1, "tiles": 2}  # csrc/products.h's HalfProducts
+_asked_units = ["tiles"]  # the kernel's setting, mirrored (the tile tables depend on it)
+
+
+def _ask_units(units: str) -> str:
+    """Sets the kernel's units (a loaded kernel: also from ``loading`` while it loads); the previous."""
+    torch.ops.attnkit_native.use_half_products(_UNITS_CODE[units])
+    previous, _asked_units[0] = _asked_units[0], units
+    return previous
+
+
+def _packed(query: Tensor, key: Tensor, value: Tensor, grad_out: Tensor) -> bool:
+    """Whether the call's bfloat16 products run on the packed layouts (``csrc/products.h``: the AMX
+    tiles or the dot products, as asked and as the CPU has them; whole tiles of features)."""
+    from .loading import _library  # loading imports this module
+
+    if query.dtype != torch.bfloat16 or query.shape[-1] % 32 or value.shape[-1] % 32:
+        return False
+    if any(t.stride(-2) % 2 for t in (query, key, value, grad_out)):
+        return False
+    units = _asked_units[0]
+    return (units == "tiles" and _library.matrix_units) or (units == "dots" and _library.dot_products)
 
 
 @contextmanager

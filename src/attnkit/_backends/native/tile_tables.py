@@ -25,6 +25,15 @@ TILES = ((4096, (32, 64)), (float("inf"), (64, 64)))
 #: 128 x 128 (32 x 1024 best on the window, 0.29 s); causal + padding 128 x 128 to 256 x 128
 #: (3.6-3.7 s) against 4.1-4.3 s for 32-64 row blocks, whose dK, dV products add rank-32 updates.
 BACKWARD_TILES = ((4096, (32, 1024)), (float("inf"), (128, 128)))
+#: The backward's tiles where its bfloat16 products run on the packed layouts (AMX tiles or dot
+#: products, ``csrc/products.h``; the chunk is at least 1024 keys there). The products over rows
+#: (dV, dK) load and store their accumulators once per block: 64 rows give each load two tile
+#: steps where 32 gave one, and 128 widen the block's key span. Xeon with AMX, L = 16384, H = 8,
+#: D = 64, bf16, 2 threads, medians of 8 alternating rounds over the raw op, blocks of 32 / 64 /
+#: 128 rows: window 512 107 / 101 / 123 ms, 8 documents 429 / 372 / 420, causal + padding 1,314 /
+#: 1,191 / 1,296 (a second series of 6: 102 / 97 / 122, 411 / 356 / 373, 1,683 / 1,550 / 1,822).
+#: The forward's table held there (window 32 rows 36.8 ms against 41.6 at 64).
+PACKED_BACKWARD_TILES = ((float("inf"), (64, 1024)),)
 
 #: With fewer (sequence, kv head) pairs than this many per thread, the backward also splits rows
 #: (each part adds into its own dK, dV copy). Window 512, L = 16384, 8 query heads, 2 threads:
@@ -48,9 +57,10 @@ def tiles(lo: Tensor, hi: Tensor) -> tuple[int, int]:
     return _by_mean_keys(TILES, lo, hi)
 
 
-def backward_tiles(lo: Tensor, hi: Tensor) -> tuple[int, int]:
-    """``(block, chunk)`` of the backward for rows attending ``[lo, hi)`` (see ``BACKWARD_TILES``)."""
-    return _by_mean_keys(BACKWARD_TILES, lo, hi)
+def backward_tiles(lo: Tensor, hi: Tensor, packed: bool = False) -> tuple[int, int]:
+    """``(block, chunk)`` of the backward for rows attending ``[lo, hi)`` (see ``BACKWARD_TILES``;
+    ``PACKED_BACKWARD_TILES`` where the products run on the packed bfloat16 layouts: ``packed``)."""
+    return _by_mean_keys(PACKED_BACKWARD_TILES if packed else BACKWARD_TILES, lo, hi)
 
 
 def backward_parts(batch: int, kv_heads: int, q_len: int, block: int) -> int:
