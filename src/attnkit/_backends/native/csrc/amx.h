@@ -46,20 +46,34 @@
 namespace attnkit_native {
 namespace {
 
+// The OS's saved vector state (XCR0), read once the CPU says it can be (OSXSAVE); 0 otherwise.
+inline unsigned saved_state() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0;  // OSXSAVE
+  unsigned xcr0 = 0, high = 0;
+  asm volatile("xgetbv" : "=a"(xcr0), "=d"(high) : "c"(0));
+  return xcr0;
+}
+
+// AVX-512 (F, BW, VL) and AVX512-BF16 on the CPU, and the OS saving the vector state they use
+// (XCR0: SSE, AVX, opmask and both halves of the upper ZMM registers): the dot products of dots.h,
+// and the conversions the AMX path packs its operands with.
+bool cpu_has_avx512_bf16() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!((b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31)))) return false;  // F, BW, VL
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;  // AVX512-BF16
+  return (saved_state() & 0xE6u) == 0xE6u;
+}
+
 // AMX-BF16 and AVX512-BF16 (its conversions) on the CPU, the tile state enabled by the OS (XCR0
 // bits 17-18), and Linux's permission to use it in this process (arch_prctl ARCH_REQ_XCOMP_PERM;
 // refused on kernels before 5.16 and where a hypervisor hides the state).
 bool cpu_grants_amx_bf16() {
   unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool avx512 = (b & (1u << 16)) && (b & (1u << 30));                  // F, BW
-  const bool tiles = (d & (1u << 24)) && (d & (1u << 22));                   // AMX-TILE, AMX-BF16
-  if (!avx512 || !tiles) return false;
-  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;  // AVX512-BF16
-  unsigned xcr0 = 0, high = 0;
-  asm volatile("xgetbv" : "=a"(xcr0), "=d"(high) : "c"(0));
-  if ((xcr0 & (3u << 17)) != (3u << 17)) return false;
+  if (!cpu_has_avx512_bf16() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!((d & (1u << 24)) && (d & (1u << 22)))) return false;  // AMX-TILE, AMX-BF16
+  if ((saved_state() & (3u << 17)) != (3u << 17)) return false;
   constexpr long kRequestPermission = 0x1023, kTileData = 18;
   return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
 }

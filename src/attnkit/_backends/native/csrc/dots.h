@@ -21,7 +21,6 @@
 
 #pragma once
 
-#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -35,19 +34,6 @@
 
 namespace attnkit_native {
 namespace {
-
-// AVX-512 (F, BW, VL) and AVX512-BF16 on the CPU, and the OS saving the vector state they use
-// (XCR0: SSE, AVX, opmask and both halves of the upper ZMM registers).
-bool cpu_has_avx512_bf16() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  if (!((b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31)))) return false;  // F, BW, VL
-  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;  // AVX512-BF16
-  unsigned xcr0 = 0, high = 0;
-  asm volatile("xgetbv" : "=a"(xcr0), "=d"(high) : "c"(0));
-  return (xcr0 & 0xE6u) == 0xE6u;
-}
 
 bool dot_products_available() {
   static const bool has = cpu_has_avx512_bf16();
