@@ -30,7 +30,10 @@ peak memory is the process's peak resident set minus its resident set before the
 (``set_attn_implementation``, the order reversed every other round) for ROUNDS rounds, each round
 one run of each: separate processes drift apart by more than a few per cent on a shared machine,
 turns in one process do not. Reports the median time of each and, per round, each one against
-``sdpa``; no memory figures.
+``sdpa``; no memory figures. With ``--profile`` it then runs each once more under
+``torch.profiler`` and prints, per run, the host's reads of the device (``aten::_local_scalar_dense``:
+``.item()``, ``.tolist()``, ``bool()`` of a tensor, each a synchronisation on a GPU), the kernel
+launches and the ATen ops: where a GPU's time goes that no timing shows.
 
 Model (the issue's): 4 layers, hidden 512, intermediate 1792, 8 heads, 2 kv heads, head dim 64,
 window 512 (Mistral) or full causal (Llama), fp32, batch 1, no LM head (the base model). ``--model
@@ -223,6 +226,8 @@ def _interleaved(args) -> None:
                     run()
                     times[name].append(time.perf_counter() - start)
         print(f"| {length} | " + " | ".join(f"{statistics.median(times[n]):.3f}" for n in names) + " |")
+        if args.profile:
+            _profiled(model, run, names)
         if "sdpa" in names:
             for name in (n for n in names if n != "sdpa"):
                 ratios = [s / t for s, t in zip(times["sdpa"], times[name])]
@@ -230,6 +235,30 @@ def _interleaved(args) -> None:
                 print(f"\n{name} vs sdpa at L = {length}, round by round: "
                       + ", ".join(f"{r:.2f}x" for r in ratios)
                       + f"; median {statistics.median(ratios):.2f}x, faster in {faster} of {len(ratios)} rounds")
+
+
+def _profiled(model, run, names) -> None:
+    """One more run of each implementation under ``torch.profiler``: its counts of device reads,
+    kernel launches and ATen ops (``--profile``)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    print("\n| implementation | device reads (_local_scalar_dense) | stream / device syncs | kernel launches "
+          "| ATen ops |\n|---|---:|---:|---:|---:|")
+    for name in names:
+        model.set_attn_implementation(name)
+        with profile(activities=activities) as prof:
+            run()
+        counts: dict[str, int] = {}
+        for event in prof.events():
+            counts[event.name] = counts.get(event.name, 0) + 1
+        reads = counts.get("aten::_local_scalar_dense", 0)
+        syncs = sum(n for key, n in counts.items() if key in ("cudaStreamSynchronize", "cudaDeviceSynchronize"))
+        launches = sum(n for key, n in counts.items() if key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                                 "cudaLaunchKernelExC"))
+        aten = sum(n for key, n in counts.items() if key.startswith("aten::"))
+        print(f"| {name} | {reads} | {syncs} | {launches} | {aten} |")
 
 
 def _measure(implementation: str, length: int, args) -> dict:
@@ -301,6 +330,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per (implementation, length)")
     parser.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
                         help="address-space limit of each measured process (an allocation beyond it fails)")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --interleaved: count device reads, kernel launches and ATen ops of one run each")
     parser.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
                         help="one process, the implementations taking turns on one model for ROUNDS rounds")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
