@@ -388,3 +388,4 @@ def test_the_backward_takes_the_packed_tiles_table_where_the_units_run():
     assert not ops._packed(q.float(), q.float(), q.float(), q.float())
     assert not ops._packed(q[..., :48], q[..., :48], q[..., :48], q[..., :48])  # not whole tiles of features
     assert tile_tables.backward_tiles(lo, hi) == tile_tables.BACKWARD_TILES[0][1]
+

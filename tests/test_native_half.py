@@ -49,6 +49,16 @@ def _policy_of_a_cpu(*, multiplies: tuple[torch.dtype, ...], tiles: bool):
             loading.serves_half_precision.cache_clear()
 
 
+def _skip_unless_units_run(units: str, dtype: torch.dtype) -> None:
+    """Skips where ``units`` (``native.half_products``) would not multiply this call: the packed
+    units take bfloat16, each on CPUs that have it."""
+    if units == "convert":
+        return
+    available = {"tiles": native.matrix_units_available, "dots": native.dot_products_available}[units]
+    if dtype != torch.bfloat16 or not available():
+        pytest.skip(f"the {units} take bfloat16 on CPUs that have them")
+
+
 @pytest.fixture
 def cpu_without_half_units():
     """The policy of a CPU with no half-precision matrix units (AVX2, Zen 3), on any CPU: on one
@@ -211,20 +221,20 @@ def test_a_model_layout_keeps_its_layout_and_dtype(dtype):
 
 @needs_native
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("tiles", [False, True])
+@pytest.mark.parametrize("units", ["convert", "tiles", "dots"])
 @pytest.mark.parametrize("mask", [masks.document([107, 19, 133, 1, 40]) & masks.causal(), masks.causal(),
                                   (masks.sliding_window(9) | masks.padding([15])) & masks.causal()],
                          ids=["documents", "causal", "two ranges"])
-def test_peaked_rows_read_the_output_as_computed(dtype, tiles, mask):
+def test_peaked_rows_read_the_output_as_computed(dtype, units, mask):
     """Scores of scale 1 at D = 64 make many rows' weights peak on one key. FlashAttention's row term
     rowsum(dO * O), taken from the output rounded to the dtype, then dominates dQ and dK: 2.9x the
     error of PyTorch's own call in bf16 (D != Dv: its math path, which sums P * dP). The forward
     keeps what the rounding took off (the op's residual), and the row term reads the output as
-    computed: within twice PyTorch's error on the float32-convert path, and on the AMX tiles (whose
-    forward rounds P for P V, as PyTorch's flash kernel does) where the key spans are short."""
-    if tiles and (dtype != torch.bfloat16 or not native.matrix_units_available()):
-        pytest.skip("the AMX tiles take bfloat16 on CPUs that have them")
-    if tiles and mask.row_ranges(300, 300)[0].shape[1] > 1:
+    computed: within twice PyTorch's error on the float32-convert path, and on the AMX tiles and the
+    dot products (whose forward rounds P for P V, as PyTorch's flash kernel does) where the key spans
+    are short."""
+    _skip_unless_units_run(units, dtype)
+    if units != "convert" and mask.row_ranges(300, 300)[0].shape[1] > 1:
         pytest.skip("rows of two ranges run in float32, one range at a time")
     g = torch.Generator().manual_seed(114)
     q = torch.randn(2, 1, 300, 64, generator=g)
@@ -235,7 +245,7 @@ def test_peaked_rows_read_the_output_as_computed(dtype, tiles, mask):
     dense = mask.dense(300, 300, ndim=4)
 
     def ours(a, b, c):
-        with tuning(kernel="native"), native.half_products("tiles" if tiles else "convert"):  # the backward too
+        with tuning(kernel="native"), native.half_products(units):  # the backward too
             return attnkit.attention(a, b, c, mask=mask, backend="tiled", scale=1.0)
 
     _beside_reference(ours, lambda a, b, c: attnkit.attention(a, b, c, mask=mask, backend="reference", scale=1.0),
@@ -284,23 +294,23 @@ def test_the_output_is_the_same_with_or_without_a_backward_to_follow(dtype, mask
 
 @needs_native
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("tiles", [False, True])
-def test_a_row_on_one_key_under_dropout_has_no_query_gradient(dtype, tiles):
+@pytest.mark.parametrize("units", ["convert", "tiles", "dots"])
+def test_a_row_on_one_key_under_dropout_has_no_query_gradient(dtype, units):
     """A row that attends one key has weight 1 there whatever its score, so its dq and the key's dk
     are exactly 0; under dropout its output is ``v / (1 - p)`` or 0, which the dtype rounds. A row
     term from that rounded output left dq off by 0.06 and dk by 0.18 in bf16 (p = 0.1); from the
     output as computed, only float32's rounding is left on the float32-convert path. On the AMX
     tiles the forward's bf16 weights carry the keep mask alone and 1 / (1 - p) multiplies each row
     in float32: inside the weights it made the output read v x bf16(1 / (1 - p)) while the
-    backward's dP took the exact factor, and 0.015 was left."""
-    if tiles and (dtype != torch.bfloat16 or not native.matrix_units_available()):
-        pytest.skip("the AMX tiles take bfloat16 on CPUs that have them")
+    backward's dP took the exact factor, and 0.015 was left. The dot products share the tiles'
+    forward."""
+    _skip_unless_units_run(units, dtype)
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, 2, 128, 64, generator=g).to(dtype)
     k, v, grad_out = (torch.randn(1, 2, 128, 64, generator=g).to(dtype) for _ in range(3))
     mask = masks.sliding_window(1)  # each row attends its own key alone
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    with tuning(kernel="native"), native.half_products("tiles" if tiles else "convert"):  # the backward too
+    with tuning(kernel="native"), native.half_products(units):  # the backward too
         out = attnkit.attention(*leaves, mask=mask, backend="tiled", dropout=0.1,
                                 generator=torch.Generator().manual_seed(1))
         out.backward(grad_out)
