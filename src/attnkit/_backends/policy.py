@@ -21,7 +21,9 @@ the registry of :mod:`attnkit._backends`) and, for the tiled backend, the **kern
 5. A decoding step (one query row) with a structured mask: ``"torch"`` with the mask's one dense
    row per sequence.
 6. A structured mask, soft-capping, ALiBi or sinks (SDPA has none of these), or dropout where
-   attnkit's native kernel runs: the tiled backend with its kernel left to :func:`kernel_for`.
+   attnkit's native kernel runs: the tiled backend with its kernel left to :func:`kernel_for`, or
+   named (the native kernel) where only the call's backward brings it in: bfloat16 on a CPU with
+   AVX512-BF16 and no AMX, whose forward stays with PyTorch's kernels (rules 4 and 7 likewise).
 7. No mask at all, from a number of pairs by dtype (float32: 1024 x 1024, 512 x 512 where a
    backward will run; half precision from 128 x 128, bfloat16 forward from 512 x 512) and head sizes
    up to 128, where attnkit's native kernel runs: the tiled backend on it (it beat SDPA's unmasked
@@ -119,8 +121,6 @@ def choose(call: AttentionCall) -> Route:
         return _TILED
     if call.query.device.type not in MEASURED_DEVICES or call.return_weights:
         return _TORCH
-    # the op's own choice of kernel, or the native kernel named where only a backward brings it in
-    tiled = _TILED_NATIVE if _native_for_training_only(call) else _TILED_CHOOSES
     if _plain_causal(call) and not call.modifies_scores and call.dropout == 0:
         # masks.causal() and causal=True are one rule (over one query row, a decoding step, the call
         # holds neither: make_call drops them, and SDPA runs with no mask). Square: the native kernel
@@ -130,19 +130,19 @@ def choose(call: AttentionCall) -> Route:
             pairs = call.q_len * call.k_len
             served = _native_serves(call.query.device.type, call.query.dtype, False, call.needs_grad)
             native_faster = NATIVE_MIN_PAIRS <= pairs and served
-            return tiled if native_faster else _TORCH
+            return _tiled(call) if native_faster else _TORCH
         return _TILED_CHOOSES
     if call.q_len == 1 and call.structure is not None and not call.modifies_scores and call.dropout == 0:
         # A decoding step: its mask's dense form is one row of keys per sequence, [B, 1, 1, Lk], what
         # transformers' own SDPA path builds at every step (a third of the op's planning time).
         return _TORCH
     if call.structure is not None or call.modifies_scores:
-        return tiled  # soft-capping, ALiBi and sinks: SDPA has none of them
+        return _tiled(call)  # soft-capping, ALiBi and sinks: SDPA has none of them
     if call.dropout > 0 and _native_serves(call.query.device.type, call.query.dtype, call.mask is not None,
                                            call.needs_grad):
         # SDPA has no fused CPU kernel with dropout (its math path materialises every weight): the
         # native kernel took 0.02-0.77x its time from 32 x 32 pairs (docs/performance.md).
-        return tiled
+        return _tiled(call)
     if call.mask is not None or call.causal or call.q_len == 1:
         return _TORCH  # a dense mask (causal or not), or a decoding step over every key: SDPA as it is
     table = NATIVE_UNMASKED_MIN_PAIRS_AMX if _native_matrix_units() else NATIVE_UNMASKED_MIN_PAIRS
@@ -202,6 +202,12 @@ def _gpu_engines() -> GpuEngines:
 def _native_serves(device_type: str, dtype: torch.dtype, has_mask: bool, needs_grad: bool = False) -> bool:
     """Process state (the kernel loaded, not turned off), read once per trace."""
     return native.serves(device_type, dtype, has_mask, needs_grad)
+
+
+def _tiled(call: AttentionCall) -> Route:
+    """The tiled backend with the op's own choice of kernel, or with the native kernel named where
+    only the call's backward brings it in (:func:`_native_for_training_only`)."""
+    return _TILED_NATIVE if _native_for_training_only(call) else _TILED_CHOOSES
 
 
 def _native_for_training_only(call: AttentionCall) -> bool:
