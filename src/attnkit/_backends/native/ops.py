@@ -29,7 +29,7 @@ EXPECTED_SCHEMAS = {
     "release_kept_memory": "attnkit_native::release_kept_memory() -> int",
     "matrix_units_available": "attnkit_native::matrix_units_available() -> bool",
     "dot_products_available": "attnkit_native::dot_products_available() -> bool",
-    "use_half_products": "attnkit_native::use_half_products(int limit) -> int",
+    "use_half_products": "attnkit_native::use_half_products(int units) -> int",
 }
 
 
@@ -133,7 +133,7 @@ def matrix_units_available() -> bool:
 
 def dot_products_available() -> bool:
     """Whether the CPU has AVX512-BF16's dot products (``csrc/dots.h``), which multiply the kernel's
-    bfloat16 calls where no AMX tiles are granted; False where the kernel is not loaded."""
+    bfloat16 calls when asked (:func:`use_half_products`); False where the kernel is not loaded."""
     from .loading import _library, available  # loading imports this module
 
     return available() and _library.dot_products

@@ -47,7 +47,7 @@ TORCH_LIBRARY(attnkit_native, m) {
   m.def("release_kept_memory() -> int", &attnkit_native::release_kept_memory);
   m.def("matrix_units_available() -> bool", &attnkit_native::matrix_units_available);
   m.def("dot_products_available() -> bool", &attnkit_native::dot_products_available);
-  m.def("use_half_products(int limit) -> int", &attnkit_native::use_half_products);
+  m.def("use_half_products(int units) -> int", &attnkit_native::use_half_products);
 }
 
 TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {
