@@ -139,9 +139,8 @@ def main() -> None:
         for line in one_call(case, args.dropout, args.units):
             print(line, flush=True)
             failed += 1
-    ran = {"tiles": native.matrix_units_available(), "dots": native.dot_products_available(), "convert": True}
     print(f"{args.calls} calls, {failed} results over the bar (bf16's products on "
-          f"{args.units if ran[args.units] else 'convert'})")
+          f"{args.units if native.half_products_available(args.units) else 'convert'})")
 
 
 if __name__ == "__main__":

@@ -29,18 +29,17 @@ from attnkit._backends import native
 from attnkit._backends.tiled_plan import tuning
 from oracle import output_and_gradients
 
-UNITS_AVAILABLE = {
-    "tiles": (native.matrix_units_available, "the CPU has no AMX-BF16 (or the OS does not grant its state)"),
-    "dots": (native.dot_products_available, "the CPU has no AVX512-BF16"),
+WHY_NOT = {
+    "tiles": "the CPU has no AMX-BF16 (or the OS does not grant its state)",
+    "dots": "the CPU has no AVX512-BF16",
 }
 
 
-@pytest.fixture(params=list(UNITS_AVAILABLE))
+@pytest.fixture(params=list(WHY_NOT))
 def units(request):
     """Each test once on the AMX tiles and once on the dot products (``native.half_products``)."""
-    available, why_not = UNITS_AVAILABLE[request.param]
-    if not available():
-        pytest.skip(why_not)
+    if not native.half_products_available(request.param):
+        pytest.skip(WHY_NOT[request.param])
     with native.half_products(request.param):
         yield request.param
 
@@ -378,14 +377,14 @@ def test_the_backward_takes_the_packed_tiles_table_where_the_units_run():
 
     q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
     lo, hi = masks.sliding_window(16).row_ranges(64, 64)
-    units = "tiles" if native.matrix_units_available() else "dots" if native.dot_products_available() else None
+    units = next((name for name in ("tiles", "dots") if native.half_products_available(name)), None)
     if units is not None:
         with native.half_products(units):
-            assert ops._packed(q, q, q, q)
-            assert tile_tables.backward_tiles(lo, hi, ops._packed(q, q, q, q)) == tile_tables.PACKED_BACKWARD_TILES[0][1]
+            assert ops.backward_packs(q, q, q, q)
+            assert tile_tables.backward_tiles(lo, hi, ops.backward_packs(q, q, q, q)) == tile_tables.PACKED_BACKWARD_TILES[0][1]
     with native.half_products("convert"):
-        assert not ops._packed(q, q, q, q)
-    assert not ops._packed(q.float(), q.float(), q.float(), q.float())
-    assert not ops._packed(q[..., :48], q[..., :48], q[..., :48], q[..., :48])  # not whole tiles of features
+        assert not ops.backward_packs(q, q, q, q)
+    assert not ops.backward_packs(q.float(), q.float(), q.float(), q.float())
+    assert not ops.backward_packs(q[..., :48], q[..., :48], q[..., :48], q[..., :48])  # not whole tiles of features
     assert tile_tables.backward_tiles(lo, hi) == tile_tables.BACKWARD_TILES[0][1]
 

@@ -52,10 +52,7 @@ def _policy_of_a_cpu(*, multiplies: tuple[torch.dtype, ...], tiles: bool):
 def _skip_unless_units_run(units: str, dtype: torch.dtype) -> None:
     """Skips where ``units`` (``native.half_products``) would not multiply this call: the packed
     units take bfloat16, each on CPUs that have it."""
-    if units == "convert":
-        return
-    available = {"tiles": native.matrix_units_available, "dots": native.dot_products_available}[units]
-    if dtype != torch.bfloat16 or not available():
+    if units != "convert" and (dtype != torch.bfloat16 or not native.half_products_available(units)):
         pytest.skip(f"the {units} take bfloat16 on CPUs that have them")
 
 

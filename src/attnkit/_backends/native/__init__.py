@@ -23,12 +23,12 @@ otherwise; both give the same results up to float rounding, and the same dropout
 from .building import build, cache_dir, library_path
 from .loading import (applies, available, enabled, hint_if_not_built, loaded_from, serves, serves_half_precision,
                       turned_off, why_unavailable, wide)
-from .ops import (HALF_PRODUCTS, dot_products_available, half_products, interval_backward, interval_forward,
-                  matrix_units_available, release_kept_memory, use_half_products)
+from .ops import (HALF_PRODUCTS, dot_products_available, half_products, half_products_available, interval_backward,
+                  interval_forward, matrix_units_available, release_kept_memory, use_half_products)
 from .tile_tables import backward_tiles, computed_fraction, tiles
 
 __all__ = ["build", "cache_dir", "library_path", "applies", "available", "enabled", "hint_if_not_built", "loaded_from", "serves", "serves_half_precision", "turned_off",
-           "why_unavailable", "interval_forward", "interval_backward", "HALF_PRODUCTS", "half_products", "use_half_products", "matrix_units_available",
-           "dot_products_available",
+           "why_unavailable", "interval_forward", "interval_backward", "HALF_PRODUCTS", "half_products",
+           "half_products_available", "use_half_products", "matrix_units_available", "dot_products_available",
            "release_kept_memory", "tiles", "backward_tiles",
            "computed_fraction", "wide"]

@@ -208,8 +208,8 @@ def serves_half_precision(dtype: torch.dtype) -> bool:
     kernel's products converted; L = 4096-16384, 2 threads, the same benchmark) the kernel's forward
     took 0.70-1.62x their time (faster on the window, slower on documents and plain causal) and its
     training step 0.20-0.82x theirs, 0.52-0.70x with no mask from L = 128 (calls with a backward run
-    it: :func:`serves`'s ``needs_grad``); float16, which such a CPU does not multiply, ran on the kernel in 0.59-0.78x
-    their time forward, 0.04-0.05x in training. The kernel's AVX512-BF16 dot
+    it: :func:`serves`'s ``needs_grad``); float16, which such a CPU does not multiply, ran on the
+    kernel in 0.59-0.78x their time forward, 0.04-0.05x in training. The kernel's AVX512-BF16 dot
     products (``csrc/dots.h``) were slower there than its float32 products."""
     from .ops import matrix_units_available
 

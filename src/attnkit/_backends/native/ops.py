@@ -30,6 +30,7 @@ EXPECTED_SCHEMAS = {
     "matrix_units_available": "attnkit_native::matrix_units_available() -> bool",
     "dot_products_available": "attnkit_native::dot_products_available() -> bool",
     "use_half_products": "attnkit_native::use_half_products(int units) -> int",
+    "backward_packs": "attnkit_native::backward_packs(Tensor query, Tensor key, Tensor value, Tensor grad_out) -> bool",
 }
 
 
@@ -98,13 +99,13 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
     (default :func:`.tile_tables.backward_parts`). ``out_low``: the forward's residual
     (``interval_forward(..., residual=True)``) of a half-precision ``out``, so that the row term reads
     the output as computed, not as rounded; None (or empty) reads ``out`` alone."""
+    _require_library()
+    grad_out, query, key, value, out = _plain_rows(grad_out, query, key, value, out)
     if block is None or chunk is None:
-        default_block, default_chunk = backward_tiles(lo, hi, _packed(query, key, value, grad_out))
+        default_block, default_chunk = backward_tiles(lo, hi, backward_packs(query, key, value, grad_out))
         block, chunk = block or default_block, chunk or default_chunk
     if parts is None:
         parts = backward_parts(query.shape[0], key.shape[1], query.shape[2], block)
-    _require_library()
-    grad_out, query, key, value, out = _plain_rows(grad_out, query, key, value, out)
     if grad_lse is not None:
         grad_lse = grad_lse.to(torch.float32)
     if out_low is not None and out_low.numel() > 0:
@@ -144,6 +145,17 @@ def dot_products_available() -> bool:
 HALF_PRODUCTS = ("tiles", "dots", "convert")
 
 
+def half_products_available(units: str) -> bool:
+    """Whether bfloat16 products can run on ``units`` (one of :data:`HALF_PRODUCTS`) here: the
+    float32-convert path wherever the kernel is loaded, the tiles and the dot products where the CPU
+    has them too."""
+    if units not in HALF_PRODUCTS:
+        raise ValueError(f"half_products_available: units must be one of {HALF_PRODUCTS}, got {units!r}")
+    from .loading import available  # loading imports this module
+
+    return {"tiles": matrix_units_available, "dots": dot_products_available, "convert": available}[units]()
+
+
 def use_half_products(units: str) -> str:
     """Sets the units (one of :data:`HALF_PRODUCTS`) bfloat16 calls run their products on, each where
     the CPU has them, else the float32-convert path; returns the previous setting. The setting is the
@@ -158,27 +170,21 @@ def use_half_products(units: str) -> str:
 
 
 _UNITS_CODE = {"convert": 0, "dots": 1, "tiles": 2}  # csrc/products.h's HalfProducts
-_asked_units = ["tiles"]  # the kernel's setting, mirrored (the tile tables depend on it)
 
 
 def _ask_units(units: str) -> str:
     """Sets the kernel's units (a loaded kernel: also from ``loading`` while it loads); the previous."""
-    torch.ops.attnkit_native.use_half_products(_UNITS_CODE[units])
-    previous, _asked_units[0] = _asked_units[0], units
-    return previous
+    previous = int(torch.ops.attnkit_native.use_half_products(_UNITS_CODE[units]))
+    return next(name for name, code in _UNITS_CODE.items() if code == previous)
 
 
-def _packed(query: Tensor, key: Tensor, value: Tensor, grad_out: Tensor) -> bool:
-    """Whether the call's bfloat16 products run on the packed layouts (``csrc/products.h``: the AMX
-    tiles or the dot products, as asked and as the CPU has them; whole tiles of features)."""
-    from .loading import _library  # loading imports this module
-
-    if query.dtype != torch.bfloat16 or query.shape[-1] % 32 or value.shape[-1] % 32:
-        return False
-    if any(t.stride(-2) % 2 for t in (query, key, value, grad_out)):
-        return False
-    units = _asked_units[0]
-    return (units == "tiles" and _library.matrix_units) or (units == "dots" and _library.dot_products)
+def backward_packs(query: Tensor, key: Tensor, value: Tensor, grad_out: Tensor) -> bool:
+    """Whether :func:`interval_backward` over these tensors (the kernel's row layout, as
+    :func:`_plain_rows` leaves them) runs its bfloat16 products on the packed layouts
+    (``csrc/products.h``: the AMX tiles or the dot products, as asked and as the CPU has them),
+    which take their own tile table (:data:`.tile_tables.PACKED_BACKWARD_TILES`). The kernel's
+    own decision, asked of it."""
+    return bool(torch.ops.attnkit_native.backward_packs(query, key, value, grad_out))
 
 
 @contextmanager

@@ -173,8 +173,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const float* gl = grad_lse.defined() ? grad_lse.data_ptr<float>() : nullptr;
     const Rows dq_rows(dq), dk_rows(dk), dv_rows(dv);
     // The five products on the units the forward's took (products.h; dO's rows moved by pairs too)
-    const HalfProducts units = go.s2 % 2 == 0 ? half_products(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2)
-                                              : HalfProducts::kConvert;
+    const HalfProducts units = backward_half_products(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2, go.s2);
     const bool packed = units != HalfProducts::kConvert;
     if (packed) chunk = round_up(std::max(chunk, kAmxChunk), kTileK);
     const bool capped = c.capped();  // the cap's derivative is stored then
@@ -351,7 +350,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               // dP[t][r] = sum_dv V[t][dv] dOt[dv][r]: the scores' tiles (padding rows of dOt are 0)
               if (packed) {
                 scores_product(units, bf16_row(c.v, b, kv, c0), c.v.s2, width, Lk - c0, Dv, packed_go.data(), rs, ds,
-                           spare_keys.data());
+                               spare_keys.data());
               } else {
                 block_scores(v_head + c0 * v2s, v2s, width, Dv, got.data(), rs, ds);
               }
@@ -380,12 +379,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 // P and dS in two bfloat16 parts each (amx.h, split_halves); dS in B's layout too, for dQ
                 pack_key_rows(p, rs, width, key_rows.data(), key_rows_low.data());
                 rows_product(units, key_rows.data(), key_rows_low.data(), rs, width, rows_go.data(), Dv, dv_head + c0 * dv2s,
-                                 dv2s, spare_sums.data());
+                             dv2s, spare_sums.data());
                 pack_key_rows(ds, rs, width, key_rows.data(), key_rows_low.data(), packed_ds.data(), packed_ds_low.data());
                 values_product(units, keys_transposed->from(b, kv, c0, c0 + width), width, D, packed_ds.data(), rs, dqt.data(),
-                           dq_start.data(), no_rescale.data(), spare_block.data(), packed_ds_low.data());
+                               dq_start.data(), no_rescale.data(), spare_block.data(), packed_ds_low.data());
                 rows_product(units, key_rows.data(), key_rows_low.data(), rs, width, rows_q.data(), D, dk_head + c0 * dk2s,
-                                 dk2s, spare_sums.data());
+                             dk2s, spare_sums.data());
               } else {
                 block_rows_product(p, rs, width, rows, go_block, g2s, Dv, dv_head + c0 * dv2s, dv2s);
                 block_values(k_head + c0 * k2s, k2s, width, D, ds, rs, dqt.data(), dq_start.data(), no_rescale.data());

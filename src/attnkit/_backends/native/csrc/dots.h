@@ -73,10 +73,9 @@ ATTNKIT_DOTS void dot_scores_tile(const uint16_t* k, int64_t k2s, int64_t pairs,
 }
 
 // amx_scores' product: S[t][r] = sum_d K[t][d] Q[r][d] for t < W, r < rs (rs a multiple of 32),
-// `queries` from pack_queries. Only the W key rows are read; `readable` and `spare` are amx_scores'
-// (it reads whole tiles of keys) and unused here.
-ATTNKIT_DOTS void dot_scores(const uint16_t* k, int64_t k2s, int64_t W, int64_t /*readable*/, int64_t D,
-                             const uint32_t* queries, int64_t rs, float* s, uint16_t* /*spare*/) {
+// `queries` from pack_queries. Only the W key rows are read (amx_scores reads whole tiles of keys).
+ATTNKIT_DOTS void dot_scores(const uint16_t* k, int64_t k2s, int64_t W, int64_t D, const uint32_t* queries,
+                             int64_t rs, float* s) {
   constexpr int kKeys = 8;
   const int64_t pairs = D / 2;
   for (int64_t qt = 0; qt < rs / kTile; qt += 2) {
@@ -143,10 +142,9 @@ ATTNKIT_DOTS void dot_values_tile(const uint16_t* vt, int64_t Dv, int64_t pairs,
 
 // amx_values' product: Ot[dv][r] (+)= sum_t V^T[dv][t] P[t][r] over the chunk's W keys, `vt` V^T's
 // block of the chunk's first key, `weights` (and `weights_low`) from pack_weights / pack_key_rows,
-// start[g] for each group of 32 rows. Keys past W are never read (`spare` is amx_values').
+// start[g] for each group of 32 rows. Keys past W are never read.
 ATTNKIT_DOTS void dot_values(const uint16_t* vt, int64_t W, int64_t Dv, const uint32_t* weights, int64_t rs,
-                             float* ot, const Start* start, const float* rescale, uint16_t* /*spare*/,
-                             const uint32_t* weights_low = nullptr) {
+                             float* ot, const Start* start, const float* rescale, const uint32_t* weights_low) {
   constexpr int kFeatures = 8;  // Dv is a multiple of 32
   const int64_t stride = round_up(W, kTileK) / 2, pairs = (W + 1) / 2;
   const bool odd = W % 2 != 0;
@@ -191,9 +189,9 @@ ATTNKIT_DOTS void dot_rows_tile(const uint16_t* a, const uint16_t* a_low, int64_
 
 // amx_rows_product's product: Out[t][c] += sum_r W[t][r] X[r][c] for t < W, c < C (C a multiple of
 // 32; out: float32 rows os apart), W as pack_key_rows' two parts, X from pack_rows. Rows past W are
-// never read or written (`spare` is amx_rows_product's).
+// never read or written.
 ATTNKIT_DOTS void dot_rows_product(const uint16_t* a, const uint16_t* a_low, int64_t rs, int64_t W, const uint32_t* b,
-                                   int64_t C, float* out, int64_t os, float* /*spare*/) {
+                                   int64_t C, float* out, int64_t os) {
   constexpr int kKeys = 4;
   const int64_t pairs = rs / 2;
   for (int64_t ft = 0; ft < C / kTile; ft += 2) {

@@ -48,6 +48,8 @@ TORCH_LIBRARY(attnkit_native, m) {
   m.def("matrix_units_available() -> bool", &attnkit_native::matrix_units_available);
   m.def("dot_products_available() -> bool", &attnkit_native::dot_products_available);
   m.def("use_half_products(int units) -> int", &attnkit_native::use_half_products);
+  m.def("backward_packs(Tensor query, Tensor key, Tensor value, Tensor grad_out) -> bool",
+        &attnkit_native::backward_packs);
 }
 
 TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {

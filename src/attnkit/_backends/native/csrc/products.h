@@ -40,13 +40,28 @@ HalfProducts half_products(at::ScalarType type, int64_t D, int64_t Dv, int64_t L
   return HalfProducts::kConvert;
 }
 
+// The units a backward's products run on: the forward's, where dO's rows move by pairs too.
+HalfProducts backward_half_products(at::ScalarType type, int64_t D, int64_t Dv, int64_t Lk, int64_t q_row_stride,
+                                    int64_t k_row_stride, int64_t v_row_stride, int64_t go_row_stride) {
+  if (go_row_stride % 2 != 0) return HalfProducts::kConvert;
+  return half_products(type, D, Dv, Lk, q_row_stride, k_row_stride, v_row_stride);
+}
+
+// attnkit_native::backward_packs: whether interval_backward over these [B, heads, L, C] tensors runs
+// its bfloat16 products on the packed layouts (ops.py picks the backward's tile table by it).
+bool backward_packs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                    const at::Tensor& grad_out) {
+  return backward_half_products(query.scalar_type(), query.size(-1), value.size(-1), key.size(-2), query.stride(-2),
+                                key.stride(-2), value.stride(-2), grad_out.stride(-2)) != HalfProducts::kConvert;
+}
+
 // S[t][r] = sum_d K[t][d] Q[r][d] (amx_scores, dot_scores).
 void scores_product(HalfProducts units, const uint16_t* k, int64_t k2s, int64_t W, int64_t readable, int64_t D,
                     const uint32_t* queries, int64_t rs, float* s, uint16_t* spare) {
   if (units == HalfProducts::kTiles) {
     amx_scores(k, k2s, W, readable, D, queries, rs, s, spare);
   } else {
-    dot_scores(k, k2s, W, readable, D, queries, rs, s, spare);
+    dot_scores(k, k2s, W, D, queries, rs, s);
   }
 }
 
@@ -57,7 +72,7 @@ void values_product(HalfProducts units, const uint16_t* vt, int64_t W, int64_t D
   if (units == HalfProducts::kTiles) {
     amx_values(vt, W, Dv, weights, rs, ot, start, rescale, spare, weights_low);
   } else {
-    dot_values(vt, W, Dv, weights, rs, ot, start, rescale, spare, weights_low);
+    dot_values(vt, W, Dv, weights, rs, ot, start, rescale, weights_low);
   }
 }
 
@@ -67,7 +82,7 @@ void rows_product(HalfProducts units, const uint16_t* a, const uint16_t* a_low, 
   if (units == HalfProducts::kTiles) {
     amx_rows_product(a, a_low, rs, W, b, C, out, os, spare);
   } else {
-    dot_rows_product(a, a_low, rs, W, b, C, out, os, spare);
+    dot_rows_product(a, a_low, rs, W, b, C, out, os);
   }
 }
 
