@@ -228,8 +228,8 @@ def test_peaked_rows_read_the_output_as_computed(dtype, units, mask):
     error of PyTorch's own call in bf16 (D != Dv: its math path, which sums P * dP). The forward
     keeps what the rounding took off (the op's residual), and the row term reads the output as
     computed: within twice PyTorch's error on the float32-convert path, and on the AMX tiles and the
-    dot products (whose forward rounds P for P V, as PyTorch's flash kernel does) where the key spans
-    are short."""
+    dot products, whose forward takes P in two bf16 parts for P V here (D != Dv: PyTorch's bar is its
+    float32 math path)."""
     _skip_unless_units_run(units, dtype)
     if units != "convert" and mask.row_ranges(300, 300)[0].shape[1] > 1:
         pytest.skip("rows of two ranges run in float32, one range at a time")

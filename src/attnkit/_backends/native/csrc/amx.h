@@ -14,10 +14,11 @@
 //           chunk's weights, rounded to bfloat16 and packed by pairs of keys.
 // The backward's dP = dO V^T is the scores' product (dO packed as the queries are), dQ^T the values'
 // (K^T kept like V^T), and dV += (f P)^T dO, dK += dS^T Q the products over rows below.
-// The forward's weights are rounded to bfloat16 for P V (as PyTorch's bf16 CPU kernel and
-// FlashAttention do); the backward's three products over P and dS take each as two bfloat16 parts
-// (split_halves: 2^-16 of the value instead of 2^-9), which keeps its gradients within twice
-// PyTorch's error where rounding once did not. The softmax, its sums, delta and the lse stay
+// The forward's weights are rounded to bfloat16 for P V where PyTorch's fused bf16 CPU kernel
+// rounds them so too (D == Dv, no score modifier, no dropout; forward.h), else taken as two
+// bfloat16 parts (split_halves: 2^-16 of the value instead of 2^-9); the backward's three products
+// over P and dS take each as two parts. Both keep the results within twice PyTorch's error where
+// rounding once did not. The softmax, its sums, delta and the lse stay
 // float32. A call takes this path when its dtype is bfloat16 and D % 32 == Dv % 32 == 0 (whole
 // tiles; others convert).
 //
@@ -248,8 +249,9 @@ ATTNKIT_AMX inline SplitHalves split_halves(__m512 first, __m512 second) {
 
 // The chunk's weights P[t][r] (key-major, t < W, rows as given in s) in B's layout for the values:
 // for query tile qt the 32-bit word [qt][pair][r] holds (P[2 pair][r], P[2 pair + 1][r]) rounded to
-// bfloat16 (nearest even), pairs up to round_up(W, 32) / 2, keys past W as 0.
-ATTNKIT_AMX void pack_weights(const float* s, int64_t rs, int64_t W, uint32_t* packed) {
+// bfloat16 (nearest even), pairs up to round_up(W, 32) / 2, keys past W as 0. With `low`, P in two
+// parts instead (split_halves): `packed` its upper 16 bits, `low` what they leave, in that layout.
+ATTNKIT_AMX void pack_weights(const float* s, int64_t rs, int64_t W, uint32_t* packed, uint32_t* low = nullptr) {
   const int64_t pairs = round_up(W, kTileK) / 2;
   for (int64_t qt = 0; qt < rs / kTile; ++qt) {
     uint32_t* tile = packed + qt * pairs * kTile;
@@ -257,6 +259,12 @@ ATTNKIT_AMX void pack_weights(const float* s, int64_t rs, int64_t W, uint32_t* p
       const int64_t t = 2 * p;
       const __m512 first = t < W ? _mm512_loadu_ps(s + t * rs + qt * kTile) : _mm512_setzero_ps();
       const __m512 second = t + 1 < W ? _mm512_loadu_ps(s + (t + 1) * rs + qt * kTile) : _mm512_setzero_ps();
+      if (low != nullptr) {  // first in lanes 0-15 of each part, as below
+        const SplitHalves parts = split_halves(first, second);
+        _mm512_storeu_si512(tile + p * kTile, pairs_of_halves(parts.high));
+        _mm512_storeu_si512(low + (tile - packed) + p * kTile, pairs_of_halves(parts.low));
+        continue;
+      }
       const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(second, first);  // first in 0-15
       _mm512_storeu_si512(tile + p * kTile, pairs_of_halves(both));
     }

@@ -155,6 +155,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
   Dropout kept = dropout;
   if (packed) kept.keep_scale = 1.0f;
   const float after_sum = packed && dropout.active ? dropout.keep_scale : 1.0f;
+  // P V takes P rounded to bfloat16 once where PyTorch's own fused CPU kernel (the accuracy rule's
+  // bar) rounds it so too: D == Dv, no score modifier, no dropout. Elsewhere PyTorch computes the
+  // call in float32 (SDPA's math path for D != Dv; eager float32 ops for what SDPA lacks), and P
+  // goes in two parts (split_halves), as in the backward: one part there put 1 call in ~400 over
+  // twice that bar's error, at 1.15-1.4x the forward's time (docs/performance.md, thirteenth session).
+  const bool split_weights = packed && (D != Dv || !c.plain() || dropout.active);
 
   const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
   if (packed) chunk = round_up(std::max(chunk, kAmxChunk), kTileK);
@@ -175,6 +181,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
     // from a cache line, as every buffer a tile reads (backward.h)
     LineVector<uint32_t> packed_queries(packed ? padded * D / 2 : 0);
     LineVector<uint32_t> packed_weights(packed ? padded * round_up(chunk, kTileK) / 2 : 0);
+    LineVector<uint32_t> weights_low(split_weights ? padded * round_up(chunk, kTileK) / 2 : 0);
     LineVector<uint16_t> spare_keys(packed ? kTile * D : 0), spare_values(packed ? Dv * kTileK : 0);
     std::optional<TransposedRows> transposed;
     if (packed) transposed.emplace(c.v, Lk);
@@ -261,10 +268,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
             start[g] = c0 == chunk_lo ? Start::kZero : ones ? Start::kKeep : Start::kRescale;
           }
           if (packed) {
-            pack_weights(s, rs, width, packed_weights.data());
+            uint32_t* low = split_weights ? weights_low.data() : nullptr;
+            pack_weights(s, rs, width, packed_weights.data(), low);
             const uint16_t* vt = transposed->from(b, h / c.group, c0, c0 + width);
             values_product(units, vt, width, Dv, packed_weights.data(), rs, ot.data(), start.data(),
-                           r.rescale.data(), spare_values.data());
+                           r.rescale.data(), spare_values.data(), low);
           } else {
             block_values(v_head + c0 * v2s, v2s, width, Dv, s, rs, ot.data(), start.data(), r.rescale.data());
           }
