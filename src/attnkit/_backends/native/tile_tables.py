@@ -21,10 +21,14 @@ from torch import Tensor
 TILES = ((4096, (32, 64)), (float("inf"), (64, 64)))
 
 #: The backward's tiles, the same way (its chunk holds two score buffers: weights and their
-#: gradients). Median of 3 at L = 16384: the window and the documents within 4% from 16 x 1024 to
-#: 128 x 128 (32 x 1024 best on the window, 0.29 s); causal + padding 128 x 128 to 256 x 128
-#: (3.6-3.7 s) against 4.1-4.3 s for 32-64 row blocks, whose dK, dV products add rank-32 updates.
-BACKWARD_TILES = ((4096, (32, 1024)), (float("inf"), (128, 128)))
+#: gradients). Median of 3 at L = 16384: the window within 4% from 16 x 1024 to 128 x 128 (32 x
+#: 1024 best, 0.29 s); causal + padding 128 x 128 to 256 x 128 (3.6-3.7 s) against 4.1-4.3 s for
+#: 32-64 row blocks, whose dK, dV products add rank-32 updates. Rows of 1024-4096 keys take 64-row
+#: blocks (each dK, dV update of rank 64, over a span not much wider): 8 documents (~2300 keys a
+#: row) 32 x 1024 / 64 x 256 / 64 x 512 ms 1,158 / 1,051 / 1,051 (median of 9 interleaved, two more
+#: runs 1,069-1,194 against 926-1,155), a causal window of 2048 1,021 / 917 / 897, of 1024 (992
+#: keys a row) level at 475-477, of 512 32 x 1024 5-10% faster (``native_kernel.py --backward``).
+BACKWARD_TILES = ((1024, (32, 1024)), (4096, (64, 512)), (float("inf"), (128, 128)))
 #: The backward's tiles where its bfloat16 products run on the packed layouts (AMX tiles or dot
 #: products, ``csrc/products.h``; the chunk is at least 1024 keys there). The products over rows
 #: (dV, dK) load and store their accumulators once per block: 64 rows give each load two tile
