@@ -247,9 +247,12 @@ ATTNKIT_AMX inline SplitHalves split_halves(__m512 first, __m512 second) {
           (__m512i)_mm512_cvtne2ps_pbh(cut_remainder(second), cut_remainder(first))};
 }
 
-// The chunk's weights P[t][r] (key-major, t < W, rows as given in s) in two parts (split_halves):
-// `high` their upper 16 bits, `low` what those leave, each in pack_weights' layout.
-ATTNKIT_AMX void pack_weight_parts(const float* s, int64_t rs, int64_t W, uint32_t* high, uint32_t* low) {
+// The chunk's weights P[t][r] (key-major, t < W, rows as given in s) in B's layout for the values:
+// for query tile qt the 32-bit word [qt][pair][r] holds (P[2 pair][r], P[2 pair + 1][r]) rounded to
+// bfloat16 (nearest even), pairs up to round_up(W, 32) / 2, keys past W as 0. With kParts, in two
+// parts instead (split_halves): `packed` their upper 16 bits, `low` what those leave, in that layout.
+template <bool kParts>
+ATTNKIT_AMX void pack_weights_as(const float* s, int64_t rs, int64_t W, uint32_t* packed, uint32_t* low) {
   const int64_t pairs = round_up(W, kTileK) / 2;
   for (int64_t qt = 0; qt < rs / kTile; ++qt) {
     const int64_t tile = qt * pairs * kTile;
@@ -257,29 +260,25 @@ ATTNKIT_AMX void pack_weight_parts(const float* s, int64_t rs, int64_t W, uint32
       const int64_t t = 2 * p;
       const __m512 first = t < W ? _mm512_loadu_ps(s + t * rs + qt * kTile) : _mm512_setzero_ps();
       const __m512 second = t + 1 < W ? _mm512_loadu_ps(s + (t + 1) * rs + qt * kTile) : _mm512_setzero_ps();
-      const SplitHalves parts = split_halves(first, second);  // first in lanes 0-15 of each part
-      _mm512_storeu_si512(high + tile + p * kTile, pairs_of_halves(parts.high));
-      _mm512_storeu_si512(low + tile + p * kTile, pairs_of_halves(parts.low));
+      if constexpr (kParts) {
+        const SplitHalves parts = split_halves(first, second);  // first in lanes 0-15 of each part
+        _mm512_storeu_si512(packed + tile + p * kTile, pairs_of_halves(parts.high));
+        _mm512_storeu_si512(low + tile + p * kTile, pairs_of_halves(parts.low));
+      } else {
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(second, first);  // first in 0-15
+        _mm512_storeu_si512(packed + tile + p * kTile, pairs_of_halves(both));
+      }
     }
   }
 }
 
-// The chunk's weights P[t][r] (key-major, t < W, rows as given in s) in B's layout for the values:
-// for query tile qt the 32-bit word [qt][pair][r] holds (P[2 pair][r], P[2 pair + 1][r]) rounded to
-// bfloat16 (nearest even), pairs up to round_up(W, 32) / 2, keys past W as 0. With `low`, in two
-// parts instead (pack_weight_parts: `packed` the high one).
+// pack_weights_as: in two parts where `low` is given, else rounded once (the choice made once per
+// chunk, not per pair).
 ATTNKIT_AMX void pack_weights(const float* s, int64_t rs, int64_t W, uint32_t* packed, uint32_t* low = nullptr) {
-  if (low != nullptr) return pack_weight_parts(s, rs, W, packed, low);
-  const int64_t pairs = round_up(W, kTileK) / 2;
-  for (int64_t qt = 0; qt < rs / kTile; ++qt) {
-    uint32_t* tile = packed + qt * pairs * kTile;
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t t = 2 * p;
-      const __m512 first = t < W ? _mm512_loadu_ps(s + t * rs + qt * kTile) : _mm512_setzero_ps();
-      const __m512 second = t + 1 < W ? _mm512_loadu_ps(s + (t + 1) * rs + qt * kTile) : _mm512_setzero_ps();
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(second, first);  // first in 0-15
-      _mm512_storeu_si512(tile + p * kTile, pairs_of_halves(both));
-    }
+  if (low != nullptr) {
+    pack_weights_as<true>(s, rs, W, packed, low);
+  } else {
+    pack_weights_as<false>(s, rs, W, packed, nullptr);
   }
 }
 

@@ -158,8 +158,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
   // P V takes P rounded to bfloat16 once where PyTorch's own fused CPU kernel (the accuracy rule's
   // bar) rounds it so too: D == Dv, no score modifier, no dropout. Elsewhere PyTorch computes the
   // call in float32 (SDPA's math path for D != Dv; eager float32 ops for what SDPA lacks), and P
-  // goes in two parts (split_halves), as in the backward: one part there put 1 call in ~400 over
-  // twice that bar's error, at 1.15-1.4x the forward's time (docs/performance.md, thirteenth session).
+  // goes in two parts (split_halves), as in the backward: one part there put 10 random calls in
+  // 3,000 over twice that bar's error; two cost those calls about 1.1x the forward's time
+  // (docs/performance.md, thirteenth session).
   const bool split_weights = packed && (D != Dv || !c.plain() || dropout.active);
 
   const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
