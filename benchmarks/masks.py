@@ -334,13 +334,14 @@ def main_table(args: argparse.Namespace) -> None:
         first = {c: measure_first_call(c, name, length, window) for c in ("ours", "sdpa", "flex")
                  if c != "flex" or "flex" in errors}
         pairs = attended_pairs(structured, length)
-        useful = 4 * HEAD_DIM * pairs * HEADS / times["ours"] / 1e9
+        useful_flops = 4 * HEAD_DIM * pairs * HEADS
+        useful = useful_flops / times["ours"] / 1e9
         peak = flops / times["matmul"] / 1e9
         rows.append(dict(name=name, share=pairs / length**2, times=times, samples=samples, first=first,
                          useful=useful, peak=peak, errors=errors, flex_error=flex_error,
-                         versus_causal=_versus_causal(samples, "ours", 4 * HEAD_DIM * pairs * HEADS, length)))
+                         versus_causal=_versus_causal(samples, "ours", useful_flops, length)))
     causal = [t for row in rows for t in row["samples"].get("sdpa-causal", [])]
-    _print_tables(rows, _causal_rate({"sdpa-causal": causal} if causal else {}, length), dtype_name)
+    _print_tables(rows, _causal_rate(causal, length), dtype_name)
 
 
 def _without_native(query, key, value, structured, dropout=0.0):
@@ -356,12 +357,15 @@ def _fmt_mib(result: dict) -> str:
     return result.get("error", "n/a") if "extra_bytes" not in result else f"{result['extra_bytes'] / MIB:,.0f}"
 
 
-def _causal_rate(samples: dict[str, list[float]], length: int) -> float | None:
-    """SDPA's causal forward in useful GFLOP/s (4 x attended pairs x D x H / its median time) from a
-    ``steady_times`` result holding ``sdpa-causal``; None where it did not run."""
-    if "sdpa-causal" not in samples:
-        return None
-    return 4 * HEAD_DIM * HEADS * (length * (length + 1) // 2) / statistics.median(samples["sdpa-causal"]) / 1e9
+def _causal_flops(length: int) -> int:
+    """SDPA's causal forward's useful flops: 4 x attended pairs x D x H."""
+    return 4 * HEAD_DIM * HEADS * (length * (length + 1) // 2)
+
+
+def _causal_rate(times: list[float], length: int) -> float | None:
+    """SDPA's causal forward in useful GFLOP/s from its times (``sdpa-causal`` samples, every
+    round's), by their median; None where it did not run."""
+    return _causal_flops(length) / statistics.median(times) / 1e9 if times else None
 
 
 def _versus_causal(samples: dict[str, list[float]], contender: str, useful_flops: float, length: int) -> str:
@@ -373,8 +377,7 @@ def _versus_causal(samples: dict[str, list[float]], contender: str, useful_flops
     63% where the same step alternating with the bar in one process read 82%.)"""
     if not samples.get(contender) or not samples.get("sdpa-causal"):
         return "n/a"
-    causal_flops = 4 * HEAD_DIM * HEADS * (length * (length + 1) // 2)
-    ratios = [(useful_flops / ours) / (causal_flops / causal)
+    ratios = [(useful_flops / ours) / (_causal_flops(length) / causal)
               for ours, causal in zip(samples[contender], samples["sdpa-causal"])]
     median = statistics.median(ratios)
     return f"{median:.0%}" if len(ratios) == 1 else f"{median:.0%} ({min(ratios):.0%}-{max(ratios):.0%})"
@@ -508,7 +511,7 @@ def training(args: argparse.Namespace) -> None:
     samples = steady_times(contenders, name, args)
     print(f"| {name}, dropout 0.1 | {_fmt_spread(samples.get('ours-dropout-train'))} "
           f"| {_fmt_spread(samples.get('ours-fused-dropout-train'))} | n/a | | | | | | |", flush=True)
-    causal_rate = _causal_rate({"sdpa-causal": causal_samples} if causal_samples else {}, length)
+    causal_rate = _causal_rate(causal_samples, length)
     if causal_rate is not None:
         print(f"\nSDPA's causal kernel (forward), same length and dtype ({dtype_name}): {causal_rate:.0f} useful GFLOP/s "
               "(median over every round; each row's ratio pairs the rounds).")
