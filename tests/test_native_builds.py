@@ -8,7 +8,8 @@ AVX2 build is compiled into a temporary cache and run in a child process (a proc
 one library registering the kernel's ops); the outputs, lse and all three gradients must be equal,
 NaN for NaN, on calls with dropout, soft-capping, ALiBi, planted NaN/inf and an overflowing scale, in
 float32 and in half precision (bf16 on the AMX tiles where the CPU has them: both builds call the
-same tile code, with their own softmax between the products)."""
+same tile code, with their own softmax between the products; the AVX-512 build's writes the packed
+weights itself, the AVX2 build's packs them after)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,10 @@ for case, (length, dim, p, block, chunk, cap, alibi, scale, dtype) in enumerate(
         (150, 24, 0.0, 33, 17, 50.0, False, 3e37, torch.float32), (130, 8, 0.0, 40, 9, 0.0, False, 0.5, torch.float32),
         # half precision: bf16 with D = 64 takes the AMX tiles where the CPU has them, the rest converts
         (300, 64, 0.1, 32, 64, 30.0, True, 0.3, torch.bfloat16), (1100, 64, 0.0, 32, 64, 0.0, False, 0.3, torch.bfloat16),
-        (257, 40, 0.2, 64, 37, 5.0, True, 0.3, torch.bfloat16), (200, 64, 0.1, 96, 50, 2.0, True, 0.7, torch.float16)]):
+        (257, 40, 0.2, 64, 37, 5.0, True, 0.3, torch.bfloat16), (200, 64, 0.1, 96, 50, 2.0, True, 0.7, torch.float16),
+        # the AVX-512 build's packed softmax in its other forms: plain scores with dropout (two parts),
+        # and plain ones at a negative scale (scores stored, not rescored)
+        (700, 64, 0.2, 48, 96, 0.0, False, 0.3, torch.bfloat16), (500, 64, 0.0, 32, 80, 0.0, False, -0.3, torch.bfloat16)]):
     g = torch.Generator().manual_seed(case)
     q, k, v = (torch.randn(2, 4, length, dim, generator=g).to(dtype) for _ in range(3))
     k[0, 1, 5, 3] = float("inf")

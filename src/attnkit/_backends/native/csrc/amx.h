@@ -247,10 +247,25 @@ ATTNKIT_AMX inline SplitHalves split_halves(__m512 first, __m512 second) {
           (__m512i)_mm512_cvtne2ps_pbh(cut_remainder(second), cut_remainder(first))};
 }
 
+// Two keys' weights for a query tile's 16 rows (`first` the even key's) as the 16 words of one
+// pair at `at`: rounded to bfloat16 (nearest even), or with kParts in two parts (split_halves),
+// `packed` their upper 16 bits and `low` what those leave.
+template <bool kParts>
+ATTNKIT_AMX inline void store_weight_pair(__m512 first, __m512 second, uint32_t* packed, uint32_t* low) {
+  if constexpr (kParts) {
+    const SplitHalves parts = split_halves(first, second);  // first in lanes 0-15 of each part
+    _mm512_storeu_si512(packed, pairs_of_halves(parts.high));
+    _mm512_storeu_si512(low, pairs_of_halves(parts.low));
+  } else {
+    _mm512_storeu_si512(packed, pairs_of_halves((__m512i)_mm512_cvtne2ps_pbh(second, first)));  // first in 0-15
+  }
+}
+
 // The chunk's weights P[t][r] (key-major, t < W, rows as given in s) in B's layout for the values:
 // for query tile qt the 32-bit word [qt][pair][r] holds (P[2 pair][r], P[2 pair + 1][r]) rounded to
 // bfloat16 (nearest even), pairs up to round_up(W, 32) / 2, keys past W as 0. With kParts, in two
-// parts instead (split_halves): `packed` their upper 16 bits, `low` what those leave, in that layout.
+// parts instead (store_weight_pair). The AVX2 build's step after its softmax; the AVX-512 build's
+// softmax writes this layout itself (packed_softmax.h).
 template <bool kParts>
 ATTNKIT_AMX void pack_weights_as(const float* s, int64_t rs, int64_t W, uint32_t* packed, uint32_t* low) {
   const int64_t pairs = round_up(W, kTileK) / 2;
@@ -260,14 +275,7 @@ ATTNKIT_AMX void pack_weights_as(const float* s, int64_t rs, int64_t W, uint32_t
       const int64_t t = 2 * p;
       const __m512 first = t < W ? _mm512_loadu_ps(s + t * rs + qt * kTile) : _mm512_setzero_ps();
       const __m512 second = t + 1 < W ? _mm512_loadu_ps(s + (t + 1) * rs + qt * kTile) : _mm512_setzero_ps();
-      if constexpr (kParts) {
-        const SplitHalves parts = split_halves(first, second);  // first in lanes 0-15 of each part
-        _mm512_storeu_si512(packed + tile + p * kTile, pairs_of_halves(parts.high));
-        _mm512_storeu_si512(low + tile + p * kTile, pairs_of_halves(parts.low));
-      } else {
-        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(second, first);  // first in 0-15
-        _mm512_storeu_si512(packed + tile + p * kTile, pairs_of_halves(both));
-      }
+      store_weight_pair<kParts>(first, second, packed + tile + p * kTile, kParts ? low + tile + p * kTile : nullptr);
     }
   }
 }

@@ -29,6 +29,7 @@
 #include "half.h"
 #include "kept_memory.h"
 #include "lanes.h"
+#include "packed_softmax.h"
 #include "params.h"
 #include "products.h"
 #include "score_mods.h"
@@ -147,7 +148,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
   const Rows o(out), o_low = low.numel() > 0 ? Rows(low) : Rows();
   float* l = lse.data_ptr<float>();
   using L = RowLanes;
-  const SoftmaxRows<L> softmax = pick_softmax_rows<L>(c.plain(), dropout.active);  // one per call
+  const bool rescore = rescored(c.plain(), static_cast<float>(scale));
+  const SoftmaxRows<L> softmax = pick_softmax_rows<L>(rescore, dropout.active);  // one per call
   // On the packed layouts P is rounded to bfloat16 for P V, so the weights carry the dropout's keep mask
   // (factors 0 or 1) and 1 / (1 - p) multiplies each row once at the end, in float32: a row of one
   // kept key then reads that key's value times the exact factor, where bf16(1 / (1 - p)) was off
@@ -162,6 +164,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
   // 3,000 over twice that bar's error; two cost those calls about 1.1x the forward's time
   // (docs/performance.md, thirteenth session).
   const bool split_weights = packed && (D != Dv || !c.plain() || dropout.active);
+  // on 16 lanes the packed layouts' weights come straight from the softmax (packed_softmax.h)
+  const PackedSoftmaxRows packed_softmax =
+      packed ? pick_packed_softmax_rows(rescore, dropout.active, split_weights) : nullptr;
 
   const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
   if (packed) chunk = round_up(std::max(chunk, kAmxChunk), kTileK);
@@ -262,15 +267,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
           } else {
             block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s);
           }
-          for (int64_t j = 0; j < rs; j += L::kWidth) softmax(s + j, rs, width, c0, r, j, mods, first + j, kept);
+          uint32_t* low = split_weights ? weights_low.data() : nullptr;
+          for (int64_t j = 0; j < rs; j += L::kWidth) {
+            if (packed_softmax) {
+              packed_softmax(s + j, rs, width, c0, r, j, mods, first + j, kept, packed_weights.data(), low);
+            } else {
+              softmax(s + j, rs, width, c0, r, j, mods, first + j, kept);
+            }
+          }
           for (int64_t g = 0; g < rs / kGroup; ++g) {
             const float* rescale = r.rescale.data() + g * kGroup;
             const bool ones = std::all_of(rescale, rescale + kGroup, [](float x) { return x == 1.0f; });
             start[g] = c0 == chunk_lo ? Start::kZero : ones ? Start::kKeep : Start::kRescale;
           }
           if (packed) {
-            uint32_t* low = split_weights ? weights_low.data() : nullptr;
-            pack_weights(s, rs, width, packed_weights.data(), low);
+            if (!packed_softmax) pack_weights(s, rs, width, packed_weights.data(), low);
             const uint16_t* vt = transposed->from(b, h / c.group, c0, c0 + width);
             values_product(units, vt, width, Dv, packed_weights.data(), rs, ot.data(), start.data(),
                            r.rescale.data(), spare_values.data(), low);

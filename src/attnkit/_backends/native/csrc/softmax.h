@@ -64,77 +64,137 @@ inline void split_keys(int64_t W, int64_t key0, typename L::I lo, typename L::I 
 }
 
 // The running softmax of the rows j .. j + L::kWidth - 1 of a block (row indices row ..) over a
-// chunk of W keys from key0, in place in S[t][.] (s: the rows' first lane, row stride rs): the
-// products q . k become scores by `mods` (the scale after the product, as the definition orders
-// them: scaling q first would overflow where the score does not; plain scores with `Plain`),
-// scores outside each row's [lo, hi) become -inf, then the weights exp(s - max) (times the dropout
-// factors with `Dropped`; the sum is taken before). Folds the chunk into the rows' running max and
-// sum, and leaves in `rescale` the factor for their accumulators. Lanes whose max is still -inf
-// shift by 0 (all weights 0, no exp(-inf + inf)); a NaN or +inf score makes the sum NaN, which
-// becomes a NaN row.
-template <class L, bool Plain, bool Dropped>
-void softmax_rows(float* s, int64_t rs, int64_t W, int64_t key0, BlockRows& r, int64_t j, const ScoreMods& mods,
-                  int64_t row, const Dropout& dropout) {
+// chunk of W keys from key0, S[t][.] holding the products q . k (s: the rows' first lane, row
+// stride rs), in two passes: the constructor's finds the chunk's max, weight(t) then gives
+// exp(score - max) key by key, and the caller puts the weights where its product over the values
+// reads them (softmax_rows: in place, float32; packed_softmax.h: bfloat16 pairs) and hands their
+// sum to finish(). The products become scores by `mods` (the scale after the product, as the
+// definition orders them: scaling q first would overflow where the score does not), scores
+// outside each row's [lo, hi) count as -inf. Lanes whose max is still -inf shift by 0 (all weights
+// 0, no exp(-inf + inf)); a NaN or +inf score makes the sum NaN, which becomes a NaN row.
+//
+// `Rescore`: plain scores at a positive scale. Then the first pass stores nothing: it takes the max
+// of the products and scales it, which is the max of the scores to the bit (rounding is monotone,
+// so fl(scale x) is too), and weight(t) multiplies the product by the scale again. Otherwise the
+// first pass writes the scores (masked ones as -inf) over the products: tanh and ALiBi once per
+// pair, not twice.
+template <class L, bool Rescore, bool Dropped>
+struct RunningSoftmax {
   using F = typename L::F;
   using I = typename L::I;
-  const I lo = L::load_int(&r.lo[j]), hi = L::load_int(&r.hi[j]), rows = L::iota(row);
-  const F neg_inf = splat<F>(kNegInf), scale = splat<F>(mods.scale);
-  const auto score = [&](int64_t t) {
-    const F product = L::load(s + t * rs);
-    return Plain ? mul(product, scale) : apply_lanes(mods, product, rows, L::int_splat(key0 + t));
-  };
-  const F row_max = L::load(&r.max[j]);
-  F chunk_max = row_max;
-  const auto masked = [&](int64_t t, typename L::Mask in) {
-    const F x = L::select(in, score(t), neg_inf);
-    L::store(s + t * rs, x);
-    chunk_max = L::max(chunk_max, x);
-  };
-  const auto plain = [&](int64_t from, int64_t to) {
-    // Four running maxima, not one: a chain of dependent max instructions waits their latency on
-    // every key (max is exact, so any order gives the same bits where there is no NaN; a NaN
-    // score makes its row NaN in any order). Not for modified scores in 8 lanes: four keys' tanh
-    // and ALiBi at once spill AVX2's 16 registers.
-    constexpr bool kFourChains = Plain || L::kWidth == 16;
-    F max1 = neg_inf, max2 = neg_inf, max3 = neg_inf;
-    int64_t t = from;
-    for (; kFourChains && t + 4 <= to; t += 4) {
-      const F x0 = score(t), x1 = score(t + 1), x2 = score(t + 2), x3 = score(t + 3);
-      L::store(s + t * rs, x0), L::store(s + (t + 1) * rs, x1);
-      L::store(s + (t + 2) * rs, x2), L::store(s + (t + 3) * rs, x3);
-      chunk_max = L::max(chunk_max, x0), max1 = L::max(max1, x1);
-      max2 = L::max(max2, x2), max3 = L::max(max3, x3);
-    }
-    for (; t < to; ++t) {
-      const F x = score(t);
-      L::store(s + t * rs, x);
-      chunk_max = L::max(chunk_max, x);
-    }
-    chunk_max = L::max(L::max(chunk_max, max1), L::max(max2, max3));
-  };
-  split_keys<L>(W, key0, lo, hi, r.all_lo[j / L::kWidth], r.all_hi[j / L::kWidth], masked, plain);
-  const F shift = L::zero_where_neg_inf(chunk_max, chunk_max);
-  const F rescale = L::zero_where_neg_inf(row_max, exp_nonpositive(sub(row_max, shift)));
-  const I drop_a = L::load_int(&r.drop_a[j]), drop_c = L::load_int(&r.drop_c[j]);
-  F sum = L::zero();
-  for (int64_t t = 0; t < W; ++t) {
-    const F e = exp_nonpositive(sub(L::load(s + t * rs), shift));
-    sum = add(sum, e);
-    L::store(s + t * rs, Dropped ? mul(e, dropout_factor_rows(dropout, drop_a, drop_c, key0 + t)) : e);
+  const float* s;
+  int64_t rs, key0;
+  BlockRows& r;
+  int64_t j;
+  const Dropout& dropout;
+  I lo, hi, drop_a, drop_c;
+  F scale, chunk_max, shift, rescale;
+
+  RunningSoftmax(float* s_, int64_t rs_, int64_t W, int64_t key0_, BlockRows& r_, int64_t j_, const ScoreMods& mods,
+                 int64_t row, const Dropout& dropout_)
+      : s(s_), rs(rs_), key0(key0_), r(r_), j(j_), dropout(dropout_), lo(L::load_int(&r.lo[j])),
+        hi(L::load_int(&r.hi[j])), drop_a(L::load_int(&r.drop_a[j])), drop_c(L::load_int(&r.drop_c[j])),
+        scale(splat<F>(mods.scale)) {
+    const I rows = L::iota(row);
+    const F neg_inf = splat<F>(kNegInf);
+    const auto score = [&](int64_t t) {
+      const F product = L::load(s + t * rs);
+      return Rescore ? product : apply_lanes(mods, product, rows, L::int_splat(key0 + t));
+    };
+    F top = neg_inf;  // of the scores, or of the products with Rescore
+    const auto masked = [&](int64_t t, typename L::Mask in) {
+      const F x = L::select(in, score(t), neg_inf);
+      if (!Rescore) L::store(s_ + t * rs, x);
+      top = L::max(top, x);
+    };
+    const auto plain = [&](int64_t from, int64_t to) {
+      // Four running maxima, not one: a chain of dependent max instructions waits their latency on
+      // every key (max is exact, so any order gives the same bits where there is no NaN; a NaN
+      // score makes its row NaN in any order). Not for modified scores in 8 lanes: four keys' tanh
+      // and ALiBi at once spill AVX2's 16 registers.
+      constexpr bool kFourChains = Rescore || L::kWidth == 16;
+      F max1 = neg_inf, max2 = neg_inf, max3 = neg_inf;
+      int64_t t = from;
+      for (; kFourChains && t + 4 <= to; t += 4) {
+        const F x0 = score(t), x1 = score(t + 1), x2 = score(t + 2), x3 = score(t + 3);
+        if (!Rescore) {
+          L::store(s_ + t * rs, x0), L::store(s_ + (t + 1) * rs, x1);
+          L::store(s_ + (t + 2) * rs, x2), L::store(s_ + (t + 3) * rs, x3);
+        }
+        top = L::max(top, x0), max1 = L::max(max1, x1);
+        max2 = L::max(max2, x2), max3 = L::max(max3, x3);
+      }
+      for (; t < to; ++t) {
+        const F x = score(t);
+        if (!Rescore) L::store(s_ + t * rs, x);
+        top = L::max(top, x);
+      }
+      top = L::max(L::max(top, max1), L::max(max2, max3));
+    };
+    split_keys<L>(W, key0, lo, hi, r.all_lo[j / L::kWidth], r.all_hi[j / L::kWidth], masked, plain);
+    const F row_max = L::load(&r.max[j]);
+    chunk_max = L::max(row_max, Rescore ? mul(top, scale) : top);
+    shift = L::zero_where_neg_inf(chunk_max, chunk_max);
+    rescale = L::zero_where_neg_inf(row_max, exp_nonpositive(sub(row_max, shift)));
   }
-  L::store(&r.sum[j], fmadd(L::load(&r.sum[j]), rescale, sum));
-  L::store(&r.max[j], chunk_max);
-  L::store(&r.rescale[j], rescale);
+
+  // exp(score - shift) at key t, one every row attends (or any key without Rescore: a masked one's
+  // stored score is -inf, its weight 0)
+  F weight(int64_t t) const {
+    const F x = L::load(s + t * rs);
+    return exp_nonpositive(sub(Rescore ? mul(x, scale) : x, shift));
+  }
+  // at a key the rows `in` attend: the others' weights 0
+  F masked_weight(int64_t t, typename L::Mask in) const {
+    return Rescore ? L::zero_outside(in, weight(t)) : weight(t);
+  }
+  // the weight P V takes: e times the pair's dropout factor with `Dropped` (the sum takes e)
+  F kept(int64_t t, F e) const { return Dropped ? mul(e, dropout_factor_rows(dropout, drop_a, drop_c, key0 + t)) : e; }
+  // folds the chunk's sum of weights into the rows' running sum and max; `rescale` is left for
+  // their accumulators
+  void finish(F sum) const {
+    L::store(&r.sum[j], fmadd(L::load(&r.sum[j]), rescale, sum));
+    L::store(&r.max[j], chunk_max);
+    L::store(&r.rescale[j], rescale);
+  }
+};
+
+// The forward's running softmax over a chunk (RunningSoftmax), its weights in place of the
+// products in S (float32, times the dropout factors with `Dropped`), key by key in order.
+template <class L, bool Rescore, bool Dropped>
+void softmax_rows(float* s, int64_t rs, int64_t W, int64_t key0, BlockRows& r, int64_t j, const ScoreMods& mods,
+                  int64_t row, const Dropout& dropout) {
+  const RunningSoftmax<L, Rescore, Dropped> chunk(s, rs, W, key0, r, j, mods, row, dropout);
+  typename L::F sum = L::zero();
+  const auto put = [&](int64_t t, typename L::F e) {
+    sum = add(sum, e);
+    L::store(s + t * rs, chunk.kept(t, e));
+  };
+  if constexpr (Rescore) {
+    split_keys<L>(
+        W, key0, chunk.lo, chunk.hi, r.all_lo[j / L::kWidth], r.all_hi[j / L::kWidth],
+        [&](int64_t t, typename L::Mask in) { put(t, chunk.masked_weight(t, in)); },
+        [&](int64_t from, int64_t to) {
+          for (int64_t t = from; t < to; ++t) put(t, chunk.weight(t));
+        });
+  } else {
+    for (int64_t t = 0; t < W; ++t) put(t, chunk.weight(t));
+  }
+  chunk.finish(sum);
 }
 
-// One call's softmax_rows: plain scores or modified, with dropout or not.
+// Whether a call's scores take RunningSoftmax's `Rescore` form: plain (no soft-capping, no ALiBi)
+// at a positive scale. Others go through apply_lanes, whose scale alone is the same product.
+inline bool rescored(bool plain, float scale) { return plain && scale > 0.0f; }
+
+// One call's softmax_rows: rescored scores or modified, with dropout or not.
 template <class L>
 using SoftmaxRows = void (*)(float*, int64_t, int64_t, int64_t, BlockRows&, int64_t, const ScoreMods&, int64_t,
                              const Dropout&);
 template <class L>
-SoftmaxRows<L> pick_softmax_rows(bool plain, bool dropped) {
-  return plain ? (dropped ? softmax_rows<L, true, true> : softmax_rows<L, true, false>)
-               : (dropped ? softmax_rows<L, false, true> : softmax_rows<L, false, false>);
+SoftmaxRows<L> pick_softmax_rows(bool rescore, bool dropped) {
+  return rescore ? (dropped ? softmax_rows<L, true, true> : softmax_rows<L, true, false>)
+                 : (dropped ? softmax_rows<L, false, true> : softmax_rows<L, false, false>);
 }
 
 // The backward's weights P = exp(score - lse) for the rows j .. of a block over a chunk of W keys,
