@@ -30,6 +30,7 @@ for case, (length, dim, p, block, chunk, cap, alibi, scale, dtype) in enumerate(
         (300, 64, 0.1, 32, 64, 30.0, False, 0.3, torch.float32), (257, 40, 0.5, 64, 37, 0.0, True, 0.3, torch.float32),
         (200, 16, 0.0, 96, 50, 5.0, True, 0.7, torch.float32), (180, 80, 0.2, 32, 1000, 2.0, True, 1.5, torch.float32),
         (150, 24, 0.0, 33, 17, 50.0, False, 3e37, torch.float32), (130, 8, 0.0, 40, 9, 0.0, False, 0.5, torch.float32),
+        (260, 32, 0.3, 32, 45, 0.0, False, 0.4, torch.float32), (140, 16, 0.0, 32, 30, 0.0, False, -0.6, torch.float32),
         # half precision: bf16 with D = 64 takes the AMX tiles where the CPU has them, the rest converts
         (300, 64, 0.1, 32, 64, 30.0, True, 0.3, torch.bfloat16), (1100, 64, 0.0, 32, 64, 0.0, False, 0.3, torch.bfloat16),
         (257, 40, 0.2, 64, 37, 5.0, True, 0.3, torch.bfloat16), (200, 64, 0.1, 96, 50, 2.0, True, 0.7, torch.float16),
