@@ -82,7 +82,7 @@ template <class L, bool Rescore, bool Dropped>
 struct RunningSoftmax {
   using F = typename L::F;
   using I = typename L::I;
-  const float* s;
+  float* s;  // the first pass writes scores here unless Rescore; weight() reads it
   int64_t rs, key0;
   BlockRows& r;
   int64_t j;
@@ -104,7 +104,7 @@ struct RunningSoftmax {
     F top = neg_inf;  // of the scores, or of the products with Rescore
     const auto masked = [&](int64_t t, typename L::Mask in) {
       const F x = L::select(in, score(t), neg_inf);
-      if (!Rescore) L::store(s_ + t * rs, x);
+      if (!Rescore) L::store(s + t * rs, x);
       top = L::max(top, x);
     };
     const auto plain = [&](int64_t from, int64_t to) {
@@ -118,15 +118,15 @@ struct RunningSoftmax {
       for (; kFourChains && t + 4 <= to; t += 4) {
         const F x0 = score(t), x1 = score(t + 1), x2 = score(t + 2), x3 = score(t + 3);
         if (!Rescore) {
-          L::store(s_ + t * rs, x0), L::store(s_ + (t + 1) * rs, x1);
-          L::store(s_ + (t + 2) * rs, x2), L::store(s_ + (t + 3) * rs, x3);
+          L::store(s + t * rs, x0), L::store(s + (t + 1) * rs, x1);
+          L::store(s + (t + 2) * rs, x2), L::store(s + (t + 3) * rs, x3);
         }
         top = L::max(top, x0), max1 = L::max(max1, x1);
         max2 = L::max(max2, x2), max3 = L::max(max3, x3);
       }
       for (; t < to; ++t) {
         const F x = score(t);
-        if (!Rescore) L::store(s_ + t * rs, x);
+        if (!Rescore) L::store(s + t * rs, x);
         top = L::max(top, x);
       }
       top = L::max(L::max(top, max1), L::max(max2, max3));
