@@ -252,8 +252,15 @@ def steady_times(contenders: list[str], mask_name: str, args: argparse.Namespace
     order; a contender that fails is left out and its error printed. ``--in-process``: one process,
     interleaved (benchmarks/common.median_times), one sample each."""
     if args.in_process:
-        steps = {c: contender_step(c, mask_name, args.length, args.window) for c in contenders}
-        return {c: [t] for c, t in median_times(steps, repeats=args.repeats).items()}
+        steps = {c: contender_step(c, mask_name, args.length, args.window) for c in contenders if c != FMA_PEAK}
+        samples = {c: [t] for c, t in median_times(steps, repeats=args.repeats).items()}
+        if FMA_PEAK in contenders:  # once, after the steps (one sample each, as theirs)
+            gflops, how = fma_peak(torch.get_num_threads())
+            if gflops is None:
+                print(f"    {FMA_PEAK} ({mask_name}) failed: {how}")
+            else:
+                samples[FMA_PEAK] = [1.0 / gflops]
+        return samples
     samples: dict[str, list[float]] = {c: [] for c in contenders}
     failed: set[str] = set()
     for round_ in range(args.rounds):
