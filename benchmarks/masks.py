@@ -247,6 +247,21 @@ def _child_env() -> dict[str, str]:
     return dict(os.environ, BENCH_THREADS=str(torch.get_num_threads()), BENCH_DTYPE=str(bench_dtype()).split(".")[-1])
 
 
+#: The FMA peak as a contender of steady_times: its samples are seconds per GFLOP (1 / the round's
+#: peak), so that a round's sample reads like a time.
+FMA_PEAK = "fma-peak"
+
+
+def _peak_sample(mask_name: str) -> float | None:
+    """One FMA_PEAK sample (common.fma_peak runs fma_peak.c in a process of its own), or None with
+    the reason printed where it cannot be measured."""
+    gflops, how = fma_peak(torch.get_num_threads())
+    if gflops is None:
+        print(f"    {FMA_PEAK} ({mask_name}) failed: {how}")
+        return None
+    return 1.0 / gflops
+
+
 def steady_times(contenders: list[str], mask_name: str, args: argparse.Namespace) -> dict[str, list[float]]:
     """Per contender, the median time of each round (a fresh process each), rounds alternating the
     order; a contender that fails is left out and its error printed. ``--in-process``: one process,
@@ -254,12 +269,8 @@ def steady_times(contenders: list[str], mask_name: str, args: argparse.Namespace
     if args.in_process:
         steps = {c: contender_step(c, mask_name, args.length, args.window) for c in contenders if c != FMA_PEAK}
         samples = {c: [t] for c, t in median_times(steps, repeats=args.repeats).items()}
-        if FMA_PEAK in contenders:  # once, after the steps (one sample each, as theirs)
-            gflops, how = fma_peak(torch.get_num_threads())
-            if gflops is None:
-                print(f"    {FMA_PEAK} ({mask_name}) failed: {how}")
-            else:
-                samples[FMA_PEAK] = [1.0 / gflops]
+        if FMA_PEAK in contenders and (peak := _peak_sample(mask_name)) is not None:
+            samples[FMA_PEAK] = [peak]  # once, after the steps (one sample each, as theirs)
         return samples
     samples: dict[str, list[float]] = {c: [] for c in contenders}
     failed: set[str] = set()
@@ -267,13 +278,12 @@ def steady_times(contenders: list[str], mask_name: str, args: argparse.Namespace
         for contender in (contenders if round_ % 2 == 0 else contenders[::-1]):
             if contender in failed:
                 continue
-            if contender == FMA_PEAK:  # a process of its own too (common.fma_peak runs fma_peak.c)
-                gflops, how = fma_peak(torch.get_num_threads())
-                if gflops is None:
+            if contender == FMA_PEAK:
+                peak = _peak_sample(mask_name)
+                if peak is None:
                     failed.add(contender)
-                    print(f"    {contender} ({mask_name}) failed: {how}")
                 else:
-                    samples[contender].append(1.0 / gflops)
+                    samples[contender].append(peak)
                 continue
             result = subprocess.run(
                 [sys.executable, __file__, "--steady", contender, mask_name, str(args.length), str(args.window),
@@ -284,11 +294,6 @@ def steady_times(contenders: list[str], mask_name: str, args: argparse.Namespace
                 continue
             samples[contender].append(statistics.median(json.loads(result.stdout.strip().splitlines()[-1])["times"]))
     return {c: ts for c, ts in samples.items() if ts}
-
-
-#: The FMA peak as a contender of steady_times: its samples are seconds per GFLOP (1 / the round's
-#: peak), so that a round's sample reads like a time.
-FMA_PEAK = "fma-peak"
 
 
 def median_of(samples: dict[str, list[float]]) -> dict[str, float]:
@@ -398,8 +403,12 @@ def _versus_causal(samples: dict[str, list[float]], contender: str, useful_flops
     63% where the same step alternating with the bar in one process read 82%.)"""
     if not samples.get(contender) or not samples.get("sdpa-causal"):
         return "n/a"
-    ratios = [(useful_flops / ours) / (_causal_flops(length) / causal)
-              for ours, causal in zip(samples[contender], samples["sdpa-causal"])]
+    return _fmt_ratios([(useful_flops / ours) / (_causal_flops(length) / causal)
+                        for ours, causal in zip(samples[contender], samples["sdpa-causal"])])
+
+
+def _fmt_ratios(ratios: list[float]) -> str:
+    """Rounds' ratios as ``median (min-max)`` in percent, or the one ratio alone."""
     median = statistics.median(ratios)
     return f"{median:.0%}" if len(ratios) == 1 else f"{median:.0%} ({min(ratios):.0%}-{max(ratios):.0%})"
 
@@ -411,17 +420,14 @@ def _versus_round_peak(samples: dict[str, list[float]], contender: str, useful_f
     from 313 to 352 GFLOP/s between hours and a step's time by half, so a peak read once for the
     whole run sets one round's step against another hour's cores. A round whose matmul beat its
     peak has no peak (``common.reliable_peak``'s rule) and is left out; n/a where none is left."""
-    if not samples.get(contender) or not samples.get(FMA_PEAK):
+    if not samples.get(contender) or not samples.get(FMA_PEAK) or not samples.get("matmul"):
         return "n/a"
     ratios = []
-    for step, per_gflop, matmul in zip(samples[contender], samples[FMA_PEAK], samples.get("matmul", [])):
+    for step, per_gflop, matmul in zip(samples[contender], samples[FMA_PEAK], samples["matmul"]):
         peak = 1.0 / per_gflop
         if matmul_flops / matmul / 1e9 <= peak:
             ratios.append(useful_flops / step / 1e9 / peak)
-    if not ratios:
-        return "n/a (a matmul beat every round's peak)"
-    median = statistics.median(ratios)
-    return f"{median:.0%}" if len(ratios) == 1 else f"{median:.0%} ({min(ratios):.0%}-{max(ratios):.0%})"
+    return _fmt_ratios(ratios) if ratios else "n/a (a matmul beat every round's peak)"
 
 
 def _print_tables(rows: list[dict], causal_rate: float | None, dtype_name: str) -> None:
