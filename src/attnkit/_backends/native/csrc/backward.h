@@ -155,13 +155,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
   // [B, Hkv, parts, Lk, C]: each part's float32 copy laid out like key (value), summed over parts
   // at the end; half precision in one part writes its gradients directly (KeyGradRows)
   const bool copies = c.dtype == at::kFloat || parts > 1;
-  // Several parts: each zeroes only the key rows its blocks reach (part_spans) and the sum skips
-  // the rest (zeroing and summing whole copies cost a fifth of a float32 window backward in 4
-  // parts, L = 8192, and a third of a bf16 one, which also rounded in a pass of its own)
+  // Each task zeroes the key rows its blocks reach as it reaches them (KeyGradRows), and a sum over
+  // several parts skips the rows a part never reached (part_spans): zeroing and summing whole
+  // copies cost a fifth of a float32 window backward in 4 parts, L = 8192, and a third of a bf16
+  // one, which also rounded in a pass of its own
   const auto key_grads = [&](const at::Tensor& like, int64_t C) {
     if (!copies) return like_layout(like, B, Hkv, Lk, C, c.dtype);
-    at::Tensor sums = like_layout(like, B, Hkv, parts * Lk, C).view({B, Hkv, parts, Lk, C});
-    return parts > 1 ? sums : sums.zero_();
+    return like_layout(like, B, Hkv, parts * Lk, C).view({B, Hkv, parts, Lk, C});
   };
   at::Tensor dk = key_grads(key, D), dv = key_grads(value, Dv);
   const int64_t blocks = (Lq + block - 1) / block;
@@ -222,23 +222,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       FloatRows queries(c.q), keys(c.k), values(c.v), grads_given(go), outputs(o),
           lows(has_low ? Rows(*out_low) : Rows());  // as float32 (half.h)
       OutputRows dq_out(dq_rows);
-      KeyGradRows dk_sums(dk_rows, Lk), dv_sums(dv_rows, Lk);
+      KeyGradRows dk_sums(dk_rows, Lk, parts), dv_sums(dv_rows, Lk, parts);
+      const auto reach = [&](int64_t from, int64_t to) { dk_sums.reach(from, to), dv_sums.reach(from, to); };
       for (int64_t claimed; (claimed = next_task.fetch_add(1)) < tasks;) {
         const int64_t task = order[claimed];
         const int64_t b = task / (Hkv * parts), kv = (task / parts) % Hkv, part = task % parts;
         const auto [dk_head, dk2s] = dk_sums.start(b, kv, part);
         const auto [dv_head, dv2s] = dv_sums.start(b, kv, part);
         const int64_t block_end = std::min(blocks, (part + 1) * blocks_per_part);
-        if (parts > 1) {  // the keys any row of the part's blocks attends, zeroed
-          const int64_t first_row = std::min(Lq, part * blocks_per_part * block);
-          const int64_t end_row = std::min(Lq, block_end * block);
-          const auto span = part_spans[task] =
-              key_span(c.lo_of(b, first_row), c.hi_of(b, first_row), end_row - first_row, Lk);
-          for (int64_t i = span.first; i < span.second; ++i) {
-            std::fill(dk_head + i * dk2s, dk_head + i * dk2s + D, 0.0f);
-            std::fill(dv_head + i * dv2s, dv_head + i * dv2s + Dv, 0.0f);
-          }
-        }
         for (int64_t h = kv * c.group; h < (kv + 1) * c.group; ++h) {
           const ScoreMods mods = c.mods(b, h);
           for (int64_t index = part * blocks_per_part; index < block_end; ++index) {
@@ -266,6 +257,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 const float delta = row_delta(go_row, o_rows + (first + j) * o_stride,
                                               low_rows ? low_rows + (first + j) * low_stride : nullptr, Dv,
                                               gl ? gl + (b * H + h) * Lq + first + j : nullptr);
+                reach(a, z);
                 const auto [k_rows, k_stride] = keys.head(b, kv, a, z);
                 const auto [v_rows, v_stride] = values.head(b, kv, a, z);
                 zero_weight_gradients(q_rows + (first + j) * q_stride, go_row, delta, k_rows, k_stride, v_rows,
@@ -361,6 +353,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 score_grads(p + j, ds + j, rs, width, c0, r, j, static_cast<float>(scale), cap ? cap + j : nullptr, bad,
                             dropout);
               }
+              reach(c0, c0 + width);
               if (L::any_bits(bad)) {
                 float_rows();
                 weights_rows.resize(rows * width), grads_rows.resize(rows * width);
@@ -396,10 +389,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
             dq_out.store();
           }
         }
+        if (parts > 1) part_spans[task] = dk_sums.reached();  // dv_sums reached the same rows
         dk_sums.finish(), dv_sums.finish();
       }
     });
-  } else if (!copies) {
+  } else {  // no task ran: no key row was reached
     dk.zero_(), dv.zero_();
   }
   const auto summed = [&](const at::Tensor& sums, const at::Tensor& like) {
