@@ -561,6 +561,10 @@ def test_non_finite_values_follow_the_ieee_definition(c):
     """Output, lse and the three gradients against the pairwise float64 definition: the same NaN,
     +inf and -inf positions, finite values within the tolerances of the tests above (gradients:
     also within 64 eps of what float32 rounding acts on, see _gradient_bounds)."""
+    _assert_follows_ieee(c)
+
+
+def _assert_follows_ieee(c):
     q, k, v, lo, hi, scale, p = c["query"], c["key"], c["value"], c["lo"], c["hi"], c["scale"], c["dropout"]
     out, lse = native.interval_forward(q, k, v, lo, hi, scale, block=c["block"], chunk=c["chunk"], dropout=p,
                                        seed=c["seed"])
@@ -598,6 +602,43 @@ def test_non_finite_values_follow_the_ieee_definition(c):
         tolerance = 5e-5 * size / (1 - p) + 64 * _EPS32 * bound
         _assert_ieee_close(grad.double().masked_fill(skip, 0.0), want.masked_fill(skip, 0.0), tolerance, 0.0,
                            f"d{name}", kinds)
+
+
+@needs_native
+@pytest.mark.parametrize("special", _SPECIALS)
+@pytest.mark.parametrize("target", ["key", "value", "query", "grad_out"])
+@pytest.mark.parametrize("mask", ["documents", "window"])
+def test_non_finite_values_where_halves_of_a_block_skip_keys(mask, special, target):
+    """Each half of a 32-row block (16 rows) skips the keys outside its rows' reach in every
+    product (tiles.h), its scores written as 0, so no check sees a non-finite value there and no
+    product may multiply one. Documents [0, 48) and [48, 96): block 1's first half (rows 32-47)
+    attends exactly keys [0, 48), its second half [48, 96), so a NaN or inf query, dO, key or value
+    row meets masked pairs only where they are skipped. A window of 41 keys: rows 32-47 reach keys
+    [0, 48), rows 48-63 keys [8, 64). Forward and backward follow the IEEE definition: what a row
+    attends propagates, what it does not changes nothing."""
+    g = torch.Generator().manual_seed(3)
+    length = 96
+    q, k, v, grad_out = (torch.randn(1, 2, length, 16, generator=g) for _ in range(4))
+    rows = torch.arange(length)
+    if mask == "documents":
+        lo, hi = torch.where(rows < 48, 0, 48)[None], torch.where(rows < 48, 48, 96)[None]
+    else:
+        lo, hi = (rows - 40)[None], (rows + 1)[None]
+    if target == "key":  # a key of one half's skipped keys, attended by the other half
+        k[0, 1, 56, 3] = special
+        k[0, 0, 5, 2] = special
+    elif target == "value":
+        v[0, 1, 56, 5] = special
+        v[0, 0, 5, 0] = special
+    elif target == "query":  # rows beside the keys their half skips
+        q[0, 1, 40, 0] = special
+        q[0, 0, 60, 7] = special
+    else:
+        grad_out[0, 1, 40, 1] = special
+        grad_out[0, 0, 60, 4] = special
+    c = dict(query=q, key=k, value=v, lo=lo, hi=hi, scale=0.5, block=32, chunk=64, grad_out=grad_out,
+             grad_lse=None, dropout=0.0, seed=0, backward_tiles=(32, 64, 1))
+    _assert_follows_ieee(c)
 
 
 def _forward_and_backward(q, k, v, lo, hi, grad_out, block=4, chunk=8, p=0.0):

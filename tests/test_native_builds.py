@@ -48,6 +48,15 @@ for case, (length, dim, p, block, chunk, cap, alibi, scale, dtype) in enumerate(
     out, lse = native.interval_forward(q, k, v, lo, hi, scale, **options)
     grad_out = torch.randn(out.shape, generator=g).to(dtype)
     results.append((out, lse, *native.interval_backward(grad_out, q, k, v, out, lse, lo, hi, scale, **options)))
+# a window in 32-row blocks, whose halves skip the keys outside their rows' reach (tiles.h): NaN
+# and inf planted in keys one half skips and the other attends, and in rows beside skipped keys
+g = torch.Generator().manual_seed(99)
+q, k, v, grad_out = (torch.randn(2, 4, 160, 64, generator=g) for _ in range(4))
+rows = torch.arange(160)
+lo, hi = (rows - 40)[None], (rows + 1)[None]
+k[0, 1, 56, 3], v[1, 2, 5, 0], q[0, 3, 40, 0], grad_out[1, 0, 60, 4] = float("inf"), float("nan"), float("-inf"), float("nan")
+out, lse = native.interval_forward(q, k, v, lo, hi, 0.3, block=32, chunk=64)
+results.append((out, lse, *native.interval_backward(grad_out, q, k, v, out, lse, lo, hi, 0.3, block=32, chunk=64)))
 torch.save((native.wide(), results), sys.argv[1])
 """
 

@@ -217,6 +217,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       Floats cap_grads(capped ? chunk * padded : 0);
       Floats weights_rows, grads_rows;  // [rows][width] copies for the exact path
       std::vector<int64_t> row_lo(padded), row_hi(padded);
+      std::vector<KeySegments> segments(padded / kGroup);  // the keys each half of the rows reaches in a chunk
       std::vector<DropoutRow> row_keys(padded);
       BlockRows r(padded);
       FloatRows queries(c.q), keys(c.k), values(c.v), grads_given(go), outputs(o),
@@ -331,10 +332,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               float* ds = grads.data();  // dP, then dS in its place, the same layout
               float* cap = cap_grads.empty() ? nullptr : cap_grads.data();
               L::F bad = L::zero();
+              // One group of rows skips the pairs outside each half's keys in all five products (tiles.h);
+              // the products over rows take one group at a time only
+              const KeySegments* trim = nullptr;
+              if (!packed && rs == kGroup) {
+                chunk_segments(row_lo.data(), row_hi.data(), rows, rs, c0, width, segments.data());
+                trim = segments.data();
+              }
               if (packed) {
                 scores_product(units, bf16_row(c.k, b, kv, c0), c.k.s2, width, Lk - c0, D, packed_q.data(), rs, p, spare_keys.data());
               } else {
-                block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, p);
+                block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, p, trim);
               }
               for (int64_t j = 0; j < rs; j += L::kWidth) {
                 weights(p + j, rs, width, c0, r, j, mods, first + j, cap ? cap + j : nullptr, bad);
@@ -344,7 +352,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 scores_product(units, bf16_row(c.v, b, kv, c0), c.v.s2, width, Lk - c0, Dv, packed_go.data(), rs, ds,
                                spare_keys.data());
               } else {
-                block_scores(v_head + c0 * v2s, v2s, width, Dv, got.data(), rs, ds);
+                block_scores(v_head + c0 * v2s, v2s, width, Dv, got.data(), rs, ds, trim);
               }
               // lanes past the block's rows: 0 (0 times an infinite value there would read as a
               // masked non-finite value below)
@@ -379,9 +387,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 rows_product(units, key_rows.data(), key_rows_low.data(), rs, width, rows_q.data(), D, dk_head + c0 * dk2s,
                              dk2s, spare_sums.data());
               } else {
-                block_rows_product(p, rs, width, rows, go_block, g2s, Dv, dv_head + c0 * dv2s, dv2s);
-                block_values(k_head + c0 * k2s, k2s, width, D, ds, rs, dqt.data(), dq_start.data(), no_rescale.data());
-                block_rows_product(ds, rs, width, rows, q_block, q2s, D, dk_head + c0 * dk2s, dk2s);
+                block_rows_product(p, rs, width, rows, go_block, g2s, Dv, dv_head + c0 * dv2s, dv2s, trim);
+                block_values(k_head + c0 * k2s, k2s, width, D, ds, rs, dqt.data(), dq_start.data(), no_rescale.data(),
+                             trim);
+                block_rows_product(ds, rs, width, rows, q_block, q2s, D, dk_head + c0 * dk2s, dk2s, trim);
               }
             }
             transpose(dqt.data(), rs, D, rows, dq_block, dq2s);  // dq[r][d] = dQt[d][r]

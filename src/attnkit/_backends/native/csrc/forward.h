@@ -194,6 +194,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
     BlockRows r(padded);
     std::vector<Start> start(padded / kGroup);
     std::vector<int64_t> row_lo(padded), row_hi(padded);
+    std::vector<KeySegments> segments(padded / kGroup);  // the keys each half of the rows reaches in a chunk
     std::vector<DropoutRow> row_keys(padded);
     Floats exact_scores;
     FloatRows queries(c.q), keys(c.k), values(c.v);  // as float32 (half.h)
@@ -265,7 +266,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
             scores_product(units, bf16_row(c.k, b, h / c.group, c0), c.k.s2, width, Lk - c0, D,
                            packed_queries.data(), rs, s, spare_keys.data());
           } else {
-            block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s);
+            chunk_segments(row_lo.data(), row_hi.data(), rows, rs, c0, width, segments.data());
+            block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s, segments.data());
           }
           uint32_t* low = split_weights ? weights_low.data() : nullptr;
           for (int64_t j = 0; j < rs; j += L::kWidth) {
@@ -286,7 +288,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
             values_product(units, vt, width, Dv, packed_weights.data(), rs, ot.data(), start.data(),
                            r.rescale.data(), spare_values.data(), low);
           } else {
-            block_values(v_head + c0 * v2s, v2s, width, Dv, s, rs, ot.data(), start.data(), r.rescale.data());
+            block_values(v_head + c0 * v2s, v2s, width, Dv, s, rs, ot.data(), start.data(), r.rescale.data(),
+                         segments.data());
           }
         }
         transpose(ot.data(), rs, Dv, rows, o_block, o2s);  // out[r][dv] = Ot[dv][r], normalised below

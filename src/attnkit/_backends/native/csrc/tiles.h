@@ -67,30 +67,32 @@ __attribute__((always_inline)) inline void partial_tile(int64_t n, Tile tile) {
   }
 }
 
-// Both forward products: a[i][.] += sum_j src[i * item + j * step] rows[j][.] for i < N over a
-// tile's rows (row stride rs), j = 0 .. count - 1 in order. The loops over i and v are
-// unrolled by pragma: GCC then keeps a[N][V] in registers (left to itself it passed the
-// accumulators through the stack at every tile's start and end: 72 spills in the library), and, in
-// 512-bit tiles (L::kUnrollTiles), the loop over j by 4: a quarter of its branches (documents
-// forward, one thread, 620-629 -> 609-614 ms; window 157-160 -> 154-156; the same FMAs in the same
-// order; the 256-bit tiles, 16 registers, ran no faster so). The asm keeps the row vectors in
-// registers: folded into each FMA as a memory operand (GCC's choice otherwise) they are loaded
-// once per key and FMA (measured with the earlier 2 x 4 tiles: 10 loads per 8 FMA instead of 6,
-// and the loop became load-bound).
-template <class L, int N>
+// Both forward products: a[i][v][.] += sum_j src[i * item + j * step] rows[j][v][.] for i < N and the
+// row vectors First .. First + Count - 1 of a tile (row stride rs), j = 0 .. count - 1 in order. The
+// loops over i and v are unrolled by pragma: GCC then keeps a[N][V] in registers (left to itself
+// it passed the accumulators through the stack at every tile's start and end: 72 spills in the
+// library), and, in 512-bit tiles (L::kUnrollTiles), the loop over j by 4: a quarter of its
+// branches (documents forward, one thread, 620-629 -> 609-614 ms; window 157-160 -> 154-156; the
+// same FMAs in the same order; the 256-bit tiles, 16 registers, ran no faster so). The asm keeps
+// the row vectors in registers: folded into each FMA as a memory operand (GCC's choice otherwise)
+// they are loaded once per key and FMA (measured with the earlier 2 x 4 tiles: 10 loads per 8 FMA
+// instead of 6, and the loop became load-bound).
+template <class L, int N, int First = 0, int Count = kRowVectors>
 __attribute__((always_inline)) inline void accumulate(typename L::F (&a)[N][kRowVectors], const float* src,
                                                       int64_t item, int64_t step, int64_t count, const float* rows,
                                                       int64_t rs) {
+  static_assert(Count == 1 || (Count == 2 && First == 0), "one row vector or both");
   const auto term = [&](int64_t j) __attribute__((always_inline)) {
     // named vectors, not an array: GCC kept a copy of an array of them on the stack, 4 stores
     // per key in the values' tiles (the window forward ran ~40% slower)
-    const float* row = rows + j * rs;
-    typename L::F r0 = L::load(row), r1 = L::load(row + L::kWidth);
-    if constexpr (N > 1) asm("" : "+v"(r0), "+v"(r1));
+    const float* row = rows + j * rs + First * L::kWidth;
+    typename L::F r0 = L::load(row), r1 = Count > 1 ? L::load(row + L::kWidth) : r0;
+    if constexpr (N > 1 && Count > 1) asm("" : "+v"(r0), "+v"(r1));
+    if constexpr (N > 1 && Count == 1) asm("" : "+v"(r0));
     _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
       const typename L::F x = L::broadcast(src + i * item + j * step);
-      a[i][0] = fmadd(x, r0, a[i][0]);
-      a[i][1] = fmadd(x, r1, a[i][1]);
+      a[i][First] = fmadd(x, r0, a[i][First]);
+      if constexpr (Count > 1) a[i][1] = fmadd(x, r1, a[i][1]);
     }
   };
   if constexpr (L::kUnrollTiles) {
@@ -101,45 +103,147 @@ __attribute__((always_inline)) inline void accumulate(typename L::F (&a)[N][kRow
   }
 }
 
+// ---- Trimming a group's keys by halves of 16 rows -----------------------------------------------
+//
+// A block's span of keys is the union of its rows' intervals, so a window's or a diagonal's 32-row
+// group multiplies two triangles of masked pairs (31 of the 543 keys of each row's span, window
+// 512: 6% of the products). Each half of a group (16 rows: one vector of 16 lanes, one tile of
+// 8-lane vectors) skips the keys outside the union of its own rows' intervals, in every product:
+// the scores of a skipped pair are written as 0 (the masked pair's checks for a non-finite product
+// then see nothing: its zero weight multiplies nothing either), and the products that sum over keys
+// or over rows leave its terms out. The segments depend on the rows' intervals alone, not on the
+// tiles' shapes, so every build skips the same pairs and keeps giving the same bits.
+constexpr int64_t kHalf = 16;
+static_assert(kTileRows<RowLanes> == kGroup || kTileRows<RowLanes> == kHalf, "a tile is a group or a half");
+
+// A chunk's W keys for one group of rows as consecutive segments [from, to) covering [0, W) in
+// order, `in` the halves (bit 0, bit 1) that reach every key of a segment: computed once per chunk
+// and group (recomputed in each tile, the trimmed window forward took 1.04x the untrimmed one's time).
+struct KeySegments {
+  struct Segment {
+    int64_t from, to;
+    int in;
+  };
+  int count = 0;
+  Segment part[5];
+};
+
+// The KeySegments of the chunk [key0, key0 + W) for each group of a block's rows, into
+// segments[0 .. rs / kGroup): a half reaches the union of its rows' intervals [lo[j], hi[j])
+// (clipped to the keys, empty for a row with none) over the block's `rows` rows (padding rows
+// reach none).
+inline void chunk_segments(const int64_t* lo, const int64_t* hi, int64_t rows, int64_t rs, int64_t key0, int64_t W,
+                           KeySegments* segments) {
+  for (int64_t g = 0; g < rs; g += kGroup) {
+    int64_t from[2], to[2];
+    for (int half = 0; half < 2; ++half) {
+      int64_t first = 0, last = 0;
+      for (int64_t j = g + half * kHalf; j < std::min(rows, g + (half + 1) * kHalf); ++j) {
+        if (lo[j] >= hi[j]) continue;
+        if (first >= last) first = lo[j], last = hi[j];
+        first = std::min(first, lo[j]), last = std::max(last, hi[j]);
+      }
+      from[half] = std::clamp<int64_t>(first - key0, 0, W), to[half] = std::clamp<int64_t>(last - key0, from[half], W);
+    }
+    KeySegments& out = segments[g / kGroup];
+    out.count = 0;
+    if (from[0] == 0 && to[0] == W && from[1] == 0 && to[1] == W) {  // most chunks
+      out.part[out.count++] = {0, W, 3};
+      continue;
+    }
+    int64_t cut[6] = {0, from[0], to[0], from[1], to[1], W};
+    std::sort(cut, cut + 6);
+    for (int k = 0; k < 5; ++k) {
+      const int64_t p = cut[k], q = cut[k + 1];
+      if (p >= q) continue;
+      const int in = (from[0] <= p && q <= to[0] ? 1 : 0) | (from[1] <= p && q <= to[1] ? 2 : 0);
+      out.part[out.count++] = {p, q, in};
+    }
+  }
+}
+
+// fn(row offset, First, Count) for the tiles' row vectors of the halves `in` of a group: with
+// 16-lane tiles one tile holds the group (a half is its vector First), with 8-lane ones each half
+// is a tile of its own.
+template <class L, class Fn>
+__attribute__((always_inline)) inline void for_halves(int in, Fn fn) {
+  using Zero = std::integral_constant<int, 0>;
+  using One = std::integral_constant<int, 1>;
+  using Both = std::integral_constant<int, kRowVectors>;
+  if constexpr (kTileRows<L> == kGroup) {
+    if (in == 3) {
+      fn(int64_t{0}, Zero{}, Both{});
+    } else if (in == 1) {
+      fn(int64_t{0}, Zero{}, One{});
+    } else if (in == 2) {
+      fn(int64_t{0}, One{}, One{});
+    }
+  } else {
+    if (in & 1) fn(int64_t{0}, Zero{}, Both{});
+    if (in & 2) fn(kHalf, Zero{}, Both{});
+  }
+}
+
 // s[i * ss][.] = sum_d k[i * k2s + d] qt[d][.] for i < N, over a tile's rows.
-template <class L, int N>
+// (the row vectors First .. First + Count - 1 of a tile)
+template <class L, int N, int First = 0, int Count = kRowVectors>
 __attribute__((always_inline)) inline void scores_tile(const float* k, int64_t k2s, int64_t D, const float* qt,
                                                        int64_t rs, float* s, int64_t ss) {
   constexpr int V = kRowVectors;
   typename L::F a[N][V];
   _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
-    _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) a[i][v] = L::zero();
+    _Pragma("GCC unroll 4") for (int v = First; v < First + Count; ++v) a[i][v] = L::zero();
   }
-  accumulate<L, N>(a, k, k2s, 1, D, qt, rs);
+  accumulate<L, N, First, Count>(a, k, k2s, 1, D, qt, rs);
   _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
-    _Pragma("GCC unroll 4") for (int v = 0; v < V; ++v) L::store(s + i * ss + L::kWidth * v, a[i][v]);
+    _Pragma("GCC unroll 4") for (int v = First; v < First + Count; ++v) L::store(s + i * ss + L::kWidth * v, a[i][v]);
   }
 }
 
-// S[t][r] = sum_d K[t][d] Qt[d][r] for the W keys from k (row stride k2s), all `rs` rows.
-void block_scores(const float* k, int64_t k2s, int64_t W, int64_t D, const float* qt, int64_t rs, float* s) {
+// S[t][r] = sum_d K[t][d] Qt[d][r] for the W keys from k (row stride k2s), all `rs` rows; with
+// `segments` (one per group), only the pairs each half reaches, the others' scores 0.
+void block_scores(const float* k, int64_t k2s, int64_t W, int64_t D, const float* qt, int64_t rs, float* s,
+                  const KeySegments* segments = nullptr) {
   using L = RowLanes;
   constexpr int N = L::kKeysPerTile;
   // a group's tiles of rows back to back for each tile of keys, so its key rows come from L2
   // once (the 256-bit build's 16-row tiles taken half a group at a time read a long span's keys
   // twice: the window forward on two threads took 1.1-1.3x the 2 x 4 tiles' time)
   for (int64_t g = 0; g < rs; g += kGroup) {
-    int64_t t = 0;
-    const auto keys_tile = [&](auto n) __attribute__((always_inline)) {  // n keys from t, all the group's rows
-      for (int64_t h = g; h < g + kGroup; h += kTileRows<L>) {
-        scores_tile<L, decltype(n)::value>(k + t * k2s, k2s, D, qt + h, rs, s + t * rs + h, rs);
+    const auto keys = [&](int64_t p, int64_t q, int in) __attribute__((always_inline)) {
+      int64_t t = p;
+      const auto keys_tile = [&](auto n) __attribute__((always_inline)) {  // n keys from t, the halves `in`
+        for_halves<L>(in, [&](int64_t h, auto first, auto count) __attribute__((always_inline)) {
+          scores_tile<L, decltype(n)::value, decltype(first)::value, decltype(count)::value>(
+              k + t * k2s, k2s, D, qt + g + h, rs, s + t * rs + g + h, rs);
+        });
+      };
+      for (; t + N <= q; t += N) keys_tile(std::integral_constant<int, N>{});
+      partial_tile<N>(q - t, keys_tile);
+      for (int half = 0; half < 2; ++half) {
+        if (in & (1 << half)) continue;
+        for (int64_t u = p; u < q; ++u) {
+          for (int64_t v = 0; v < kHalf; v += L::kWidth) L::store(s + u * rs + g + half * kHalf + v, L::zero());
+        }
       }
     };
-    for (; t + N <= W; t += N) keys_tile(std::integral_constant<int, N>{});
-    partial_tile<N>(W - t, keys_tile);
+    if (segments == nullptr) {
+      keys(0, W, 3);
+    } else {
+      const KeySegments& group = segments[g / kGroup];
+      for (int i = 0; i < group.count; ++i) keys(group.part[i].from, group.part[i].to, group.part[i].in);
+    }
   }
 }
 
 // ot[i * rs][.] (features v + i, i < N) (+)= sum_t V[t][.] P[t][.] over a tile's rows; the
 // accumulators start as `start` says (`rescale`: the rows' factors).
+// With `segments` (the tile's group's), only the keys each half reaches (`half`: the tile's, where
+// a tile is one half).
 template <class L, int N>
 __attribute__((always_inline)) inline void values_tile(const float* v, int64_t v2s, int64_t W, const float* p,
-                                                       int64_t rs, float* ot, Start start, const float* rescale) {
+                                                       int64_t rs, float* ot, Start start, const float* rescale,
+                                                       const KeySegments* segments, int half) {
   constexpr int V = kRowVectors;
   typename L::F a[N][V];
   if (start == Start::kZero) {
@@ -158,16 +262,32 @@ __attribute__((always_inline)) inline void values_tile(const float* v, int64_t v
       }
     }
   }
-  accumulate<L, N>(a, v, 1, v2s, W, p, rs);
+  if (segments == nullptr) {
+    accumulate<L, N>(a, v, 1, v2s, W, p, rs);
+  } else {
+    for (int i = 0; i < segments->count; ++i) {
+      const KeySegments::Segment& part = segments->part[i];
+      const int64_t from = part.from, count = part.to - part.from;
+      if constexpr (kTileRows<L> == kGroup) {
+        for_halves<L>(part.in, [&](int64_t, auto first, auto vectors) __attribute__((always_inline)) {
+          accumulate<L, N, decltype(first)::value, decltype(vectors)::value>(a, v + from * v2s, 1, v2s, count,
+                                                                             p + from * rs, rs);
+        });
+      } else if (part.in & (1 << half)) {  // the tile is one half: its segments in key order
+        accumulate<L, N>(a, v + from * v2s, 1, v2s, count, p + from * rs, rs);
+      }
+    }
+  }
   _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
     _Pragma("GCC unroll 4") for (int u = 0; u < V; ++u) L::store(ot + i * rs + L::kWidth * u, a[i][u]);
   }
 }
 
 // Ot[dv][r] (+)= sum_t V[t][dv] P[t][r] for the W keys from v (row stride v2s), all `rs` rows;
-// `start[g / kGroup]` and `rescale + g` say how the accumulators of row g's group begin.
+// `start[g / kGroup]` and `rescale + g` say how the accumulators of row g's group begin; with
+// `segments` (one per group), each half takes the keys it reaches only.
 void block_values(const float* v, int64_t v2s, int64_t W, int64_t Dv, const float* p, int64_t rs, float* ot,
-                  const Start* start, const float* rescale) {
+                  const Start* start, const float* rescale, const KeySegments* segments = nullptr) {
   using L = RowLanes;
   constexpr int N = L::kKeysPerTile;
   for (int64_t g = 0; g < rs; g += kGroup) {
@@ -175,7 +295,8 @@ void block_values(const float* v, int64_t v2s, int64_t W, int64_t Dv, const floa
     int64_t d = 0;
     const auto features_tile = [&](auto n) __attribute__((always_inline)) {  // n features from d, all rows
       for (int64_t h = g; h < g + kGroup; h += kTileRows<L>) {
-        values_tile<L, decltype(n)::value>(v + d, v2s, W, p + h, rs, ot + d * rs + h, s, rescale + h);
+        values_tile<L, decltype(n)::value>(v + d, v2s, W, p + h, rs, ot + d * rs + h, s, rescale + h,
+                                           segments ? segments + g / kGroup : nullptr, (h - g) / kHalf);
       }
     };
     for (; d + N <= Dv; d += N) features_tile(std::integral_constant<int, N>{});
@@ -249,16 +370,29 @@ __attribute__((always_inline)) inline void rows_tiles_of(int64_t vectors, bool p
 }
 
 // Out[t][c] += sum_{r < rows} W[t][r] X[r][c] for the W keys of a chunk (w row stride rs, x row
-// stride xs, out row stride os), C features, up to L::kFeatureVectors vectors of them at a time.
+// stride xs, out row stride os), C features, up to L::kFeatureVectors vectors of them at a time;
+// with `segments` (one group of rows: rs == kGroup), each key sums over the rows of the halves
+// that reach it only, in row order.
 void block_rows_product(const float* w, int64_t rs, int64_t W, int64_t rows, const float* x, int64_t xs, int64_t C,
-                        float* out, int64_t os) {
+                        float* out, int64_t os, const KeySegments* segments = nullptr) {
   using L = RowLanes;
   constexpr int64_t kFeatures = L::kFeatureVectors * L::kWidth;
-  for (int64_t c0 = 0; c0 < C; c0 += kFeatures) {
-    const int64_t left = std::min<int64_t>(C - c0, kFeatures), vectors = (left + L::kWidth - 1) / L::kWidth;
-    const int64_t tail = left - L::kWidth * (vectors - 1);
-    rows_tiles_of<L::kFeatureVectors>(vectors, tail < L::kWidth, w, rs, W, rows, x + c0, xs, out + c0, os,
-                                      L::first_lanes(tail));
+  const auto keys = [&](int64_t p, int64_t q, int64_t first, int64_t end) {  // rows [first, end)
+    if (first >= end) return;
+    for (int64_t c0 = 0; c0 < C; c0 += kFeatures) {
+      const int64_t left = std::min<int64_t>(C - c0, kFeatures), vectors = (left + L::kWidth - 1) / L::kWidth;
+      const int64_t tail = left - L::kWidth * (vectors - 1);
+      rows_tiles_of<L::kFeatureVectors>(vectors, tail < L::kWidth, w + p * rs + first, rs, q - p, end - first,
+                                        x + first * xs + c0, xs, out + p * os + c0, os, L::first_lanes(tail));
+    }
+  };
+  if (segments == nullptr) {
+    keys(0, W, 0, rows);
+  } else {  // the caller's block is one group (rs == kGroup)
+    for (int i = 0; i < segments->count; ++i) {
+      const KeySegments::Segment& part = segments->part[i];
+      if (part.in != 0) keys(part.from, part.to, part.in == 2 ? kHalf : 0, std::min(rows, part.in == 1 ? kHalf : kGroup));
+    }
   }
 }
 
