@@ -425,8 +425,8 @@ def _versus_round_peak(samples: dict[str, list[float]], contender: str, useful_f
         return "n/a"
     ratios = []
     for step, per_gflop, matmul in zip(samples[contender], samples[FMA_PEAK], samples["matmul"]):
-        peak = 1.0 / per_gflop
-        if matmul_flops / matmul / 1e9 <= peak:
+        peak, _ = reliable_peak(1.0 / per_gflop, "", [matmul_flops / matmul / 1e9])
+        if peak is not None:
             ratios.append(useful_flops / step / 1e9 / peak)
     return _fmt_ratios(ratios) if ratios else "n/a (a matmul beat every round's peak)"
 
@@ -491,9 +491,9 @@ def best_peak(round_peaks: list[float]) -> tuple[float | None, str]:
     fma, how = machine_peak()
     if not round_peaks:
         return fma, how
-    samples = len(round_peaks) + (fma is not None)
-    return max([*round_peaks, *([fma] if fma is not None else [])]), \
-        f"benchmarks/fma_peak.c, {torch.get_num_threads()} threads, the best of the run's {samples} samples"
+    samples = round_peaks + ([fma] if fma is not None else [])
+    return max(samples), f"benchmarks/fma_peak.c, {torch.get_num_threads()} threads, the best of the run's " \
+        f"{len(samples)} samples"
 
 
 def peak_note(matmul_rates: list[float], dtype_name: str = "float32",

@@ -217,7 +217,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       Floats cap_grads(capped ? chunk * padded : 0);
       Floats weights_rows, grads_rows;  // [rows][width] copies for the exact path
       std::vector<int64_t> row_lo(padded), row_hi(padded);
-      std::vector<KeySegments> segments(padded / kGroup);  // the keys each half of the rows reaches in a chunk
+      std::vector<std::pair<int64_t, int64_t>> spans(padded / kHalf);  // the keys each half of the rows reaches
+      std::vector<KeySegments> segments(padded / kGroup);  // ... as segments of a chunk
       std::vector<DropoutRow> row_keys(padded);
       BlockRows r(padded);
       FloatRows queries(c.q), keys(c.k), values(c.v), grads_given(go), outputs(o),
@@ -289,6 +290,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               q_block = q_head + first * q2s;
             };
             const int64_t rs = (rows + kGroup - 1) / kGroup * kGroup;
+            // One group of rows skips the pairs outside each half's keys in all five products (tiles.h);
+            // the products over rows take one group at a time only
+            const bool trimmed = !packed && rs == kGroup;
+            if (trimmed) half_spans(row_lo.data(), row_hi.data(), rows, rs, Lk, spans.data());
             if (packed) {
               pack_queries(bf16_row(c.q, b, h, first), c.q.s2, rows, D, rs, packed_q.data());
               pack_queries(bf16_row(go, b, h, first), go.s2, rows, Dv, rs, packed_go.data());
@@ -332,11 +337,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               float* ds = grads.data();  // dP, then dS in its place, the same layout
               float* cap = cap_grads.empty() ? nullptr : cap_grads.data();
               L::F bad = L::zero();
-              // One group of rows skips the pairs outside each half's keys in all five products (tiles.h);
-              // the products over rows take one group at a time only
               const KeySegments* trim = nullptr;
-              if (!packed && rs == kGroup) {
-                chunk_segments(row_lo.data(), row_hi.data(), rows, rs, c0, width, segments.data());
+              if (trimmed) {
+                chunk_segments(spans.data(), rs, c0, width, segments.data());
                 trim = segments.data();
               }
               if (packed) {

@@ -194,7 +194,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
     BlockRows r(padded);
     std::vector<Start> start(padded / kGroup);
     std::vector<int64_t> row_lo(padded), row_hi(padded);
-    std::vector<KeySegments> segments(padded / kGroup);  // the keys each half of the rows reaches in a chunk
+    std::vector<std::pair<int64_t, int64_t>> spans(padded / kHalf);  // the keys each half of the rows reaches
+    std::vector<KeySegments> segments(padded / kGroup);  // ... as segments of a chunk
     std::vector<DropoutRow> row_keys(padded);
     Floats exact_scores;
     FloatRows queries(c.q), keys(c.k), values(c.v);  // as float32 (half.h)
@@ -235,6 +236,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
         if (!packed) float_rows();
         // Rows past the block's last (padding up to a whole group, queries 0) attend the whole span, so
         // that they do not narrow the keys all rows of their vector attend; their results are dropped.
+        half_spans(row_lo.data(), row_hi.data(), rows, rs, Lk, spans.data());
         for (int64_t j = rows; j < rs; ++j) row_lo[j] = span_lo, row_hi[j] = span_hi;
         for (int64_t j = 0; j < rs; ++j) {
           if (dropout.active) row_keys[j] = j < rows ? dropout_row(dropout, b, h, first + j) : DropoutRow{};
@@ -266,7 +268,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
             scores_product(units, bf16_row(c.k, b, h / c.group, c0), c.k.s2, width, Lk - c0, D,
                            packed_queries.data(), rs, s, spare_keys.data());
           } else {
-            chunk_segments(row_lo.data(), row_hi.data(), rows, rs, c0, width, segments.data());
+            chunk_segments(spans.data(), rs, c0, width, segments.data());
             block_scores(k_head + c0 * k2s, k2s, width, D, qt.data(), rs, s, segments.data());
           }
           uint32_t* low = split_weights ? weights_low.data() : nullptr;

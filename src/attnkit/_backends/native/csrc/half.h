@@ -226,20 +226,20 @@ class KeyGradRows {
   void reach(int64_t from, int64_t to) {
     from = std::max<int64_t>(from, 0), to = std::min(to, keys_);
     if (from >= to) return;
-    if (lo_ >= hi_) lo_ = hi_ = from;
+    if (lo_ == hi_) lo_ = hi_ = from;  // none reached yet
     if (from < lo_) zero(from, lo_), lo_ = from;
     if (to > hi_) zero(hi_, to), hi_ = to;
   }
 
   // The key rows the task's sums hold (zeros and sums): where several parts are summed, the only
   // rows of this part's copy to read.
-  std::pair<int64_t, int64_t> reached() const { return {lo_, lo_ < hi_ ? hi_ : lo_}; }
+  std::pair<int64_t, int64_t> reached() const { return {lo_, hi_}; }
 
   // Ends the task: in one part, the key rows never reached become zeros, and half-precision sums
   // are rounded into the gradient (once).
   void finish() {
     if (rows_.is_float()) {
-      if (parts_ == 1) zero(0, lo_), zero(std::max(lo_, hi_), keys_);
+      if (parts_ == 1) zero(0, lo_), zero(hi_, keys_);
       return;
     }
     const Floats zeros(rows_.width, 0.0f);

@@ -22,6 +22,7 @@
 #include "half.h"
 #include "lanes.h"
 #include "score_mods.h"
+#include "tiles.h"
 
 namespace attnkit_native {
 namespace {
@@ -130,6 +131,16 @@ std::pair<int64_t, int64_t> block_span(const int64_t* lo, const int64_t* hi, int
     if (lse != nullptr && lse[j] == kNegInf) row_hi[j] = row_lo[j];
   }
   return key_span(row_lo, row_hi, rows, Lk);
+}
+
+// The key_span of each half of a block's rows (kHalf rows, tiles.h), `row_lo` and `row_hi` as
+// block_span gave them, into spans[0 .. rs / kHalf): rows past the block's `rows` reach none.
+inline void half_spans(const int64_t* row_lo, const int64_t* row_hi, int64_t rows, int64_t rs, int64_t Lk,
+                       std::pair<int64_t, int64_t>* spans) {
+  for (int64_t first = 0; first < rs; first += kHalf) {
+    spans[first / kHalf] =
+        key_span(row_lo + first, row_hi + first, std::clamp<int64_t>(rows - first, 0, kHalf), Lk);
+  }
 }
 
 }  // namespace

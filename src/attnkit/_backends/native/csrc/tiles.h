@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "lanes.h"
 
@@ -129,20 +130,14 @@ struct KeySegments {
 };
 
 // The KeySegments of the chunk [key0, key0 + W) for each group of a block's rows, into
-// segments[0 .. rs / kGroup): a half reaches the union of its rows' intervals [lo[j], hi[j])
-// (clipped to the keys, empty for a row with none) over the block's `rows` rows (padding rows
-// reach none).
-inline void chunk_segments(const int64_t* lo, const int64_t* hi, int64_t rows, int64_t rs, int64_t key0, int64_t W,
+// segments[0 .. rs / kGroup), from the keys [first, last) each half of the rows reaches (spans[0 ..
+// rs / kHalf), empty where first >= last: half_spans, params.h).
+inline void chunk_segments(const std::pair<int64_t, int64_t>* spans, int64_t rs, int64_t key0, int64_t W,
                            KeySegments* segments) {
   for (int64_t g = 0; g < rs; g += kGroup) {
     int64_t from[2], to[2];
     for (int half = 0; half < 2; ++half) {
-      int64_t first = 0, last = 0;
-      for (int64_t j = g + half * kHalf; j < std::min(rows, g + (half + 1) * kHalf); ++j) {
-        if (lo[j] >= hi[j]) continue;
-        if (first >= last) first = lo[j], last = hi[j];
-        first = std::min(first, lo[j]), last = std::max(last, hi[j]);
-      }
+      const auto [first, last] = spans[g / kHalf + half];
       from[half] = std::clamp<int64_t>(first - key0, 0, W), to[half] = std::clamp<int64_t>(last - key0, from[half], W);
     }
     KeySegments& out = segments[g / kGroup];
