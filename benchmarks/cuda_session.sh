@@ -15,7 +15,8 @@
 # offers them where it refuses sdpa; STAGE_SECONDS_models_long etc.),
 # decode (generate() of a Llama-style model at batch 1 and 8, beside attnkit_unchecked: attnkit
 # with the check of SDPA's output skipped, a read of the device per layer, which may be why attnkit
-# trailed sdpa by 0.7 ms a token at batch 1 and 2.5 at batch 8 in the third session; --profile then
+# trailed sdpa by 0.7 ms a token at batch 1 and 2.5 at batch 8 in the third session, and
+# attnkit_decode_step: the steps by plain ops that read nothing, fused.DECODE_STEP_DEVICES; --profile then
 # counts each one's device reads, synchronisations and kernel launches in one generate()).
 # It uses the python3 found on the PATH with attnkit from src/ (no install: the GPU machine's own
 # torch, triton and transformers).
@@ -90,7 +91,7 @@ for stage in "$@"; do
         for batch in 1 8; do
             timeout "$(limit decode 80)" "$python" benchmarks/transformers.py --device cuda --dtype bfloat16 --model llama \
                 --layers 8 --hidden 2048 --heads 16 --kv-heads 4 --intermediate 5632 --generate 512 128 \
-                --batch "$batch" --implementations attnkit attnkit_unchecked sdpa --interleaved 3 --profile \
+                --batch "$batch" --implementations attnkit attnkit_unchecked attnkit_decode_step sdpa --interleaved 3 --profile \
                 >>"$out/decode.txt" 2>&1
         done
         ;;

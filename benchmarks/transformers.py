@@ -5,7 +5,9 @@ The same random weights (seed 0) run with ``attn_implementation`` = ``"attnkit"`
 function that returns the values unchanged (reshaped to the query heads) with no mask built,
 the limit no attention implementation can beat. ``"attnkit_unchecked"`` (measurement only) is
 ``"attnkit"`` with the check of SDPA's output for NaN and inf (on CUDA a read of the device per
-layer) skipped: what that check costs a decoding step. ``forward time - noop time`` is what attention
+layer) skipped: what that check costs a decoding step; ``"attnkit_decode_step"`` (measurement only)
+runs attnkit's decoding steps by plain ops that read nothing back (``_backends/decode_step.py``),
+what ``fused.DECODE_STEP_DEVICES`` would give. ``forward time - noop time`` is what attention
 costs; its share of the forward is ``1 - noop / time``. Below each length's table, the floor: the
 attention's useful flops at a square matmul's rate measured in the same run, the least time any
 exact attention can take on this machine, and the share of the forward that leaves.
@@ -60,7 +62,7 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE] + [_HERE]
 
-IMPLEMENTATIONS = ("attnkit", "sdpa", "eager", "flex_attention", "noop", "attnkit_unchecked")
+IMPLEMENTATIONS = ("attnkit", "sdpa", "eager", "flex_attention", "noop", "attnkit_unchecked", "attnkit_decode_step")
 
 
 def _rss_bytes() -> int:
@@ -97,6 +99,20 @@ def _register_noop() -> None:
 
     AttentionInterface.register("attnkit_unchecked", unchecked_attention)
     AttentionMaskInterface.register("attnkit_unchecked", attnkit_mask)
+
+    def decode_step_attention(module, query, *args, **kwargs):
+        # "attnkit" with its decoding steps on _backends/decode_step.py on this device (plain ops
+        # that give the definition, no read of the device): whether that beats SDPA plus the check's
+        # read decides fused.DECODE_STEP_DEVICES, empty until a GPU has measured it.
+        devices = fused.DECODE_STEP_DEVICES
+        fused.DECODE_STEP_DEVICES = frozenset({query.device.type})
+        try:
+            return attnkit_attention_forward(module, query, *args, **kwargs)
+        finally:
+            fused.DECODE_STEP_DEVICES = devices
+
+    AttentionInterface.register("attnkit_decode_step", decode_step_attention)
+    AttentionMaskInterface.register("attnkit_decode_step", attnkit_mask)
 
 
 def _model(kind: str, implementation: str, args):
@@ -315,7 +331,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS,
-                        default=[name for name in IMPLEMENTATIONS if name != "attnkit_unchecked"])
+                        default=[name for name in IMPLEMENTATIONS if name not in ("attnkit_unchecked", "attnkit_decode_step")])
     parser.add_argument("--generate", type=int, nargs=2, metavar=("PROMPT", "NEW"), default=None,
                         help="time generate() with the cache instead of one forward")
     parser.add_argument("--repeats", type=int, default=3)

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .. import _torch_private
 from .._call import AttentionCall
+from .decode_step import decode_step_attention, serves_decode_step
 from .empty_rows import give_empty_rows_a_key
 from .fused_weights import fused_weights_attention
 from .numerics import all_finite, needs_pairwise, zero_sum_or_non_finite_row
@@ -29,6 +30,14 @@ from .second_order import twice_differentiable
 # with no allowed key; verified by the test suite for torch >= 2.5 on CPU. Elsewhere such
 # rows are given a harmless key to attend and their output is zeroed afterwards.
 EMPTY_ROWS_GIVE_ZEROS = {"cpu"}
+
+# Device types where a decoding step (one query row) runs :mod:`.decode_step` (plain ops that give
+# the definition, no read of the device) instead of SDPA and the check of its output, which reads
+# the output back (on an accelerator, a wait for the queue at every layer). None until a GPU
+# measures it: ``benchmarks/transformers.py``'s measurement-only ``attnkit_decode_step`` sets
+# {"cuda"} beside "attnkit" and "sdpa" (``cuda_session.sh``'s decode stage). On the CPU SDPA's
+# check reads no device and costs less than the ten ops.
+DECODE_STEP_DEVICES: frozenset[str] = frozenset()
 
 def _with_alibi_as_mask(call: AttentionCall) -> AttentionCall:
     """The call with its ALiBi bias ``[N, H, Lq, Lk]`` (float32 for half precision) folded into the
@@ -59,6 +68,8 @@ def torch_attention(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         output, weights = fused_weights_attention(call)
         return output, weights if call.return_weights else None
     query, key, value = call.query, call.key, call.value
+    if query.device.type in DECODE_STEP_DEVICES and serves_decode_step(call):
+        return decode_step_attention(call), None
     if call.causal and call.mask is None and call.q_len == call.k_len:
         attn_mask, is_causal = None, True
     else:
