@@ -516,6 +516,37 @@ def test_a_decoding_step_stays_on_sdpa():
     assert str(policy.choose(call)) == "torch"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_step_by_plain_ops_reads_nothing_and_follows_the_definition(dtype, monkeypatch):
+    """``fused.DECODE_STEP_DEVICES = {"cuda"}`` (what ``benchmarks/transformers.py``'s
+    ``attnkit_decode_step`` measures): a decoding step with a per-sequence padding mask, GQA, a
+    masked-out NaN key and value and an attended inf value runs with no synchronisation and gives
+    the CPU's result of the same definition (NaN and inf where it has them)."""
+    from attnkit._backends import fused
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 8, 1, 64, generator=g)
+    k, v = (torch.randn(3, 2, 200, 64, generator=g) for _ in range(2))
+    k[1, 0, 150, 5], v[1, 1, 160, 7], v[0, 1, 10, 3] = float("nan"), float("nan"), float("inf")
+    mask = masks.padding(torch.tensor([200, 120, 33]))
+    monkeypatch.setattr(fused, "DECODE_STEP_DEVICES", frozenset({"cpu", "cuda"}))
+    expected = attnkit.attention(q.to(dtype), k.to(dtype), v.to(dtype), mask=mask, backend="torch")
+    on_gpu = [t.to(CUDA, dtype) for t in (q, k, v)]
+    attnkit.attention(*on_gpu, mask=mask, backend="torch")  # the mask's dense row, kept per mask object
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = attnkit.attention(*on_gpu, mask=mask, backend="torch")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    out = out.cpu()
+    assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out.isinf(), expected.isinf())
+    assert out[0].isinf().any() and out[1].isfinite().all()  # the attended inf; the padding's NaN left out
+    finite = expected.isfinite()
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2 ** -7)
+    torch.testing.assert_close(out[finite].float(), expected[finite].float(), **tolerance)
+
+
 @pytest.mark.parametrize("name", ["gemma2", "gpt_oss", "mistral"])
 def test_transformers_models_with_softcap_sinks_and_windows_run_the_gpu_route(name):
     """Gemma 2 (soft-capping, alternating windows), GPT-OSS (sinks) and Mistral (windows) on CUDA
