@@ -63,6 +63,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE] + [_HERE]
 
 IMPLEMENTATIONS = ("attnkit", "sdpa", "eager", "flex_attention", "noop", "attnkit_unchecked", "attnkit_decode_step")
+MEASUREMENT_ONLY = ("attnkit_unchecked", "attnkit_decode_step")  # run when named, not by default
 
 
 def _rss_bytes() -> int:
@@ -331,7 +332,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS,
-                        default=[name for name in IMPLEMENTATIONS if name not in ("attnkit_unchecked", "attnkit_decode_step")])
+                        default=[name for name in IMPLEMENTATIONS if name not in MEASUREMENT_ONLY])
     parser.add_argument("--generate", type=int, nargs=2, metavar=("PROMPT", "NEW"), default=None,
                         help="time generate() with the cache instead of one forward")
     parser.add_argument("--repeats", type=int, default=3)

@@ -33,9 +33,9 @@ from .numerics import work_dtype
 
 
 def serves_decode_step(call: AttentionCall) -> bool:
-    """Whether :func:`decode_step_attention` computes ``call``: one query row, nothing to
-    differentiate, and none of the features it leaves to the other paths."""
-    return (call.q_len == 1 and call.dropout == 0 and not call.return_weights and not call.return_lse
+    """Whether :func:`decode_step_attention` computes ``call``: one query row over at least one key,
+    nothing to differentiate, and none of the features it leaves to the other paths."""
+    return (call.q_len == 1 and call.k_len > 0 and call.dropout == 0 and not call.return_weights and not call.return_lse
             and not call.modifies_scores and not call.needs_grad)
 
 
