@@ -628,6 +628,26 @@ def _assert_follows_ieee(c):
 
 
 @needs_native
+@pytest.mark.parametrize("grad_lse", [False, True])
+def test_a_row_whose_scores_are_all_minus_inf_passes_no_nan_of_its_output_to_other_keys(grad_lse):
+    """A row whose attended scores are all -inf (an inf in its query) weighs its keys by 0, and its
+    output holds NaN where an attended value does (0 x NaN). Its gradients are 0 x what each pair
+    multiplies: NaN in dk only at the query's inf, NaN in dq, dv's 0 x dO. FlashAttention's row term
+    delta = dO . O would be NaN there and reach every key's dS: the kernel did that until a soak
+    found it (the reference backend, the PyTorch-block and Triton kernels, and the definition agree)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad_out = (torch.randn(1, 1, 3, 22, generator=g) for _ in range(4))
+    q[0, 0, 0, 15], v[0, 0, 1, 17] = float("inf"), float("nan")
+    c = dict(query=q, key=k, value=v, grad_out=grad_out, lo=torch.tensor([[-2, 4, -3]]), hi=torch.tensor([[2, 5, 0]]),
+             scale=1e30, block=16, chunk=16, dropout=0.0, seed=0, backward_tiles=(16, 16, 1),
+             grad_lse=torch.randn(1, 1, 3, generator=g) if grad_lse else None)
+    _assert_follows_ieee(c)
+    out, lse = native.interval_forward(q, k, v, c["lo"], c["hi"], c["scale"])
+    dq, dk, dv = native.interval_backward(grad_out, q, k, v, out, lse, c["lo"], c["hi"], c["scale"], c["grad_lse"])
+    assert out[0, 0, 0].isnan().sum() == 1 and dk[0, 0, 0].isnan().sum() == 1 and not dv.isnan().any()
+
+
+@needs_native
 @pytest.mark.parametrize("special", _SPECIALS)
 @pytest.mark.parametrize("target", ["key", "value", "query", "grad_out"])
 @pytest.mark.parametrize("mask", ["documents", "window"])

@@ -75,16 +75,20 @@ inline float row_delta(const float* go_row, const float* o_row, const float* low
 
 // The gradients of a row that attends the keys [lo, hi) but whose scores there were all -inf (lse
 // -inf; block_span gives it no keys, so the tiles skip it): its weights are all 0, so each pair's
-// dS = scale * 0 * (f dP - delta) and dV's term 0 * dO are zeros, or NaN where what they multiply
-// is not finite, as the definition's products give (an inf in a key reaches dq as 0 x inf, one in
-// the query reaches dk). Such rows need an inf among the inputs: plain loops.
-void zero_weight_gradients(const float* q_row, const float* go_row, float delta, const float* k_head, int64_t k2s,
+// dS = scale * 0 * f dP and dV's term 0 * dO are zeros, or NaN where what they multiply is not
+// finite, as the definition's products give (an inf in a key reaches dq as 0 x inf, one in the
+// query reaches dk). No row term: the definition's weights of such a row are 0 whatever its scores
+// (no normaliser to differentiate, and its lse is the constant -inf), where FlashAttention's
+// delta = dO . O would carry a NaN of the output (0 x a NaN value) into every key's dS, as it did
+// until a soak found it (the reference backend: NaN in dk only where 0 meets an inf of the query).
+// Such rows need an inf among the inputs: plain loops.
+void zero_weight_gradients(const float* q_row, const float* go_row, const float* k_head, int64_t k2s,
                            const float* v_head, int64_t v2s, int64_t lo, int64_t hi, int64_t D, int64_t Dv,
                            float scale, const Dropout& dropout, DropoutRow dropout_keys, float* dq_row,
                            float* dk_head, int64_t dk2s, float* dv_head, int64_t dv2s) {
   for (int64_t t = lo; t < hi; ++t) {
     const float f = dropout.active ? dropout_factor(dropout, dropout_keys, t) : 1.0f;
-    const float ds = scale * (0.0f * (f * dot(go_row, v_head + t * v2s, Dv) - delta));
+    const float ds = scale * (0.0f * (f * dot(go_row, v_head + t * v2s, Dv)));
     axpy(dq_row, ds, k_head + t * k2s, D);
     axpy(dk_head + t * dk2s, ds, q_row, D);
     axpy(dv_head + t * dv2s, 0.0f * f, go_row, Dv);
@@ -253,16 +257,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
                 if (l_block[j] != kNegInf || a >= z) continue;
                 const auto [q_rows, q_stride] = queries.head(b, h, first, first + rows);
                 const auto [g_rows, g_stride] = grads_given.head(b, h, first, first + rows);
-                const auto [o_rows, o_stride] = outputs.head(b, h, first, first + rows);
-                const auto [low_rows, low_stride] = lows.head(b, h, first, first + rows);  // nullptr: none
                 const float* go_row = g_rows + (first + j) * g_stride;
-                const float delta = row_delta(go_row, o_rows + (first + j) * o_stride,
-                                              low_rows ? low_rows + (first + j) * low_stride : nullptr, Dv,
-                                              gl ? gl + (b * H + h) * Lq + first + j : nullptr);
                 reach(a, z);
                 const auto [k_rows, k_stride] = keys.head(b, kv, a, z);
                 const auto [v_rows, v_stride] = values.head(b, kv, a, z);
-                zero_weight_gradients(q_rows + (first + j) * q_stride, go_row, delta, k_rows, k_stride, v_rows,
+                zero_weight_gradients(q_rows + (first + j) * q_stride, go_row, k_rows, k_stride, v_rows,
                                       v_stride, a, z, D, Dv, static_cast<float>(scale), dropout,
                                       dropout.active ? dropout_row(dropout, b, h, first + j) : DropoutRow{},
                                       dq_block + j * dq2s, dk_head, dk2s, dv_head, dv2s);
