@@ -458,6 +458,31 @@ def test_nan_and_inf_on_the_gpu_engines_propagate_as_in_the_reference_backend(en
     assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out.isinf(), expected.isinf())
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_row_of_minus_inf_scores_gives_the_reference_gradients_on_the_gpu_engines(engine):
+    """A row whose attended scores are all -inf (an inf in its query) beside an attended NaN value:
+    its output holds that NaN (0 x NaN), and its keys' gradients are NaN only where 0 meets the
+    query's inf, as the reference backend gives (the CPU kernel's row term spread the NaN to every
+    feature until a soak found it; test_native checks the CPU)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad_out = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(4))
+    k[0, 1, :, 15] = k[0, 1, :, 15].abs() + 0.5
+    q[0, 1, 40, 15] = float("-inf")  # every score of row 40 is -inf: it weighs its keys 39 and 40 by 0
+    v[0, 1, 40, 17] = float("nan")  # key 40: attended by row 40 alone
+    mask = masks.document([39, 2, 23]) & masks.causal()
+    results = []
+    for run in (lambda *t: attnkit.attention(*t, mask=mask, backend="reference"),
+                lambda *t: _engine_call(engine, *t, mask=mask)):
+        leaves = [t.to(CUDA).requires_grad_() for t in (q, k, v)]
+        out = run(*leaves)
+        out.backward(grad_out.to(CUDA))
+        results.append([out.detach().cpu()] + [t.grad.cpu() for t in leaves])
+    for name, want, got in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), name
+        finite = want.isfinite()
+        torch.testing.assert_close(got[finite], want[finite], atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_a_forward_on_the_triton_kernel_does_not_synchronise():
     """Once a mask's block structure is cached (the first call builds it), a forward on attnkit's
     Triton kernel reads nothing back from the device (the kernel keeps masked-out NaN and inf out
