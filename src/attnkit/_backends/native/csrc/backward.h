@@ -79,9 +79,9 @@ inline float row_delta(const float* go_row, const float* o_row, const float* low
 // finite, as the definition's products give (an inf in a key reaches dq as 0 x inf, one in the
 // query reaches dk). No row term: the definition's weights of such a row are 0 whatever its scores
 // (no normaliser to differentiate, and its lse is the constant -inf), where FlashAttention's
-// delta = dO . O would carry a NaN of the output (0 x a NaN value) into every key's dS, as it did
-// until a soak found it (the reference backend: NaN in dk only where 0 meets an inf of the query).
-// Such rows need an inf among the inputs: plain loops.
+// delta = dO . O would carry a NaN of the output (0 x a NaN value) into every key's dS; the
+// reference backend has NaN in dk only where 0 meets an inf of the query. Such rows need an inf
+// among the inputs: plain loops.
 void zero_weight_gradients(const float* q_row, const float* go_row, const float* k_head, int64_t k2s,
                            const float* v_head, int64_t v2s, int64_t lo, int64_t hi, int64_t D, int64_t Dv,
                            float scale, const Dropout& dropout, DropoutRow dropout_keys, float* dq_row,
