@@ -495,24 +495,22 @@ def _order_dependent(q, k, lo, hi, scale):
     products = q.double()[:, :, :, None, :] * kr[:, :, None, :, :]  # [B, H, Lq, Lk, D]
     finite_sum = torch.where(torch.isfinite(products), products.abs(), 0.0).sum(-1)
     may_overflow = max(1.0, abs(scale)) * finite_sum >= torch.finfo(torch.float32).max / 4
-    keys = torch.arange(k.shape[2])
-    attended = ((keys >= lo[..., None]) & (keys < hi[..., None]))[:, None]
+    attended = _allowed(lo, hi, k.shape[2])
     pairs = attended & torch.isinf(products).any(-1) & may_overflow
-    rows = pairs.any(-1) | _undetermined_winner(q, k, attended, scale)
+    rows = pairs.any(-1) | _undetermined_winner(q, kr, attended, _score_magnitudes(q, k, lo, hi, scale), scale)
     keys_hit = (attended & rows[..., None]).any(-2).unflatten(1, (kv_heads, heads // kv_heads)).any(2)[..., None]
     return rows[..., None], keys_hit
 
 
-def _undetermined_winner(q, k, attended, scale):
+def _undetermined_winner(q, kr, attended, magnitudes, scale):
     """Rows (``[B, H, Lq]``) whose scores are so large that float32 rounding alone moves a weight by
     e or more (a score's bound ``4 D eps scale sum_d |q_d k_d|`` above 1: the huge scale or rows),
     and whose top attended score is within the two scores' rounding of another's. Their softmax is
     one-hot on a key that rounding picks: 1.1964258e31 against 1.1964257e31 (7e-8 apart, each
-    rounded to 2.5e-5) chose key 12 in the kernel and key 7 in the exact sums."""
-    heads, kv_heads = q.shape[1], k.shape[1]
-    kr = k.double().repeat_interleave(heads // kv_heads, 1)
+    rounded to 2.5e-5) chose key 12 in the kernel and key 7 in the exact sums. ``kr``: the keys
+    repeated to the query heads, in float64; ``magnitudes``: :func:`_score_magnitudes`."""
     scores = scale * (q.double() @ kr.transpose(-1, -2))
-    rounding = 4 * q.shape[-1] * _EPS32 * scale * (_finite_or_zero(q) @ _finite_or_zero(kr).transpose(-1, -2))
+    rounding = 4 * q.shape[-1] * _EPS32 * magnitudes
     scores = torch.where(attended & torch.isfinite(scores), scores, float("-inf"))
     top, winner = scores.max(-1, keepdim=True)
     winner_rounding = rounding.gather(-1, winner)

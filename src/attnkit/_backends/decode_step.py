@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .._call import AttentionCall
 from . import layout
-from .numerics import work_dtype
+from .numerics import pairwise_values, work_dtype
 
 
 def serves_decode_step(call: AttentionCall) -> bool:
@@ -70,7 +70,6 @@ def decode_step_attention(call: AttentionCall) -> Tensor:
     elif shared:  # one mask for every head: the removed keys' values are zeros
         output = weights @ torch.where(allowed.transpose(-2, -1), value, 0.0)
     else:  # a mask per head: the attended pairs only
-        pair = allowed[..., None]
-        output = torch.where(pair, weights[..., None] * value[:, :, None], 0.0).sum(-2)
+        output = pairwise_values(weights, value, allowed)
     output = output.div_(total).reshape(batch, heads, 1, value.shape[-1])
     return layout.unfold(output, tuple(call.query.shape[:-2])).to(call.query.dtype)
