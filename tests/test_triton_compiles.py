@@ -3,7 +3,10 @@
 The interpreter tests (test_triton_kernel.py) check what the kernels compute; Triton's interpreter
 accepts constructs its compiler refuses (types, shapes, control flow), so here every kernel goes
 through the real pipeline, Triton source -> PTX -> ptxas (the one bundled with triton) -> cubin,
-for Hopper, in the dtypes and head sizes models use, plain and with every feature. A child process
+for Hopper, in the dtypes and head sizes models use, plain and with every feature. The launches
+are those the launchers make for a real call, specialised by value as a launch on the card would
+(strides of 1 become constants, multiples of 16 are marked so): compiled without that, the loops'
+loads are neither vectorised nor pipelined, and ptxas would be judging another kernel. A child process
 runs it: this one's kernels were decorated for the interpreter (TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
@@ -22,29 +25,46 @@ SCRIPT = textwrap.dedent('''
     import torch
     import attnkit._backends.triton as kernels
     # the modules (the package's own names forward / backward are its entry points)
-    forward, backward, backward_kv, backward_q = (importlib.import_module("attnkit._backends.triton." + name)
-                                                  for name in ("forward", "backward", "backward_kv", "backward_q"))
+    forward, backward = (importlib.import_module("attnkit._backends.triton." + name) for name in ("forward", "backward"))
 
-    from triton_spills import build  # benchmarks/: compiles for sm_90a and assembles with triton's ptxas
+    # benchmarks/: records the launches a call makes, specialises them as the launcher does, compiles
+    # for sm_90a and assembles with triton's ptxas
+    from triton_spills import build, captured
 
     # float32 (IEEE products on the FMA units, unrolled) takes a minute more to compile: left to the GPU tests
-    for dtype, element, dim, features in ((torch.bfloat16, "*bf16", 128, False), (torch.float16, "*fp16", 64, True)):
-        flags = dict(BLOCK_D=dim, BLOCK_DV=dim, RANGES=2 if features else 1, SOFTCAP=features, HAS_ALIBI=features,
-                     DROPOUT=features, IEEE=dtype == torch.float32)
-        block_m, block_n, warps, stages = kernels.forward_blocks(dim, dtype)
-        (kv_m, kv_n, q_m, q_n), b_warps, b_stages = kernels.backward_blocks(dim, dtype)
-        pick = lambda fn, extra: {k: v for k, v in {**flags, **extra}.items() if k in fn.arg_names}
-        # the forward with its second pass inline, without it, and as the gated redo launch
-        for second_pass, gated in ((True, False), (False, False), (True, True)):
-            build(forward._forward_kernel, element,
-                  pick(forward._forward_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, SECOND_PASS=second_pass,
-                                                     GATED=gated)), warps, stages)
-        for runs in (False, True):  # the two walks of the query blocks (backward.WALKS)
-            build(backward_kv.dkdv_kernel, element,
-                  pick(backward_kv.dkdv_kernel, dict(BLOCK_M=kv_m, BLOCK_N=kv_n, RUNS=runs)), b_warps, b_stages)
-        build(backward_q.dq_kernel, element, pick(backward_q.dq_kernel, dict(BLOCK_M=q_m, BLOCK_N=q_n)),
-              b_warps, b_stages)
-        build(backward._delta_kernel, element, pick(backward._delta_kernel, dict(BLOCK_M=64, HAS_DLSE=True)), 4, 1)
+    for dtype, dim, features in ((torch.bfloat16, 128, False), (torch.float16, 64, True)):
+        heads, kv_heads, length = (4, 2, 96) if features else (4, 4, 256)
+        g = torch.Generator().manual_seed(0)
+        # the [N, L, H, D] memory layout models pass, seen as [N, H, L, D]
+        q, k, v, grad = (torch.randn(1, length, h, dim, generator=g).to(dtype).transpose(1, 2)
+                         for h in (heads, kv_heads, kv_heads, heads))
+        rows = torch.arange(length)
+        if features:  # two ranges a row: a window and a first key (a sink)
+            lo = torch.stack([torch.zeros(length), (rows - 16).clamp(min=1)]).long()[None]
+            hi = torch.stack([torch.ones(length), rows + 1]).long()[None]
+        else:
+            lo, hi = (rows - 64).clamp(min=0)[None, None], (rows + 1)[None, None]
+        prep = kernels.prepare(q, k, v, lo, hi, scale=dim ** -0.5, softcap=30.0 if features else None,
+                               alibi_slopes=torch.rand(heads) if features else None, dropout=0.1 if features else 0.0,
+                               seed=torch.tensor(7) if features else None)
+        blocks = kernels.forward_blocks(dim, dtype)
+        sizes, warps, stages = kernels.backward_blocks(dim, dtype)
+        with captured() as launches:
+            # the forward with its second pass inline, and gated (the kernel without it, then the redo launch)
+            for second_pass in ("inline", "gated"):
+                out, lse = forward.launch(prep, *blocks, second_pass=second_pass)
+            for walk in backward.WALKS:
+                backward.launch(prep, grad, torch.randn(lse.shape) if features else None, out, lse, sizes, warps,
+                                stages, walk)
+        names = sorted(launch.name for launch in launches)
+        assert names == sorted(["_forward_kernel"] * 3 + ["_delta_kernel", "dkdv_kernel", "dq_kernel"] * 2), names
+        for launch in launches:
+            stats = build(launch)
+            # the launch's specialisation reached the kernel: the forward's and dQ's key loops load
+            # through asynchronous copies (pipelined); unspecialised, neither does
+            if launch.name == "dq_kernel" or (launch.name == "_forward_kernel" and not launch.arguments["GATED"]):
+                assert stats["async_copies"] > 0, (launch.name, stats)
+            assert stats["shared"] <= 227 * 1024, (launch.name, stats)  # an H100's shared memory a block
         print("compiled", dtype, dim, "features" if features else "plain")
 ''')
 

@@ -44,7 +44,8 @@ def forward_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
     (``benchmarks/triton_blocks.py``, bf16, L = 32768, H = 16, D = 128: 0.91 ms for a 1024 window,
     1.67 ms for 8 causal documents, against 1.20 / 2.12 ms for the 128 x 32 x 8 warps chosen
     before; docs/performance.md). Other sizes were chosen so that ptxas (sm_90a) compiles the plain
-    kernels without spilling registers, not by timing. Float32 runs its products in IEEE fp32 on
+    kernels, specialised as a launch is, without spilling registers (``benchmarks/triton_spills.py``),
+    not by timing. Float32 runs its products in IEEE fp32 on
     the FMA units (no tensor cores), whose unrolled tiles need far smaller blocks."""
     if dtype == torch.float32:
         return (32, 32, 4, 3) if head_dim <= 64 else (32, 16, 8, 2) if head_dim <= 128 else (16, 16, 8, 1)
@@ -59,14 +60,16 @@ def backward_blocks(head_dim: int, dtype: torch.dtype) -> tuple[tuple[int, int, 
     """Default ``((dK/dV BLOCK_M, BLOCK_N, dQ BLOCK_M, BLOCK_N), num_warps, num_stages)``: the
     kernel that owns a block keeps it large, the one it walks small (two fp32 accumulators). Half
     precision at head dims 65-128: the fastest of six measured on an H100 (same run as
-    :func:`forward_blocks`: 6.0 / 8.2 ms against 18.3 / 29.1 ms before); the rest unmeasured."""
+    :func:`forward_blocks`: 6.0 / 8.2 ms against 18.3 / 29.1 ms before); the rest unmeasured, chosen
+    as :func:`forward_blocks`' other sizes are. Above 128, two stages: with one, the dQ kernel spilled
+    (24 bytes of stores) and no loop was pipelined."""
     if dtype == torch.float32:
         return ((16, 32, 32, 16), 4, 1) if head_dim <= 64 else ((16, 16, 16, 16), 8, 1)
     if head_dim <= 64:
         return (32, 128, 128, 32), 8, 3
     if head_dim <= 128:
         return (64, 128, 128, 64), 8, 2
-    return (16, 32, 32, 16), 8, 1
+    return (16, 32, 32, 16), 8, 2
 
 
 def _check_block(size: int) -> int:

@@ -17,7 +17,8 @@ inf in a query, key or output-gradient row that part of a block attends can reac
 gradients through ``dS^T Q``, ``dS K`` or ``P^T dO``. So the caller checks the inputs before the
 backward (one read of the device) and takes the pairwise path where they hold one. Doing it in
 the kernels, as the forward does, was built and passed the definition's tests, but doubled
-ptxas's spills in the dK/dV kernel and cost 60% more compile time: left out.
+ptxas's spills in the dK/dV kernel (compiled then without the launch's specialisation) and cost
+60% more compile time: left out.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ values of its partly attended blocks again, and where one holds a NaN or inf it 
 output a second time without that leak (:mod:`.non_finite`): rare, and off the hot loop.
 
 Compiled into the kernel, that pass costs registers even where it never runs: ptxas (sm_90a, bf16,
-D = 128, the default 64 x 64 tiles, 4 warps) reports 240 bytes of spill stores and 504 of spill
-loads without it, 896 and 1,808 with it. So :func:`launch` runs it ``"gated"``: the kernel
+D = 128, the default 64 x 64 tiles, 4 warps, specialised as the launch is) spills nothing without
+it and 100 bytes of stores, 132 of loads with it (``benchmarks/triton_spills.py``). So
+:func:`launch` runs it ``"gated"``: the kernel
 without the pass, then the same kernel with it, as a second launch whose programs return at once
 unless the values hold a NaN or inf (one ``aminmax`` over them on the device, no host sync) and
 their own partly attended blocks do. Both give the same bits; on an H100 (L = 32768, H = 16,
@@ -159,8 +160,8 @@ def launch(prep: Prepared, block_m: int, block_n: int, num_warps: int, num_stage
     """Run the forward on prepared inputs: ``(out [N, H, Lq, Dv] in the input dtype, lse [N, H, Lq]
     float32)``. ``second_pass``: :mod:`.non_finite`'s pass as ``"gated"``, the default (a second
     launch whose programs return at once unless ``value`` holds a NaN or inf), ``"inline"``
-    (compiled into the kernel: the same bits, but its registers spill in every loop iteration; on
-    an H100 the inline forward took 1.08-1.30x the gated one's time, docs/performance.md), or
+    (compiled into the kernel: the same bits, but more registers, which spill at the default tiles;
+    on an H100 the inline forward took 1.08-1.30x the gated one's time, docs/performance.md), or
     ``"off"`` (a masked-out NaN or inf value then leaks through: only for
     ``benchmarks/triton_blocks.py`` to time what the pass costs)."""
     if second_pass not in ("inline", "gated", "off"):

@@ -11,7 +11,8 @@ attended blocks again (a few tiles), and only when one of them holds a NaN or in
 arithmetic gives it (+-inf, or NaN for a NaN value or a weight of 0).
 
 The backward has no such pass: built the same way, it doubled the spills of the dK/dV kernel
-(:mod:`.backward`), so its caller checks the inputs instead.
+(:mod:`.backward`; ptxas on a compile without the launch's specialisation), so its caller checks
+the inputs instead.
 """
 
 from __future__ import annotations
