@@ -20,6 +20,14 @@
 # counts each one's device reads, synchronisations and kernel launches in one generate()).
 # It uses the python3 found on the PATH with attnkit from src/ (no install: the GPU machine's own
 # torch, triton and transformers).
+#
+# The next lent session (about 9 minutes of stages in 15 of device time): the Triton kernels changed
+# without a GPU since the third H100 session (the forward's loops no longer serialise their wgmma
+# in ptxas, fewer instructions a block, scores rounded as the definition's), so first their
+# compiled oracle tests, then their times, then the CUDA tests, then decoding and L = 65536:
+#   STAGE_SECONDS_kernel=100 STAGE_SECONDS_blocks=120 STAGE_SECONDS_tests=100 STAGE_SECONDS_grids=60 \
+#   STAGE_SECONDS_decode=60 STAGE_SECONDS_models_long=100 \
+#   bash benchmarks/cuda_session.sh kernel blocks tests decode models-long
 set -u
 out=${OUT:-out/cuda-session}
 mkdir -p "$out"

@@ -118,10 +118,12 @@ def specialized(launch: Launch) -> tuple[dict, dict, dict]:
 
 def build(launch: Launch) -> dict[str, int]:
     """Compile a launch's kernel as :func:`specialized` says for sm_90a and assemble it with
-    triton's ptxas: ``{"registers", "spill_stores", "spill_loads", "async_copies", "shared"}``
-    (``cp.async`` instructions in the PTX, 0 where no load of a loop is pipelined; bytes of shared
-    memory a program asks for, which must fit the card's: 227 KiB on an H100). Raises
-    AssertionError with ptxas's message where assembling fails."""
+    triton's ptxas: ``{"registers", "spill_stores", "spill_loads", "async_copies", "shared",
+    "serialized"}`` (``cp.async`` instructions in the PTX, 0 where no load of a loop is pipelined;
+    bytes of shared memory a program asks for, which must fit the card's: 227 KiB on an H100;
+    whether ptxas serialised the kernel's wgmma instructions, each waiting for the one before, its
+    warning C7515), and ``"loops"``: the SASS instructions in each loop body that holds a wgmma
+    (:func:`wgmma_loops`). Raises AssertionError with ptxas's message where assembling fails."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -147,7 +149,40 @@ def build(launch: Launch) -> dict[str, int]:
 
     return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
             "spill_loads": number(r"(\d+) bytes spill loads"), "async_copies": len(re.findall(r"cp\.async", ptx)),
-            "shared": compiled.metadata.shared}
+            "shared": compiled.metadata.shared,
+            "serialized": "wgmma.mma_async instructions are serialized" in done.stderr,
+            "loops": wgmma_loops(compiled.asm["cubin"])}
+
+
+def wgmma_loops(cubin: bytes) -> list[int]:
+    """The instructions of each loop body (a backward branch's target up to it) that holds an
+    ``HGMMA``, in code order, from triton's ``nvdisasm``: static counts, not times, but on a card
+    where the tensor cores finish a block in a few hundred cycles the other instructions of a
+    block are what the warps spend their issue slots on."""
+    import triton
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    labels, instructions = {}, []
+    for line in sass.splitlines():
+        label = re.match(r"^\s*\.(L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+        elif found := re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
+            instructions.append(found.group(1))
+    loops = []
+    for end, instruction in enumerate(instructions):
+        target = re.search(r"BRA.*?(L_x_\d+)", instruction)
+        if target and labels.get(target.group(1), end + 1) <= end:
+            body = instructions[labels[target.group(1)]:end + 1]
+            if any("HGMMA" in op for op in body):
+                loops.append(len(body))
+    return loops
 
 
 def benchmark_call(length: int, heads: int, head_dim: int, dtype_name: str):
@@ -168,7 +203,8 @@ def benchmark_call(length: int, heads: int, head_dim: int, dtype_name: str):
 
 def row(stats: dict[str, int]) -> str:
     return (f"{stats['registers']} | {stats['spill_stores']} | {stats['spill_loads']} | {stats['async_copies']} | "
-            f"{stats['shared'] / 1024:.0f}")
+            f"{stats['shared'] / 1024:.0f} | {'yes' if stats['serialized'] else 'no'} | "
+            f"{' / '.join(map(str, stats['loops']))}")
 
 
 def main() -> None:
@@ -186,14 +222,15 @@ def main() -> None:
     from triton_blocks import BACKWARD, FORWARD
 
     kernels = importlib.import_module("attnkit._backends.triton")
-    forward, backward = (importlib.import_module("attnkit._backends.triton." + name) for name in ("forward", "backward"))
+    forward, backward = (importlib.import_module("attnkit._backends.triton." + name)
+                         for name in ("forward", "backward"))
     dtype = getattr(torch, args.dtype)
     prep, grad = benchmark_call(args.length, args.heads, args.head_dim, args.dtype)
     print(f"# ptxas sm_90a (triton's), {args.dtype}, L = {args.length}, H = {args.heads}, D = {args.head_dim}, "
           f"window 1024 (triton_blocks.py's call, specialised as its launch); * = the default\n")
     print("| forward (BLOCK_M, BLOCK_N, warps, stages) | second pass | registers | spill stores (B) | "
-          "spill loads (B) | cp.async | shared (KiB) |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+          "spill loads (B) | cp.async | shared (KiB) | wgmma serialised | loop instructions |")
+    print("|---|---|---:|---:|---:|---:|---:|---|---|")
     default = kernels.forward_blocks(args.head_dim, dtype)
     for config in dict.fromkeys([default, *FORWARD]):
         for second_pass in ("inline", "off"):
@@ -203,8 +240,8 @@ def main() -> None:
             label = "compiled in" if second_pass == "inline" else "none"
             print(f"| {config}{mark} | {label} | {row(build(launches[0]))} |", flush=True)
     print("\n| backward ((dK/dV M, N, dQ M, N), warps, stages) | kernel | registers | spill stores (B) | "
-          "spill loads (B) | cp.async | shared (KiB) |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+          "spill loads (B) | cp.async | shared (KiB) | wgmma serialised | loop instructions |")
+    print("|---|---|---:|---:|---:|---:|---:|---|---|")
     default_backward = kernels.backward_blocks(args.head_dim, dtype)
     for blocks, warps, stages in dict.fromkeys([default_backward, *BACKWARD]):
         mark = "*" if (blocks, warps, stages) == default_backward else ""

@@ -214,6 +214,38 @@ def test_softcap_and_alibi() -> None:
     _check_gradients(q, k, v, lo, hi, allowed, 0.25, grad_lse=False, alibi_slopes=slopes, softcap=3.0)
 
 
+@pytest.mark.parametrize("scale", [-0.4, 0.0])
+def test_a_scale_of_zero_or_below(scale: float) -> None:
+    """The forward takes its rows' max over the raw products only for a positive scale (then it is
+    the scores' max); a negative scale turns the largest product into the smallest score."""
+    q, k, v = _inputs(1, 2, 1, 37, 40, dim=16, v_dim=16, seed=13)
+    lo, hi = (masks.sliding_window(20) & masks.causal()).row_ranges(37, 40)
+    _check_gradients(q, k, v, lo, hi, _allowed(lo, hi, 40), scale, grad_lse=True)
+
+
+def test_scores_beyond_float32s_largest_over_log2e() -> None:
+    """Finite scores of 2.4e38-2.55e38, whose product with log2(e) overflows: the row's largest score
+    weighs 1 and the others 0 (the scores lie ~1e36 apart), as in float64: finite outputs equal to
+    the top key's value, and that score as the lse, for a plain call and for one with a modifier
+    (ALiBi, slope 0: the scores then stay in natural units). The scale, 0.75, makes each score a
+    rounded product: compiled, a product fused into the max's subtraction would weigh the top key
+    exp(+-1e31) (common.rounded_product); the interpreter fuses nothing."""
+    q_len, k_len = 5, 40
+    q, k, v = _inputs(1, 1, 1, q_len, k_len, dim=16, v_dim=16, seed=14)
+    q = torch.zeros_like(q)
+    q[..., 0] = 1.69e19
+    k = torch.zeros_like(k)
+    k[..., 0] = torch.linspace(1.0e19, 2.0e19, k_len).to(DEVICE).view(1, 1, k_len)
+    lo, hi = masks.causal().row_ranges(q_len, k_len)
+    expected = v[0, 0, hi[0, 0].long() - 1]  # each row's last key has the largest score
+    top = (q[0, 0, :, 0].cpu().double() * k[0, 0, hi[0, 0].long() - 1, 0].cpu().double() * 0.75).float()
+    assert bool((top > 3.4028235e38 / 1.4426950408889634).all()) and bool(torch.isfinite(top).all())
+    for options in ({}, {"alibi_slopes": torch.zeros(1).to(DEVICE)}):
+        out, lse = kernel.forward(q, k, v, lo, hi, scale=0.75, **SMALL, **options)
+        torch.testing.assert_close(out[0, 0], expected, atol=0, rtol=0)
+        torch.testing.assert_close(lse[0, 0].cpu(), top.cpu(), atol=0, rtol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision(dtype: torch.dtype) -> None:
     """At most twice the error of the formula computed in ``dtype``, plus 1e-4 (FlashAttention's rule)."""

@@ -10,18 +10,41 @@ Scores and the lse stay in natural units, as the definition computes them; the s
 ``exp2``, the cheap instruction, of ``(s - max) * log2(e)``: multiplying after the subtraction costs
 the same one multiply as converting the scores first, and a finite score above float32's largest
 value over log2(e) (~2.4e38) then stays finite instead of overflowing into a NaN row.
+
+A score is one rounded product, ``fl(qk * scale)``, as the definition's: :func:`rounded_product`.
+Left to itself, the compiler fuses that product into the subtraction that follows (one FFMA:
+``qk * scale - max`` rounded once), so the row's own maximum came out as the product's rounding
+error instead of 0: a weight of ``exp(r)`` with ``r`` up to half a unit in the last place of the
+score (ptxas's FFMA, seen in the forward's and dQ's SASS). That is as large as the score's own
+rounding, but the definition's row maximum weighs exactly 1: here it weighed up to ``e`` from a
+score of ~1.7e7 and ``inf`` (a NaN row from finite inputs) from ~2.1e9.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-__all__ = ["LOG2E", "LN2", "fmix32", "mix", "row_hash", "keep", "dropped", "scores", "alibi_slope", "in_range",
-           "dot", "load_bounds", "key_span", "exp_shifted", "row_stats"]
+__all__ = ["LOG2E", "LN2", "INTERPRETED", "rounded_product", "fmix32", "mix", "row_hash", "keep", "dropped", "scores",
+           "alibi_slope", "in_range",
+           "dot", "load_bounds", "key_span", "tile_offsets", "exp_shifted", "row_stats"]
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+#: Whether the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, which triton reads when
+#: it decorates them, at import): it runs them on numpy, which fuses nothing and calls no libdevice.
+INTERPRETED: tl.constexpr = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
+
+@triton.jit
+def rounded_product(a, b):
+    """``a * b`` rounded to float32 on its own (PTX ``mul.rn``), which the compiler never fuses into
+    an add that follows, as it does a plain ``*`` (see the module's docstring)."""
+    if INTERPRETED:
+        return a * b
+    else:
+        return libdevice.mul_rn(a, b)
 
 
 # -- dropout: attnkit's counter-based hash (attnkit._backends.dropout), in uint32 arithmetic ---------
@@ -131,10 +154,10 @@ def scores(qk, rows, keys, scale, softcap, slope, k_minus_q,
     ``row + k_minus_q``."""
     if SOFTCAP:
         t = _tanh(qk * (scale / softcap))
-        s = t * softcap
+        s = rounded_product(t, softcap)
     else:
         t = qk
-        s = qk * scale
+        s = rounded_product(qk, scale)
     if HAS_ALIBI:
         s = s - slope * tl.abs(rows + k_minus_q - keys).to(tl.float32)
     return s, t
@@ -188,6 +211,21 @@ def key_span(lo, hi, valid, k_len, BLOCK_N: tl.constexpr):
     full_hi = tl.minimum((tl.min(tl.where(valid, hi, k_len), 0) // BLOCK_N) * BLOCK_N, end)
     none = full_hi <= full_lo
     return start, tl.where(none, end, full_lo), tl.where(none, end, full_hi), end
+
+
+@triton.jit
+def tile_offsets(stride_m, stride_d, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The int32 offsets of a block of ``BLOCK_N`` key rows' tile from its first row (``[BLOCK_D,
+    BLOCK_N]``, features down, if ``TRANSPOSED``, else ``[BLOCK_N, BLOCK_D]``; a block spans far less
+    than 2^31 elements). Computed once per program, so that a loop moves its tiles by one scalar
+    offset a block: recomputing 64-bit addresses per element cost ptxas about 100 integer
+    instructions a block in the forward (bf16, D = 128, 64 x 64 tiles)."""
+    n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    if TRANSPOSED:
+        return d[:, None] * stride_d + n[None, :] * stride_m
+    else:
+        return n[:, None] * stride_m + d[None, :] * stride_d
 
 
 @triton.jit

@@ -3,9 +3,10 @@ intervals reach.
 
 One program owns ``BLOCK_M`` query rows of one ``(n, h)``. It reads the rows' ``[lo, hi)`` once per
 range and splits the keys they reach into three runs of blocks (:func:`.common.key_span`): partly
-attended blocks before and after, which pay for an element-wise mask, and the blocks every row
-attends whole, which run with no mask at all; keys outside the span are never loaded. Two ranges a
-row run one after the other, each masked to itself, so a block both reach is counted once per pair.
+attended blocks before and after, which pay for an element-wise mask (one loop for both), and the
+blocks every row attends whole, which run with no mask at all; keys outside the span are never
+loaded. Two ranges a row run one after the other, each masked to itself, so a block both reach is
+counted once per pair.
 
 Masked-out pairs never enter the sums, so the output needs no check afterwards (no host sync):
 their scores become ``-inf`` through ``tl.where`` (a NaN score stays out), and values of keys no
@@ -41,35 +42,49 @@ __all__ = ["launch"]
 
 
 @triton.jit
-def _visit(acc, m_i, l_i, q, k_base, v_base, start, rows, lo, hi, drop_a, drop_c, seed_ptr,
-           stride_km, stride_kd, stride_vm, stride_vd, k_len, head_dim, v_dim,
-           scale, softcap, slope, k_minus_q,
-           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
+def _visit(acc, m_i, l_i, q, k_base, v_base, kt_offsets, v_offsets, d_inside, dv_inside, start, rows, lo, hi,
+           drop_a, drop_c, seed_ptr, stride_km, stride_vm, k_len,
+           scale, exp_scale, softcap, slope, k_minus_q,
+           BLOCK_N: tl.constexpr, MASKED: tl.constexpr, RAW: tl.constexpr,
            SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
-    """One key block into the running ``(acc, max, sum)`` of the rows."""
+    """One key block into the running ``(acc, max, sum)`` of the rows. ``kt_offsets, v_offsets``
+    (:func:`.common.tile_offsets`) place the block's K^T and V tiles from its first key, and
+    ``d_inside, dv_inside`` say which features lie inside ``head_dim`` and ``v_dim``.
+
+    ``RAW`` (no score modifier, ``scale > 0``): the max runs over the raw products ``qk`` and the
+    weights are ``exp2((qk - max) * exp_scale)``, ``exp_scale = scale * log2(e)``: one multiply an
+    element fewer than scores in natural units, and the row's maximum still weighs exactly 1 (a
+    subtraction, then a multiply: nothing the compiler can fuse). ``max(fl(qk * scale)) =
+    fl(max(qk) * scale)`` for ``scale > 0``, so the caller's lse is the natural one; where that
+    product overflows, the caller gives the row what the natural scores would (NaN, or no weight)."""
     keys = start + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
-    key_offsets = keys.to(tl.int64)
-    kt_ptrs = k_base + d[:, None] * stride_kd + key_offsets[None, :] * stride_km
-    v_ptrs = v_base + key_offsets[:, None] * stride_vm + dv[None, :] * stride_vd
+    block = tl.cast(start, tl.int64)  # a plain int under the interpreter
+    kt_ptrs = k_base + block * stride_km + kt_offsets
+    v_ptrs = v_base + block * stride_vm + v_offsets
     if MASKED:
         attend = c.in_range(lo[:, None], hi[:, None], keys[None, :])
         used = tl.max(attend.to(tl.int32), 0) > 0  # keys some row attends (hi <= k_len: none past it)
-        kt = tl.load(kt_ptrs, mask=(d[:, None] < head_dim) & (keys[None, :] < k_len), other=0.0)
-        v = tl.load(v_ptrs, mask=used[:, None] & (dv[None, :] < v_dim), other=0.0)
+        kt = tl.load(kt_ptrs, mask=d_inside[:, None] & (keys[None, :] < k_len), other=0.0)
+        v = tl.load(v_ptrs, mask=used[:, None] & dv_inside[None, :], other=0.0)
     else:
-        kt = tl.load(kt_ptrs, mask=d[:, None] < head_dim, other=0.0)
-        v = tl.load(v_ptrs, mask=dv[None, :] < v_dim, other=0.0)
-    s, _ = c.scores(c.dot(q, kt, IEEE), rows[:, None], keys[None, :], scale, softcap, slope, k_minus_q,
-                    SOFTCAP, HAS_ALIBI)
+        kt = tl.load(kt_ptrs, mask=d_inside[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=dv_inside[None, :], other=0.0)
+    if RAW:
+        s = c.dot(q, kt, IEEE)
+    else:
+        s, _ = c.scores(c.dot(q, kt, IEEE), rows[:, None], keys[None, :], scale, softcap, slope, k_minus_q,
+                        SOFTCAP, HAS_ALIBI)
     if MASKED:
         s = tl.where(attend, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row with nothing attended yet keeps max -inf: shift by 0 instead (exp(-inf - -inf) is NaN)
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = c.exp_shifted(m_i, shift)
-    p = c.exp_shifted(s, shift[:, None])
+    if RAW:
+        alpha = tl.exp2((m_i - shift) * exp_scale)
+        p = tl.exp2((s - shift[:, None]) * exp_scale)
+    else:
+        alpha = c.exp_shifted(m_i, shift)
+        p = c.exp_shifted(s, shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)  # the lse is before dropout
     if DROPOUT:
         p = c.dropped(p, c.keep(seed_ptr, drop_a[:, None], drop_c[:, None], keys[None, :]), 1.0)
@@ -89,10 +104,11 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed, Gate,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, RANGES: tl.constexpr, SOFTCAP: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
-                    SECOND_PASS: tl.constexpr, GATED: tl.constexpr):
+                    SECOND_PASS: tl.constexpr, GATED: tl.constexpr, RAW: tl.constexpr):
     """Grid ``(cdiv(Lq, BLOCK_M), N * H)``: output and lse of one query block of one head. ``GATED``
     (with ``SECOND_PASS``): the redo launch, whose program writes nothing unless ``Gate`` says the
-    values hold a NaN or inf and its own partly attended blocks do."""
+    values hold a NaN or inf and its own partly attended blocks do. ``RAW``: the rows' max in raw
+    products (:func:`_visit`)."""
     if GATED:
         if tl.load(Gate) == 0:
             return
@@ -110,6 +126,10 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed, Gate,
                 mask=valid[:, None] & (d[None, :] < head_dim), other=0.0)
     k_minus_q = k_len - q_len
 
+    kt_offsets = c.tile_offsets(stride_km, stride_kd, BLOCK_N, BLOCK_D, True)
+    v_offsets = c.tile_offsets(stride_vm, stride_vd, BLOCK_N, BLOCK_DV, False)
+    d_inside, dv_inside = d < head_dim, dv < v_dim
+    exp_scale = scale * c.LOG2E
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -117,22 +137,32 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed, Gate,
         lo, hi = c.load_bounds(Lo + n * stride_ls + r * stride_lr, Hi + n * stride_ls + r * stride_lr,
                                rows, q_len, k_len)
         start, full_lo, full_hi, end = c.key_span(lo, hi, valid, k_len, BLOCK_N)
-        for block in range(start, full_lo, BLOCK_N):
-            acc, m_i, l_i = _visit(acc, m_i, l_i, q, k_base, v_base, block, rows, lo, hi, drop_a, drop_c, Seed,
-                                   stride_km, stride_kd, stride_vm, stride_vd, k_len, head_dim, v_dim,
-                                   scale, softcap, slope, k_minus_q,
-                                   BLOCK_N, BLOCK_D, BLOCK_DV, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+        # The partly attended blocks before and after the whole ones in one masked loop (its index jumps
+        # over them), then the whole ones. With a loop for each of the three runs and the tiles moved by
+        # offsets, ptxas serialised every wgmma of the kernel (each waiting for the one before; its
+        # warning C7515) in every tile configuration; tests/test_triton_compiles.py checks it does not.
+        skip = full_hi - full_lo
+        for edge in range(start, end - skip, BLOCK_N):
+            block = edge + skip * (edge >= full_lo).to(tl.int32)
+            acc, m_i, l_i = _visit(acc, m_i, l_i, q, k_base, v_base, kt_offsets, v_offsets, d_inside, dv_inside,
+                                   block, rows, lo, hi, drop_a, drop_c, Seed, stride_km, stride_vm, k_len,
+                                   scale, exp_scale, softcap, slope, k_minus_q, BLOCK_N, True, RAW, SOFTCAP,
+                                   HAS_ALIBI, DROPOUT, IEEE)
         for block in range(full_lo, full_hi, BLOCK_N):
-            acc, m_i, l_i = _visit(acc, m_i, l_i, q, k_base, v_base, block, rows, lo, hi, drop_a, drop_c, Seed,
-                                   stride_km, stride_kd, stride_vm, stride_vd, k_len, head_dim, v_dim,
-                                   scale, softcap, slope, k_minus_q,
-                                   BLOCK_N, BLOCK_D, BLOCK_DV, False, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
-        for block in range(full_hi, end, BLOCK_N):
-            acc, m_i, l_i = _visit(acc, m_i, l_i, q, k_base, v_base, block, rows, lo, hi, drop_a, drop_c, Seed,
-                                   stride_km, stride_kd, stride_vm, stride_vd, k_len, head_dim, v_dim,
-                                   scale, softcap, slope, k_minus_q,
-                                   BLOCK_N, BLOCK_D, BLOCK_DV, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+            acc, m_i, l_i = _visit(acc, m_i, l_i, q, k_base, v_base, kt_offsets, v_offsets, d_inside, dv_inside,
+                                   block, rows, lo, hi, drop_a, drop_c, Seed, stride_km, stride_vm, k_len,
+                                   scale, exp_scale, softcap, slope, k_minus_q, BLOCK_N, False, RAW, SOFTCAP,
+                                   HAS_ALIBI, DROPOUT, IEEE)
 
+    if RAW:  # the max in natural units, fl(max(qk) * scale), as the backward's scores round theirs
+        m_raw = m_i
+        m_i = c.rounded_product(m_raw, scale)
+        # Where that overflows, so did the scores in natural units, and the definition's row is NaN (the
+        # max +inf, and +inf - +inf) or weighs every key 0 (all -inf: zeros, but 0 x a NaN or inf value).
+        l_i = tl.where(m_i == float("inf"), float("nan"), l_i)
+        no_weight = (m_i == float("-inf")) & (m_raw > float("-inf"))
+        l_i = tl.where(no_weight, 0.0, l_i)
+        acc = tl.where(no_weight[:, None], acc * 0.0, acc)
     if SECOND_PASS and non_finite.in_partial_blocks(v_base, rows, valid, Lo + n * stride_ls, Hi + n * stride_ls,
                                                     stride_lr, stride_vm, stride_vd, q_len, k_len, v_dim,
                                                     BLOCK_N, BLOCK_DV, RANGES):
@@ -174,6 +204,7 @@ def launch(prep: Prepared, block_m: int, block_n: int, num_warps: int, num_stage
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
     grid = (triton.cdiv(q_len, block_m), n * heads)
+    raw = not (prep.has_softcap or prep.has_alibi) and prep.scale > 0.0
 
     def run(gate: Tensor, pass_compiled: bool, gated: bool) -> None:
         _forward_kernel[grid](
@@ -184,7 +215,7 @@ def launch(prep: Prepared, block_m: int, block_n: int, num_warps: int, num_stage
             prep.scale, prep.softcap, prep.drop_scale,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=prep.block_d, BLOCK_DV=prep.block_dv, RANGES=prep.ranges,
             SOFTCAP=prep.has_softcap, HAS_ALIBI=prep.has_alibi, DROPOUT=prep.has_dropout, IEEE=prep.ieee,
-            SECOND_PASS=pass_compiled, GATED=gated, num_warps=num_warps, num_stages=num_stages)
+            SECOND_PASS=pass_compiled, GATED=gated, RAW=raw, num_warps=num_warps, num_stages=num_stages)
 
     run(lse, second_pass == "inline", False)  # lse: a pointer the ungated kernel never reads
     if second_pass == "gated" and value.numel() > 0:
