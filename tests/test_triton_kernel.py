@@ -184,6 +184,8 @@ def test_the_runs_of_query_blocks_a_key_block_reaches() -> None:
     assert runs(lo, hi, 12) == [[0, 0, 1, 3], [0, 0, 0, 0], [1, 1, 2, 2]]
     # a ragged last key block is never whole: masked
     assert runs([0] * 4, [10] * 4, 10, block_m=4, block_n=8) == [[0, 0, 1, 1], [0, 1, 1, 1]]
+    # nor is a ragged last query block (its rows past Lq attend nothing): the whole visits load no row past Lq
+    assert runs([0] * 10, [12] * 10, 12) == [[0, 0, 2, 3]] * 3
 
 
 def test_the_walk_is_checked() -> None:

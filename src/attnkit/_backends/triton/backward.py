@@ -36,10 +36,13 @@ __all__ = ["launch"]
 
 
 @triton.jit
-def _delta_kernel(Out, dOut, dLse, Delta, stride_on, stride_oh, stride_om, stride_od,
+def _delta_kernel(Out, dOut, dLse, Lse, Delta, RowLse, stride_on, stride_oh, stride_om, stride_od,
                   stride_gn, stride_gh, stride_gm, stride_gd, heads, q_len, v_dim,
                   BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr):
-    """``delta = rowsum(dO * O) - dlse`` (float32 ``[N, H, Lq]``)."""
+    """``delta = rowsum(dO * O) - dlse`` and the lse the other kernels read, with +inf for rows of no
+    key (lse -inf) so that their weights come out 0 wherever they are computed (float32 ``[N, H,
+    Lq]`` each): per row here, where the dK/dV kernel turned it per element of every query block it
+    visited (48 instructions of its 599 a block, default tiles)."""
     pid_nh = tl.program_id(1)
     n = (pid_nh // heads).to(tl.int64)
     h = (pid_nh % heads).to(tl.int64)
@@ -55,6 +58,8 @@ def _delta_kernel(Out, dOut, dLse, Delta, stride_on, stride_oh, stride_om, strid
     if HAS_DLSE:
         delta -= tl.load(dLse + offsets, mask=rows < q_len, other=0.0)
     tl.store(Delta + offsets, delta, mask=rows < q_len)
+    lse = tl.load(Lse + offsets, mask=rows < q_len, other=0.0)
+    tl.store(RowLse + offsets, tl.where(lse == float("-inf"), float("inf"), lse), mask=rows < q_len)
 
 
 
@@ -84,10 +89,11 @@ def launch(prep: Prepared, grad_out: Tensor, grad_lse: Tensor | None, out: Tenso
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     lse = lse.to(torch.float32).contiguous()
     delta = torch.empty((n, heads, q_len), dtype=torch.float32, device=query.device)
+    row_lse = torch.empty_like(delta)
     dlse = lse if grad_lse is None else grad_lse.to(torch.float32).expand(n, heads, q_len).contiguous()
     rows_block = max(16, 4096 // prep.block_dv)  # two [rows, Dv] fp32 tiles in registers
     _delta_kernel[(triton.cdiv(q_len, rows_block), n * heads)](
-        out, grad_out, dlse, delta, *out.stride(), *grad_out.stride(), heads, q_len, v_dim,
+        out, grad_out, dlse, lse, delta, row_lse, *out.stride(), *grad_out.stride(), heads, q_len, v_dim,
         BLOCK_M=rows_block, BLOCK_DV=prep.block_dv, HAS_DLSE=grad_lse is not None)
 
     kv_m, kv_n, q_m, q_n = blocks
@@ -103,14 +109,14 @@ def launch(prep: Prepared, grad_out: Tensor, grad_lse: Tensor | None, out: Tenso
                   num_warps=num_warps, num_stages=num_stages)
     strides = (*query.stride(), *key.stride(), *value.stride(), *grad_out.stride())
     dkdv_kernel[(triton.cdiv(k_len, kv_n), n * kv_heads)](
-        query, key, value, grad_out, lse, delta, dk, dv, prep.lo, prep.hi, summary, reached, prep.slopes, prep.seed,
+        query, key, value, grad_out, row_lse, delta, dk, dv, prep.lo, prep.hi, summary, reached, prep.slopes, prep.seed,
         *strides, prep.stride_ls, prep.stride_lr,
         summary.stride(0) if summary.shape[0] > 1 else 0, summary.stride(1),
         reached.stride(0) if reached.shape[0] > 1 else 0, reached.stride(1), prep.stride_sn, prep.stride_sh,
         kv_heads, prep.heads_per_kv, q_len, k_len, head_dim, v_dim,
         prep.scale, prep.softcap, prep.drop_scale, BLOCK_M=kv_m, BLOCK_N=kv_n, RUNS=walk == "runs", **common)
     dq_kernel[(triton.cdiv(q_len, q_m), n * heads)](
-        query, key, value, grad_out, lse, delta, dq, prep.lo, prep.hi, prep.slopes, prep.seed,
+        query, key, value, grad_out, row_lse, delta, dq, prep.lo, prep.hi, prep.slopes, prep.seed,
         *strides, prep.stride_ls, prep.stride_lr, prep.stride_sn, prep.stride_sh,
         heads, prep.heads_per_kv, q_len, k_len, head_dim, v_dim,
         prep.scale, prep.softcap, prep.drop_scale, BLOCK_M=q_m, BLOCK_N=q_n, **common)

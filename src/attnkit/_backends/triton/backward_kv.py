@@ -25,7 +25,7 @@ __all__ = ["dkdv_kernel"]
 
 
 @triton.jit
-def _visit_rows(dk, dv, k, v, keys, start, q_base, do_base, Lse, Delta, lo_ptr, hi_ptr, Seed, n, h,
+def _visit_rows(dk, dv, k, v, keys, start, q_base, do_base, RowLse, Delta, lo_ptr, hi_ptr, Seed, n, h,
                 stride_qm, stride_qd, stride_gm, stride_gd, q_len, k_len, head_dim, v_dim,
                 scale, softcap, slope, drop_scale,
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
@@ -34,18 +34,21 @@ def _visit_rows(dk, dv, k, v, keys, start, q_base, do_base, Lse, Delta, lo_ptr, 
     rows = start + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     e = tl.arange(0, BLOCK_DV)
-    lse, delta = c.row_stats(Lse, Delta, rows, q_len)
+    lse, delta = c.row_stats(RowLse, Delta, rows, q_len)
     if MASKED:
         lo, hi = c.load_bounds(lo_ptr, hi_ptr, rows, q_len, k_len)
         attend = c.in_range(lo[None, :], hi[None, :], keys[:, None])
         used = tl.max(attend.to(tl.int32), 0) > 0  # rows that attend some key here (none past q_len)
-    else:
-        used = rows < q_len
     row_offsets = rows.to(tl.int64)[:, None]
-    q = tl.load(q_base + row_offsets * stride_qm + d[None, :] * stride_qd,
-                mask=used[:, None] & (d[None, :] < head_dim), other=0.0)
-    do = tl.load(do_base + row_offsets * stride_gm + e[None, :] * stride_gd,
-                 mask=used[:, None] & (e[None, :] < v_dim), other=0.0)
+    if MASKED:
+        q = tl.load(q_base + row_offsets * stride_qm + d[None, :] * stride_qd,
+                    mask=used[:, None] & (d[None, :] < head_dim), other=0.0)
+        do = tl.load(do_base + row_offsets * stride_gm + e[None, :] * stride_gd,
+                     mask=used[:, None] & (e[None, :] < v_dim), other=0.0)
+    else:  # a whole block: every row attends every key here, so none lies past q_len (block_summary)
+        q = tl.load(q_base + row_offsets * stride_qm + d[None, :] * stride_qd, mask=d[None, :] < head_dim, other=0.0)
+        do = tl.load(do_base + row_offsets * stride_gm + e[None, :] * stride_gd, mask=e[None, :] < v_dim,
+                     other=0.0)
     s, t = c.scores(c.dot(k, tl.trans(q), IEEE), rows[None, :], keys[:, None], scale, softcap, slope,
                     k_len - q_len, SOFTCAP, HAS_ALIBI)
     p = c.exp_shifted(s, lse[None, :])
@@ -69,7 +72,7 @@ def _visit_rows(dk, dv, k, v, keys, start, q_base, do_base, Lse, Delta, lo_ptr, 
 
 
 @triton.jit
-def dkdv_kernel(Q, K, V, dOut, Lse, Delta, dK, dV, Lo, Hi, Summary, Reached, Slopes, Seed,
+def dkdv_kernel(Q, K, V, dOut, RowLse, Delta, dK, dV, Lo, Hi, Summary, Reached, Slopes, Seed,
                 stride_qn, stride_qh, stride_qm, stride_qd, stride_kn, stride_kh, stride_km, stride_kd,
                 stride_vn, stride_vh, stride_vm, stride_vd, stride_gn, stride_gh, stride_gm, stride_gd,
                 stride_ls, stride_lr, stride_us, stride_ur, stride_rs, stride_rr, stride_sn, stride_sh,
@@ -110,7 +113,7 @@ def dkdv_kernel(Q, K, V, dOut, Lse, Delta, dK, dV, Lo, Hi, Summary, Reached, Slo
             hi_ptr = Hi + n * stride_ls + r * stride_lr
             # only the query blocks between the first and the last that reach this key block
             span = Reached + n * stride_rs + r * stride_rr + tl.program_id(0) * 4
-            lse_nh, delta_nh = Lse + nh * q_len, Delta + nh * q_len
+            lse_nh, delta_nh = RowLse + nh * q_len, Delta + nh * q_len
             if RUNS:  # the blocks before the whole run and after it masked, the run unmasked: no branch
                 begin, whole_begin = tl.load(span), tl.load(span + 1)
                 whole_end, end = tl.load(span + 2), tl.load(span + 3)

@@ -50,7 +50,7 @@ def _visit_keys(dq, q, do, lse, delta, rows, start, lo, hi, drop_a, drop_c, Seed
 
 
 @triton.jit
-def dq_kernel(Q, K, V, dOut, Lse, Delta, dQ, Lo, Hi, Slopes, Seed,
+def dq_kernel(Q, K, V, dOut, RowLse, Delta, dQ, Lo, Hi, Slopes, Seed,
               stride_qn, stride_qh, stride_qm, stride_qd, stride_kn, stride_kh, stride_km, stride_kd,
               stride_vn, stride_vh, stride_vm, stride_vd, stride_gn, stride_gh, stride_gm, stride_gd,
               stride_ls, stride_lr, stride_sn, stride_sh,
@@ -70,7 +70,7 @@ def dq_kernel(Q, K, V, dOut, Lse, Delta, dQ, Lo, Hi, Slopes, Seed,
                 mask=valid[:, None] & (d[None, :] < head_dim), other=0.0)
     do = tl.load(dOut + n64 * stride_gn + h.to(tl.int64) * stride_gh + row_offsets * stride_gm
                  + e[None, :] * stride_gd, mask=valid[:, None] & (e[None, :] < v_dim), other=0.0)
-    lse, delta = c.row_stats(Lse + pid_nh.to(tl.int64) * q_len, Delta + pid_nh.to(tl.int64) * q_len, rows, q_len)
+    lse, delta = c.row_stats(RowLse + pid_nh.to(tl.int64) * q_len, Delta + pid_nh.to(tl.int64) * q_len, rows, q_len)
 
     kt_offsets = c.tile_offsets(stride_km, stride_kd, BLOCK_N, BLOCK_D, True)
     vt_offsets = c.tile_offsets(stride_vm, stride_vd, BLOCK_N, BLOCK_DV, True)

@@ -170,11 +170,10 @@ def exp_shifted(s, shift):
 
 
 @triton.jit
-def row_stats(Lse, Delta, rows, q_len):
-    """The rows' lse, with ``+inf`` for rows of no key (and past ``q_len``) so that
-    their weights come out 0 wherever they are computed, and their delta."""
-    lse = tl.load(Lse + rows, mask=rows < q_len, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+def row_stats(RowLse, Delta, rows, q_len):
+    """The rows' lse as the delta kernel wrote it (``+inf`` for rows of no key), ``+inf`` past
+    ``q_len`` too, so that their weights come out 0 wherever they are computed, and their delta."""
+    lse = tl.load(RowLse + rows, mask=rows < q_len, other=float("inf"))
     return lse, tl.load(Delta + rows, mask=rows < q_len, other=0.0)
 
 
