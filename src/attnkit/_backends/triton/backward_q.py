@@ -1,9 +1,9 @@
 """The dQ kernel of the backward (:mod:`.backward`): one query block of one query head.
 
-It visits key blocks exactly as the forward does (:func:`.common.key_span`: partial blocks masked, in
-one loop, blocks every row attends whole unmasked, the rest never loaded) and recomputes each block's weights
-from the lse. Keys that no row of a masked block attends load as zeros, so a NaN in a padded key
-cannot reach dQ through ``dS @ K``.
+It visits key blocks exactly as the forward does (:func:`.common.key_span`: partial blocks masked,
+in one loop, blocks every row attends whole unmasked, the rest never loaded) and recomputes each
+block's weights from the lse. Keys that no row of a masked block attends load as zeros, so a NaN in
+a padded key cannot reach dQ through ``dS @ K``.
 """
 
 from __future__ import annotations

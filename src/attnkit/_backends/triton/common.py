@@ -6,7 +6,8 @@ So each of those is written once, here, as element-wise functions of broadcastab
 forward and the dQ kernel call them on ``[BLOCK_M, BLOCK_N]`` tiles (rows down), the dK/dV kernel
 on ``[BLOCK_N, BLOCK_M]`` tiles (keys down); the caller shapes ``rows`` and ``keys`` to match.
 
-Scores and the lse stay in natural units, as the definition computes them; the softmax runs on
+Scores and the lse stay in natural units, as the definition computes them (the forward's rows' max,
+where no score modifier is set, in raw products: ``forward._visit``); the softmax runs on
 ``exp2``, the cheap instruction, of ``(s - max) * log2(e)``: multiplying after the subtraction costs
 the same one multiply as converting the scores first, and a finite score above float32's largest
 value over log2(e) (~2.4e38) then stays finite instead of overflowing into a NaN row.
@@ -26,9 +27,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-__all__ = ["LOG2E", "LN2", "INTERPRETED", "rounded_product", "fmix32", "mix", "row_hash", "keep", "dropped", "scores",
-           "alibi_slope", "in_range",
-           "dot", "load_bounds", "key_span", "tile_offsets", "exp_shifted", "row_stats"]
+__all__ = ["LOG2E", "LN2", "INTERPRETED", "rounded_product", "fmix32", "mix", "row_hash", "keep", "dropped",
+           "scores", "alibi_slope", "in_range", "dot", "load_bounds", "key_span", "tile_offsets", "exp_shifted",
+           "row_stats"]
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)

@@ -18,9 +18,9 @@ output a second time without that leak (:mod:`.non_finite`): rare, and off the h
 
 Compiled into the kernel, that pass costs registers even where it never runs: ptxas (sm_90a, bf16,
 D = 128, the default 64 x 64 tiles, 4 warps, specialised as the launch is) spills nothing without
-it and 100 bytes of stores, 132 of loads with it (``benchmarks/triton_spills.py``). So
-:func:`launch` runs it ``"gated"``: the kernel
-without the pass, then the same kernel with it, as a second launch whose programs return at once
+it and 184 bytes of stores, 220 of loads with it (``benchmarks/triton_spills.py``). So
+:func:`launch` runs it ``"gated"``: the kernel without the pass, then the same kernel with it, as
+a second launch whose programs return at once
 unless the values hold a NaN or inf (one ``aminmax`` over them on the device, no host sync) and
 their own partly attended blocks do. Both give the same bits; on an H100 (L = 32768, H = 16,
 bf16) the gated forward took 1.14 ms for a window of 1024 and 1.80 for 8 documents, the inline
