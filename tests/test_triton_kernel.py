@@ -11,6 +11,8 @@ the same formula computed in that dtype, plus a little slack.
 
 from __future__ import annotations
 
+import importlib
+
 import os
 import subprocess
 import sys
@@ -383,6 +385,33 @@ def test_non_finite_values_in_partial_blocks_reach_only_the_rows_that_attend_the
     finite = torch.isfinite(want)
     torch.testing.assert_close(out.cpu().double()[finite], want[finite], atol=2e-5, rtol=0)
     torch.testing.assert_close(lse.cpu().double(), want_lse, atol=2e-5, rtol=0)
+
+
+def test_a_nan_value_between_the_rows_ranges_stays_out() -> None:
+    """The kernels load a partly attended block's values over the hull of its rows' ranges
+    (``common.key_hull``): a key in a gap between them, which no row attends, holding NaN reaches
+    the block's products, and the forward's second pass must find it there and redo those rows."""
+    length = 32
+    rows = torch.arange(length)
+    lo = torch.where(rows < 8, 0, torch.where(rows < 16, 10, 16))[None, None]
+    hi = torch.where(rows < 8, 4, torch.where(rows < 16, 16, 32))[None, None]
+    q, k, v = _inputs(1, 2, 1, length, length, dim=16, v_dim=16, seed=16)
+    v[0, 0, 6, 2] = float("nan")  # key 6: inside rows 0-15's hull [0, 16), attended by none
+    from attnkit._backends import blockwise
+
+    assert not bool(_allowed(lo, hi, length)[..., 6].any())
+    # the pairwise definition: a masked pair is never multiplied
+    want, want_lse, _ = blockwise.dense_attention(*(t.cpu().double() for t in (q, k, v)), lo, hi, None, 0.25, 0.0,
+                                                  None, exact=True)
+    assert bool(torch.isfinite(want).all())
+    for second_pass in ("gated", "inline"):
+        prep = kernel.prepare(q, k, v, lo.to(DEVICE), hi.to(DEVICE), scale=0.25, softcap=None, alibi_slopes=None,
+                              dropout=0.0, seed=None)
+        out, lse = importlib.import_module("attnkit._backends.triton.forward").launch(prep, 16, 16, 4, 1,
+                                                                                      second_pass=second_pass)
+        assert bool(torch.isfinite(out).all()), second_pass
+        _close(out, want, what=f"out, {second_pass}")
+        _close(lse, want_lse, what=f"lse, {second_pass}")
 
 
 @pytest.mark.parametrize("poison", ["none", "partial blocks", "padding only"])

@@ -2,8 +2,8 @@
 
 It visits key blocks exactly as the forward does (:func:`.common.key_span`: partial blocks masked,
 in one loop, blocks every row attends whole unmasked, the rest never loaded) and recomputes each
-block's weights from the lse. Keys that no row of a masked block attends load as zeros, so a NaN in
-a padded key cannot reach dQ through ``dS @ K``.
+block's weights from the lse. Keys outside the hull of a masked block's rows' ranges
+(:func:`.common.key_hull`) load as zeros, so a NaN in a padded key cannot reach dQ through ``dS @ K``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ __all__ = ["dq_kernel"]
 
 
 @triton.jit
-def _visit_keys(dq, q, do, lse, delta, rows, start, lo, hi, drop_a, drop_c, Seed, k_base, v_base,
+def _visit_keys(dq, q, do, lse, delta, rows, start, lo, hi, first, last, drop_a, drop_c, Seed, k_base, v_base,
                 kt_offsets, vt_offsets, d_inside, e_inside, stride_km, stride_vm, q_len, k_len,
                 scale, softcap, slope, drop_scale,
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
@@ -28,7 +28,7 @@ def _visit_keys(dq, q, do, lse, delta, rows, start, lo, hi, drop_a, drop_c, Seed
     block = tl.cast(start, tl.int64)  # a plain int under the interpreter
     if MASKED:
         attend = c.in_range(lo[:, None], hi[:, None], keys[None, :])
-        used = tl.max(attend.to(tl.int32), 0) > 0  # keys some row attends (none past k_len)
+        used = (keys >= first) & (keys < last)  # keys some row may reach (common.key_hull)
         kt = tl.load(k_base + block * stride_km + kt_offsets, mask=used[None, :] & d_inside[:, None], other=0.0)
         vt = tl.load(v_base + block * stride_vm + vt_offsets, mask=used[None, :] & e_inside[:, None], other=0.0)
     else:  # every row attends every key of the block (all inside k_len)
@@ -80,15 +80,18 @@ def dq_kernel(Q, K, V, dOut, RowLse, Delta, dQ, Lo, Hi, Slopes, Seed,
         lo, hi = c.load_bounds(Lo + n * stride_ls + r * stride_lr, Hi + n * stride_ls + r * stride_lr,
                                rows, q_len, k_len)
         start, full_lo, full_hi, end = c.key_span(lo, hi, valid, k_len, BLOCK_N)
+        first, last = c.key_hull(lo, hi, k_len)
         # partly attended blocks before and after the whole ones in one masked loop, as the forward's
         skip = full_hi - full_lo
         for edge in range(start, end - skip, BLOCK_N):
             block = edge + skip * (edge >= full_lo).to(tl.int32)
-            dq = _visit_keys(dq, q, do, lse, delta, rows, block, lo, hi, drop_a, drop_c, Seed, k_base, v_base,
+            dq = _visit_keys(dq, q, do, lse, delta, rows, block, lo, hi, first, last, drop_a, drop_c, Seed,
+                             k_base, v_base,
                              kt_offsets, vt_offsets, d_inside, e_inside, stride_km, stride_vm, q_len, k_len,
                              scale, softcap, slope, drop_scale, BLOCK_N, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
         for block in range(full_lo, full_hi, BLOCK_N):
-            dq = _visit_keys(dq, q, do, lse, delta, rows, block, lo, hi, drop_a, drop_c, Seed, k_base, v_base,
+            dq = _visit_keys(dq, q, do, lse, delta, rows, block, lo, hi, first, last, drop_a, drop_c, Seed,
+                             k_base, v_base,
                              kt_offsets, vt_offsets, d_inside, e_inside, stride_km, stride_vm, q_len, k_len,
                              scale, softcap, slope, drop_scale, BLOCK_N, False, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
     # dQ is a fresh contiguous tensor [N, H, Lq, D]

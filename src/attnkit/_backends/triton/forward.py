@@ -9,16 +9,17 @@ loaded. Two ranges a row run one after the other, each masked to itself, so a bl
 counted once per pair.
 
 Masked-out pairs never enter the sums, so the output needs no check afterwards (no host sync):
-their scores become ``-inf`` through ``tl.where`` (a NaN score stays out), and values of keys no
-row of the block attends load as zeros. A key that some rows of a partly attended block attend and
-others do not still meets all of them in ``P @ V``, where a NaN or inf value would reach the others
+their scores become ``-inf`` through ``tl.where`` (a NaN score stays out), and values of keys
+outside the hull of the block's rows' ranges (:func:`.common.key_hull`) load as zeros. A key that
+some rows of a partly attended block attend and others do not, or one in a gap between their
+ranges, still meets all of them in ``P @ V``, where a NaN or inf value would reach the others
 through ``0 * inf`` (FlashAttention's kernels let it). So after its loop a program looks at the
 values of its partly attended blocks again, and where one holds a NaN or inf it computes its
 output a second time without that leak (:mod:`.non_finite`): rare, and off the hot loop.
 
 Compiled into the kernel, that pass costs registers even where it never runs: ptxas (sm_90a, bf16,
 D = 128, the default 64 x 64 tiles, 4 warps, specialised as the launch is) spills nothing without
-it and 184 bytes of stores, 220 of loads with it (``benchmarks/triton_spills.py``). So
+it and 4 bytes of stores and loads with it (``benchmarks/triton_spills.py``). So
 :func:`launch` runs it ``"gated"``: the kernel without the pass, then the same kernel with it, as
 a second launch whose programs return at once
 unless the values hold a NaN or inf (one ``aminmax`` over them on the device, no host sync) and
@@ -43,7 +44,7 @@ __all__ = ["launch"]
 
 @triton.jit
 def _visit(acc, m_i, l_i, q, k_base, v_base, kt_offsets, v_offsets, d_inside, dv_inside, start, rows, lo, hi,
-           drop_a, drop_c, seed_ptr, stride_km, stride_vm, k_len,
+           first, last, drop_a, drop_c, seed_ptr, stride_km, stride_vm, k_len,
            scale, exp_scale, softcap, slope, k_minus_q,
            BLOCK_N: tl.constexpr, MASKED: tl.constexpr, RAW: tl.constexpr,
            SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
@@ -63,7 +64,7 @@ def _visit(acc, m_i, l_i, q, k_base, v_base, kt_offsets, v_offsets, d_inside, dv
     v_ptrs = v_base + block * stride_vm + v_offsets
     if MASKED:
         attend = c.in_range(lo[:, None], hi[:, None], keys[None, :])
-        used = tl.max(attend.to(tl.int32), 0) > 0  # keys some row attends (hi <= k_len: none past it)
+        used = (keys >= first) & (keys < last)  # keys some row may reach (common.key_hull)
         kt = tl.load(kt_ptrs, mask=d_inside[:, None] & (keys[None, :] < k_len), other=0.0)
         v = tl.load(v_ptrs, mask=used[:, None] & dv_inside[None, :], other=0.0)
     else:
@@ -137,6 +138,7 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed, Gate,
         lo, hi = c.load_bounds(Lo + n * stride_ls + r * stride_lr, Hi + n * stride_ls + r * stride_lr,
                                rows, q_len, k_len)
         start, full_lo, full_hi, end = c.key_span(lo, hi, valid, k_len, BLOCK_N)
+        first, last = c.key_hull(lo, hi, k_len)
         # The partly attended blocks before and after the whole ones in one masked loop (its index jumps
         # over them), then the whole ones. With a loop for each of the three runs and the tiles moved by
         # offsets, ptxas serialised every wgmma of the kernel (each waiting for the one before; its
@@ -145,12 +147,14 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed, Gate,
         for edge in range(start, end - skip, BLOCK_N):
             block = edge + skip * (edge >= full_lo).to(tl.int32)
             acc, m_i, l_i = _visit(acc, m_i, l_i, q, k_base, v_base, kt_offsets, v_offsets, d_inside, dv_inside,
-                                   block, rows, lo, hi, drop_a, drop_c, Seed, stride_km, stride_vm, k_len,
+                                   block, rows, lo, hi, first, last, drop_a, drop_c, Seed, stride_km, stride_vm,
+                                   k_len,
                                    scale, exp_scale, softcap, slope, k_minus_q, BLOCK_N, True, RAW, SOFTCAP,
                                    HAS_ALIBI, DROPOUT, IEEE)
         for block in range(full_lo, full_hi, BLOCK_N):
             acc, m_i, l_i = _visit(acc, m_i, l_i, q, k_base, v_base, kt_offsets, v_offsets, d_inside, dv_inside,
-                                   block, rows, lo, hi, drop_a, drop_c, Seed, stride_km, stride_vm, k_len,
+                                   block, rows, lo, hi, first, last, drop_a, drop_c, Seed, stride_km, stride_vm,
+                                   k_len,
                                    scale, exp_scale, softcap, slope, k_minus_q, BLOCK_N, False, RAW, SOFTCAP,
                                    HAS_ALIBI, DROPOUT, IEEE)
 

@@ -26,12 +26,13 @@ __all__ = ["in_partial_blocks", "values_again"]
 
 
 @triton.jit
-def _holds_non_finite(v_base, start, lo, hi, stride_vm, stride_vd, v_dim,
+def _holds_non_finite(v_base, start, first, last, stride_vm, stride_vd, v_dim,
                       BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Whether a key that some row attends in the block at ``start`` has a NaN or inf value."""
+    """Whether a key of the block at ``start`` that the forward's loop loaded (inside the rows'
+    :func:`.common.key_hull` ``[first, last)``) has a NaN or inf value."""
     keys = start + tl.arange(0, BLOCK_N)
     dv = tl.arange(0, BLOCK_DV)
-    used = tl.max(c.in_range(lo[:, None], hi[:, None], keys[None, :]).to(tl.int32), 0) > 0
+    used = (keys >= first) & (keys < last)
     v = tl.load(v_base + keys.to(tl.int64)[:, None] * stride_vm + dv[None, :] * stride_vd,
                 mask=used[:, None] & (dv[None, :] < v_dim), other=0.0).to(tl.float32)
     return tl.max(tl.max(tl.where(tl.abs(v) < float("inf"), 0, 1), 1), 0)
@@ -45,11 +46,12 @@ def in_partial_blocks(v_base, rows, valid, lo_ptr, hi_ptr, stride_lr, stride_vm,
     for r in tl.static_range(RANGES):
         lo, hi = c.load_bounds(lo_ptr + r * stride_lr, hi_ptr + r * stride_lr, rows, q_len, k_len)
         start, full_lo, full_hi, end = c.key_span(lo, hi, valid, k_len, BLOCK_N)
+        first, last = c.key_hull(lo, hi, k_len)
         for block in range(start, full_lo, BLOCK_N):
-            found = tl.maximum(found, _holds_non_finite(v_base, block, lo, hi, stride_vm, stride_vd, v_dim,
+            found = tl.maximum(found, _holds_non_finite(v_base, block, first, last, stride_vm, stride_vd, v_dim,
                                                         BLOCK_N, BLOCK_DV))
         for block in range(full_hi, end, BLOCK_N):
-            found = tl.maximum(found, _holds_non_finite(v_base, block, lo, hi, stride_vm, stride_vd, v_dim,
+            found = tl.maximum(found, _holds_non_finite(v_base, block, first, last, stride_vm, stride_vd, v_dim,
                                                         BLOCK_N, BLOCK_DV))
     return found > 0
 
