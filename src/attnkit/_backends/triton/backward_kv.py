@@ -25,8 +25,8 @@ __all__ = ["dkdv_kernel"]
 
 
 @triton.jit
-def _visit_rows(dk, dv, k, v, keys, start, q_base, do_base, RowLse, Delta, lo_ptr, hi_ptr, Seed, n, h,
-                stride_qm, stride_qd, stride_gm, stride_gd, q_len, k_len, head_dim, v_dim,
+def _visit_rows(dk, dv, k, v, keys, first_key, last_key, start, q_base, do_base, RowLse, Delta, lo_ptr, hi_ptr,
+                Seed, n, h, stride_qm, stride_qd, stride_gm, stride_gd, q_len, k_len, head_dim, v_dim,
                 scale, softcap, slope, drop_scale,
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
                 SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
@@ -38,7 +38,9 @@ def _visit_rows(dk, dv, k, v, keys, start, q_base, do_base, RowLse, Delta, lo_pt
     if MASKED:
         lo, hi = c.load_bounds(lo_ptr, hi_ptr, rows, q_len, k_len)
         attend = c.in_range(lo[None, :], hi[None, :], keys[:, None])
-        used = tl.max(attend.to(tl.int32), 0) > 0  # rows that attend some key here (none past q_len)
+        # rows that attend some key here (none past q_len): each row's one range against the block's,
+        # where a reduction of ``attend`` across the keys cost 30 SASS instructions a block
+        used = (lo < hi) & (lo < last_key) & (hi > first_key)
     row_offsets = rows.to(tl.int64)[:, None]
     if MASKED:
         q = tl.load(q_base + row_offsets * stride_qm + d[None, :] * stride_qd,
@@ -122,15 +124,17 @@ def dkdv_kernel(Q, K, V, dOut, RowLse, Delta, dK, dV, Lo, Hi, Summary, Reached, 
                 # fewer than a loop for each: ptxas spilled more with three)
                 for i in range(begin, end - skip):
                     block = i + skip * (i >= whole_begin).to(tl.int32)
-                    dk, dv = _visit_rows(dk, dv, k, v, keys, block * BLOCK_M, q_base, do_base, lse_nh, delta_nh,
-                                         lo_ptr, hi_ptr, Seed, n, h, stride_qm, stride_qd, stride_gm, stride_gd,
-                                         q_len, k_len, head_dim, v_dim, scale, softcap, slope, drop_scale,
-                                         BLOCK_M, BLOCK_D, BLOCK_DV, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+                    dk, dv = _visit_rows(dk, dv, k, v, keys, first_key, last_key, block * BLOCK_M, q_base, do_base,
+                                         lse_nh, delta_nh, lo_ptr, hi_ptr, Seed, n, h, stride_qm, stride_qd,
+                                         stride_gm, stride_gd, q_len, k_len, head_dim, v_dim, scale, softcap, slope,
+                                         drop_scale, BLOCK_M, BLOCK_D, BLOCK_DV, True, SOFTCAP, HAS_ALIBI, DROPOUT,
+                                         IEEE)
                 for block in range(whole_begin, whole_end):
-                    dk, dv = _visit_rows(dk, dv, k, v, keys, block * BLOCK_M, q_base, do_base, lse_nh, delta_nh,
-                                         lo_ptr, hi_ptr, Seed, n, h, stride_qm, stride_qd, stride_gm, stride_gd,
-                                         q_len, k_len, head_dim, v_dim, scale, softcap, slope, drop_scale,
-                                         BLOCK_M, BLOCK_D, BLOCK_DV, False, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+                    dk, dv = _visit_rows(dk, dv, k, v, keys, first_key, last_key, block * BLOCK_M, q_base, do_base,
+                                         lse_nh, delta_nh, lo_ptr, hi_ptr, Seed, n, h, stride_qm, stride_qd,
+                                         stride_gm, stride_gd, q_len, k_len, head_dim, v_dim, scale, softcap, slope,
+                                         drop_scale, BLOCK_M, BLOCK_D, BLOCK_DV, False, SOFTCAP, HAS_ALIBI, DROPOUT,
+                                         IEEE)
             else:  # each block checked against its summary: skipped, unmasked or masked
                 for block in range(tl.load(span), tl.load(span + 3)):
                     summary = Summary + n * stride_us + r * stride_ur + block * 4
@@ -138,16 +142,16 @@ def dkdv_kernel(Q, K, V, dOut, RowLse, Delta, dK, dV, Lo, Hi, Summary, Reached, 
                     if reach:
                         full = (tl.load(summary + 2) <= first_key) & (last_key <= tl.load(summary + 3))
                         if full:
-                            dk, dv = _visit_rows(dk, dv, k, v, keys, block * BLOCK_M, q_base, do_base, lse_nh,
-                                                 delta_nh, lo_ptr, hi_ptr, Seed, n, h, stride_qm, stride_qd,
-                                                 stride_gm, stride_gd, q_len, k_len, head_dim, v_dim, scale,
-                                                 softcap, slope, drop_scale, BLOCK_M, BLOCK_D, BLOCK_DV, False,
+                            dk, dv = _visit_rows(dk, dv, k, v, keys, first_key, last_key, block * BLOCK_M, q_base,
+                                                 do_base, lse_nh, delta_nh, lo_ptr, hi_ptr, Seed, n, h, stride_qm,
+                                                 stride_qd, stride_gm, stride_gd, q_len, k_len, head_dim, v_dim,
+                                                 scale, softcap, slope, drop_scale, BLOCK_M, BLOCK_D, BLOCK_DV, False,
                                                  SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
                         else:
-                            dk, dv = _visit_rows(dk, dv, k, v, keys, block * BLOCK_M, q_base, do_base, lse_nh,
-                                                 delta_nh, lo_ptr, hi_ptr, Seed, n, h, stride_qm, stride_qd,
-                                                 stride_gm, stride_gd, q_len, k_len, head_dim, v_dim, scale,
-                                                 softcap, slope, drop_scale, BLOCK_M, BLOCK_D, BLOCK_DV, True,
+                            dk, dv = _visit_rows(dk, dv, k, v, keys, first_key, last_key, block * BLOCK_M, q_base,
+                                                 do_base, lse_nh, delta_nh, lo_ptr, hi_ptr, Seed, n, h, stride_qm,
+                                                 stride_qd, stride_gm, stride_gd, q_len, k_len, head_dim, v_dim,
+                                                 scale, softcap, slope, drop_scale, BLOCK_M, BLOCK_D, BLOCK_DV, True,
                                                  SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
     # dK and dV are fresh contiguous tensors [N, Hkv, Lk, D / Dv]
     rows_out = (n64 * kv_heads + hkv64) * k_len + key_rows
