@@ -537,3 +537,23 @@ def test_bounds_made_under_inference_mode_are_used_without_being_kept() -> None:
         out, _ = kernel.forward(q, k, v, lo, hi, scale=0.2, **SMALL)
     assert kernel.inputs.derived_from(lo, hi) is None
     _close(out, reference(q, k, v, _allowed(lo.cpu(), hi.cpu(), length), 0.2)[0])
+
+
+def test_keys_whose_rows_lie_far_apart_are_copied_contiguous() -> None:
+    """The kernels place a key block's tiles by int32 offsets; keys and values whose rows lie
+    ``inputs.ROW_STRIDE_LIMIT`` elements apart or more are copied contiguous first (with rows 2^22
+    apart, 64 of them would pass 2^31), and give the same results."""
+    from attnkit._backends.triton import inputs
+
+    q, k, v = _inputs(1, 1, 1, 3, 3, dim=16, v_dim=16, seed=17)
+    gap = inputs.ROW_STRIDE_LIMIT + 16
+    far = torch.zeros(3 * gap, device=DEVICE)
+    far_k = far.as_strided((1, 1, 3, 16), (3 * gap, 3 * gap, gap, 1))
+    far_k.copy_(k)
+    lo, hi = masks.causal().row_ranges(3, 3)
+    prep = kernel.prepare(q, far_k, v, lo.to(DEVICE), hi.to(DEVICE), scale=0.25, softcap=None, alibi_slopes=None,
+                          dropout=0.0, seed=None)
+    assert prep.key.is_contiguous() and prep.value is v
+    out, lse = kernel.forward(q, far_k, v, lo, hi, scale=0.25, **SMALL)
+    want, want_lse = kernel.forward(q, k.contiguous(), v, lo, hi, scale=0.25, **SMALL)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)

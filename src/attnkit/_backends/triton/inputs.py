@@ -26,6 +26,10 @@ from ..transfer import to_device
 __all__ = ["Prepared", "prepare", "block_summary", "reached_blocks", "derived_from", "remembered"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: The kernels place a key block's tiles by int32 offsets from its first row (common.tile_offsets):
+#: key and value rows or features this far apart (far beyond any layout models use) are copied
+#: contiguous first, so that blocks of up to 1024 rows and features stay within 2^31 elements.
+ROW_STRIDE_LIMIT = 2**31 // 1024
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,7 @@ def prepare(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, *
         else:
             raise ValueError(f"alibi_slopes must be [H] or [N, H] = [{n}, {heads}], got {tuple(slopes.shape)}")
     has_dropout = dropout > 0.0
+    key, value = (t.contiguous() if max(t.stride(2), t.stride(3)) >= ROW_STRIDE_LIMIT else t for t in (key, value))
     return Prepared(
         query=query, key=key, value=value, lo=lo32, hi=hi32,
         stride_ls=lo32.stride(0) if lo32.shape[0] > 1 else 0, stride_lr=lo32.stride(1),
