@@ -66,7 +66,8 @@ SCRIPT = textwrap.dedent('''
             if launch.name == "dq_kernel" or (launch.name == "_forward_kernel" and not launch.arguments["GATED"]):
                 assert stats["async_copies"] > 0, (launch.name, stats)
             assert stats["shared"] <= 227 * 1024, (launch.name, stats)  # an H100's shared memory a block
-            # each wgmma waiting for the one before (ptxas's C7515): the forward's three loops did that
+            # each wgmma waiting for the one before (ptxas's C7515): the forward did that with a loop per
+            # run of blocks once its tiles moved by offsets
             assert not stats["serialized"], (launch.name, stats)
         print("compiled", dtype, dim, "features" if features else "plain")
 ''')
