@@ -8,7 +8,8 @@
 #
 # Stages: tests (tests/test_cuda.py on 8 processes: STAGE_SECONDS_tests for all but the two large
 # oracle grids, then STAGE_SECONDS_grids for those), kernel (the Triton kernel's own oracle tests,
-# compiled: tests/test_triton_kernel.py and the Triton cases of tests/test_nonfinite.py), bench (benchmarks/gpu.py at L = 32768),
+# compiled: tests/test_triton_kernel.py and the Triton cases of tests/test_nonfinite.py; the cases of
+# the latest changes first, under STAGE_SECONDS_kernel_first), bench (benchmarks/gpu.py at L = 32768),
 # blocks (benchmarks/triton_blocks.py), overhead (benchmarks/gpu_overhead.py), models (benchmarks/transformers.py, Mistral-style, bf16,
 # L = 16384; models-long: L = 65536; models-train: a training step at 16384; models-others: Gemma 2,
 # soft-capping, and GPT-OSS, sinks, at 16384 against flex_attention and eager, which transformers
@@ -22,11 +23,12 @@
 # torch, triton and transformers).
 #
 # The next lent session (about 9 minutes of stages in 15 of device time): the Triton kernels changed
-# without a GPU since the third H100 session (the forward's loops no longer serialise their wgmma
-# in ptxas, fewer instructions a block, scores rounded as the definition's), so first their
-# compiled oracle tests, then their times, then the CUDA tests, then decoding and L = 65536:
-#   STAGE_SECONDS_kernel=100 STAGE_SECONDS_blocks=120 STAGE_SECONDS_tests=100 STAGE_SECONDS_grids=60 \
-#   STAGE_SECONDS_decode=60 STAGE_SECONDS_models_long=100 \
+# without a GPU since the third H100 session (one masked loop, the hull of the rows' ranges, fewer
+# instructions a block, scores rounded as the definition's: docs/performance.md, the eighteenth
+# session), so first their compiled oracle tests, then their times, then the CUDA tests, then
+# decoding and L = 65536:
+#   STAGE_SECONDS_kernel_first=60 STAGE_SECONDS_kernel=60 STAGE_SECONDS_blocks=120 \
+#   STAGE_SECONDS_tests=100 STAGE_SECONDS_grids=60 STAGE_SECONDS_decode=60 STAGE_SECONDS_models_long=100 \
 #   bash benchmarks/cuda_session.sh kernel blocks tests decode models-long
 set -u
 out=${OUT:-out/cuda-session}
@@ -61,9 +63,16 @@ for stage in "$@"; do
             -p no:cacheprovider --timeout 120 --durations 20 --tb=short -o addopts="-ra" >"$out/grids.log" 2>&1
         ;;
     kernel)
+        # first the cases of the kernels' changes made without a GPU (the eighteenth session: scores as
+        # rounded products, the max over raw products, the hull of the rows' ranges, one masked loop),
+        # so that a stage cut short still reports them; then the whole files
+        first="beyond_float32 or scale_of_zero or between_the_rows"
+        timeout "$(limit kernel_first 60)" "$python" -m pytest tests/test_triton_kernel.py -k "$first" -v -n 8 \
+            -p no:cacheprovider --tb=short -o addopts="-ra" >"$out/kernel-first.log" 2>&1
+        echo "== kernel (the changed cases): exit $? after $(($(date +%s) - began)) s"
         timeout "$(limit kernel 200)" "$python" -m pytest tests/test_triton_kernel.py tests/test_nonfinite.py -k \
-            "not test_nan_and_inf_propagate" -v -n 8 -p no:cacheprovider --durations 20 --tb=short -o addopts="-ra" \
-            >"$out/kernel.log" 2>&1
+            "not test_nan_and_inf_propagate and not ($first)" -v -n 8 -p no:cacheprovider --durations 20 \
+            --tb=short -o addopts="-ra" >"$out/kernel.log" 2>&1
         ;;
     bench)
         timeout "$(limit bench 140)" "$python" benchmarks/gpu.py --lengths 32768 --repeats 5 >"$out/gpu.txt" 2>&1
@@ -112,8 +121,8 @@ for stage in "$@"; do
     echo "== $stage: exit $status after $(($(date +%s) - began)) s"
 done
 # the end of each log, for the device tool's output tail
-for log in "$out"/tests.log "$out"/grids.log "$out"/gpu.txt "$out"/blocks.txt "$out"/overhead.txt "$out"/models.txt \
-    "$out"/decode.txt; do
+for log in "$out"/kernel-first.log "$out"/kernel.log "$out"/tests.log "$out"/grids.log "$out"/gpu.txt \
+    "$out"/blocks.txt "$out"/overhead.txt "$out"/models.txt "$out"/decode.txt; do
     [ -f "$log" ] && { echo "== $log"; tail -n 25 "$log"; }
 done
 exit 0
