@@ -28,7 +28,7 @@ def _visit_keys(dq, q, do, lse, delta, rows, start, lo, hi, first, last, drop_a,
     block = tl.cast(start, tl.int64)  # a plain int under the interpreter
     if MASKED:
         attend = c.in_range(lo[:, None], hi[:, None], keys[None, :])
-        used = (keys >= first) & (keys < last)  # keys some row may reach (common.key_hull)
+        used = c.in_range(first, last, keys)  # keys some row may reach (common.key_hull)
         kt = tl.load(k_base + block * stride_km + kt_offsets, mask=used[None, :] & d_inside[:, None], other=0.0)
         vt = tl.load(v_base + block * stride_vm + vt_offsets, mask=used[None, :] & e_inside[:, None], other=0.0)
     else:  # every row attends every key of the block (all inside k_len)
@@ -86,14 +86,14 @@ def dq_kernel(Q, K, V, dOut, RowLse, Delta, dQ, Lo, Hi, Slopes, Seed,
         for edge in range(start, end - skip, BLOCK_N):
             block = edge + skip * (edge >= full_lo).to(tl.int32)
             dq = _visit_keys(dq, q, do, lse, delta, rows, block, lo, hi, first, last, drop_a, drop_c, Seed,
-                             k_base, v_base,
-                             kt_offsets, vt_offsets, d_inside, e_inside, stride_km, stride_vm, q_len, k_len,
-                             scale, softcap, slope, drop_scale, BLOCK_N, True, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+                             k_base, v_base, kt_offsets, vt_offsets, d_inside, e_inside, stride_km, stride_vm,
+                             q_len, k_len, scale, softcap, slope, drop_scale, BLOCK_N, True, SOFTCAP, HAS_ALIBI,
+                             DROPOUT, IEEE)
         for block in range(full_lo, full_hi, BLOCK_N):
             dq = _visit_keys(dq, q, do, lse, delta, rows, block, lo, hi, first, last, drop_a, drop_c, Seed,
-                             k_base, v_base,
-                             kt_offsets, vt_offsets, d_inside, e_inside, stride_km, stride_vm, q_len, k_len,
-                             scale, softcap, slope, drop_scale, BLOCK_N, False, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE)
+                             k_base, v_base, kt_offsets, vt_offsets, d_inside, e_inside, stride_km, stride_vm,
+                             q_len, k_len, scale, softcap, slope, drop_scale, BLOCK_N, False, SOFTCAP, HAS_ALIBI,
+                             DROPOUT, IEEE)
     # dQ is a fresh contiguous tensor [N, H, Lq, D]
     tl.store(dQ + (pid_nh.to(tl.int64) * q_len + row_offsets) * head_dim + d[None, :],
              (dq * scale).to(dQ.dtype.element_ty), mask=valid[:, None] & (d[None, :] < head_dim))

@@ -64,7 +64,7 @@ def _visit(acc, m_i, l_i, q, k_base, v_base, kt_offsets, v_offsets, d_inside, dv
     v_ptrs = v_base + block * stride_vm + v_offsets
     if MASKED:
         attend = c.in_range(lo[:, None], hi[:, None], keys[None, :])
-        used = (keys >= first) & (keys < last)  # keys some row may reach (common.key_hull)
+        used = c.in_range(first, last, keys)  # keys some row may reach (common.key_hull)
         kt = tl.load(kt_ptrs, mask=d_inside[:, None] & (keys[None, :] < k_len), other=0.0)
         v = tl.load(v_ptrs, mask=used[:, None] & dv_inside[None, :], other=0.0)
     else:

@@ -32,7 +32,7 @@ def _holds_non_finite(v_base, start, first, last, stride_vm, stride_vd, v_dim,
     :func:`.common.key_hull` ``[first, last)``) has a NaN or inf value."""
     keys = start + tl.arange(0, BLOCK_N)
     dv = tl.arange(0, BLOCK_DV)
-    used = (keys >= first) & (keys < last)
+    used = c.in_range(first, last, keys)
     v = tl.load(v_base + keys.to(tl.int64)[:, None] * stride_vm + dv[None, :] * stride_vd,
                 mask=used[:, None] & (dv[None, :] < v_dim), other=0.0).to(tl.float32)
     return tl.max(tl.max(tl.where(tl.abs(v) < float("inf"), 0, 1), 1), 0)
