@@ -64,9 +64,10 @@ for stage in "$@"; do
         ;;
     kernel)
         # first the cases of the kernels' changes made without a GPU (the eighteenth session: scores as
-        # rounded products, the max over raw products, the hull of the rows' ranges, one masked loop),
-        # so that a stage cut short still reports them; then the whole files
-        first="beyond_float32 or scale_of_zero or between_the_rows"
+        # rounded products, the max over raw products, the hull of the rows' ranges, one masked loop; the
+        # nineteenth: the forward's TMA loads), so that a stage cut short still reports them; then the
+        # whole files
+        first="beyond_float32 or scale_of_zero or between_the_rows or tma_loads"
         timeout "$(limit kernel_first 60)" "$python" -m pytest tests/test_triton_kernel.py -k "$first" -v -n 8 \
             -p no:cacheprovider --tb=short -o addopts="-ra" >"$out/kernel-first.log" 2>&1
         echo "== kernel (the changed cases): exit $? after $(($(date +%s) - began)) s"

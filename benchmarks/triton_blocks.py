@@ -4,7 +4,8 @@
 It calls the kernel's launchers directly (``attnkit._backends.triton.forward.launch`` and
 ``backward.launch``), so what is timed is the kernel alone; the defaults the package uses
 (``forward_blocks`` / ``backward_blocks``) are marked with ``*``. Timed first: the forward's default
-tiles without the NaN/inf pass and with it inline, and the tiles of ``INLINE`` with it inline; the
+tiles without the NaN/inf pass and with it inline, the tiles of ``INLINE`` with it inline, and those of
+``TMA`` with the whole blocks' tiles loaded through TMA descriptors; the
 backward's default tiles with each walk of the dK/dV kernel (``backward.WALKS``). Medians of CUDA-event times
 over ``--repeats`` calls after one warm-up (the warm-up compiles; its time is printed too).
 
@@ -31,6 +32,10 @@ FORWARD = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 64, 8, 3), (64, 
 #: Forward tiles whose kernel spills nothing by ptxas with the NaN/inf pass compiled in (bf16, D = 128,
 #: specialised as launched), timed with it inline beside the gated default.
 INLINE = [(64, 64, 8, 3), (64, 32, 4, 3)]
+#: Forward tiles timed with the whole blocks' key and value tiles loaded through TMA descriptors
+#: (``forward.launch(..., loads="tma")``; by ptxas, 6% fewer instructions a whole block at the default
+#: tiles and fewer registers: benchmarks/triton_spills.py), beside the default's pointer loads.
+TMA = [(64, 64, 4, 3), (128, 64, 8, 3)]
 BACKWARD = [((64, 128, 128, 64), 8, 2), ((64, 128, 128, 64), 8, 3), ((64, 128, 128, 64), 4, 2),
             ((32, 128, 128, 64), 8, 2), ((64, 128, 128, 32), 8, 2), ((64, 128, 64, 64), 4, 2),
             ((128, 128, 128, 128), 8, 1), ((32, 128, 128, 32), 8, 2),
@@ -96,6 +101,10 @@ def main() -> None:
             first, median = timed(lambda: forward_kernel.launch(prep, *config, second_pass=mode), args.repeats)
             print(f"| {config}, second pass {mode} | {1e3 * median:.3f} | {flops / median / 1e12:.0f} "
                   f"| {first:.1f} |", flush=True)
+        for config in TMA:  # the second pass gated, as the default's
+            first, median = timed(lambda: forward_kernel.launch(prep, *config, loads="tma"), args.repeats)
+            print(f"| {config}, TMA loads | {1e3 * median:.3f} | {flops / median / 1e12:.0f} | {first:.1f} |",
+                  flush=True)
         for config in dict.fromkeys([default_forward, *FORWARD]):
             try:
                 first, median = timed(lambda: forward_kernel.launch(prep, *config), args.repeats)

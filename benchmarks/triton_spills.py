@@ -87,9 +87,10 @@ def captured() -> Iterator[list[Launch]]:
 def specialized(launch: Launch) -> tuple[dict, dict, dict]:
     """``(signature, constexprs, attrs)`` of a launch, as Triton's launcher specialises it: an int
     equal to 1 (or a ``None``) becomes a constant, ints and tensor addresses divisible by 16 carry
-    ``tt.divisibility = 16``, ints of 2^31 or more are i64, floats fp32, bools i1 (parameters marked
-    ``do_not_specialize`` keep their type only)."""
+    ``tt.divisibility = 16``, ints of 2^31 or more are i64, floats fp32, bools i1, TMA descriptors
+    ``tensordesc<dtype[tile]>`` (parameters marked ``do_not_specialize`` keep their type only)."""
     import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     signature, constexprs, attrs = {}, {}, {}
     for param in launch.fn.params:
@@ -98,6 +99,10 @@ def specialized(launch: Launch) -> tuple[dict, dict, dict]:
         divisible = not (fixed or param.do_not_specialize_on_alignment)
         if param.is_constexpr or value is None or (not fixed and type(value) is int and value == 1):
             signature[name], constexprs[name] = "constexpr", value
+            continue
+        if isinstance(value, TensorDescriptor):  # a TMA copy's descriptor: typed by its tile, never marked
+            dtype = POINTER_TYPES[str(value.base.dtype).removeprefix("torch.")][1:]
+            signature[name] = f"tensordesc<{dtype}[{','.join(map(str, value.block_shape))}]>"
             continue
         if isinstance(value, torch.Tensor):
             signature[name] = POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
@@ -118,8 +123,9 @@ def specialized(launch: Launch) -> tuple[dict, dict, dict]:
 
 def build(launch: Launch) -> dict[str, int]:
     """Compile a launch's kernel as :func:`specialized` says for sm_90a and assemble it with
-    triton's ptxas: ``{"registers", "spill_stores", "spill_loads", "async_copies", "shared",
-    "serialized"}`` (``cp.async`` instructions in the PTX, 0 where no load of a loop is pipelined;
+    triton's ptxas: ``{"registers", "spill_stores", "spill_loads", "async_copies", "tensor_copies",
+    "shared", "serialized"}`` (``cp.async`` instructions in the PTX, 0 where no load of a loop is
+    pipelined, and TMA's bulk copies ``cp.async.bulk.tensor`` among them, counted alone too;
     bytes of shared memory a program asks for, which must fit the card's: 227 KiB on an H100;
     whether ptxas serialised the kernel's wgmma instructions, each waiting for the one before, its
     warning C7515), and ``"loops"``: the SASS instructions in each loop body that holds a wgmma
@@ -149,6 +155,7 @@ def build(launch: Launch) -> dict[str, int]:
 
     return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
             "spill_loads": number(r"(\d+) bytes spill loads"), "async_copies": len(re.findall(r"cp\.async", ptx)),
+            "tensor_copies": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
             "shared": compiled.metadata.shared,
             "serialized": "wgmma.mma_async instructions are serialized" in done.stderr,
             "loops": wgmma_loops(compiled.asm["cubin"])}
@@ -180,7 +187,9 @@ def wgmma_loops(cubin: bytes) -> list[int]:
         target = re.search(r"BRA.*?(L_x_\d+)", instruction)
         if target and labels.get(target.group(1), end + 1) <= end:
             body = instructions[labels[target.group(1)]:end + 1]
-            if any("HGMMA" in op for op in body):
+            # TMA's waits on a barrier spin out of line, at the code's end, and branch back into their
+            # loop: a "body" from there holds the kernel's exit, and is no loop
+            if any("HGMMA" in op for op in body) and not any(op.split()[-1] == "EXIT" for op in body):
                 loops.append(len(body))
     return loops
 

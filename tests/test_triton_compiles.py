@@ -54,17 +54,21 @@ SCRIPT = textwrap.dedent('''
             # the forward with its second pass inline, and gated (the kernel without it, then the redo launch)
             for second_pass in ("inline", "gated"):
                 out, lse = forward.launch(prep, *blocks, second_pass=second_pass)
+            # and the whole blocks' key and value tiles through TMA descriptors
+            forward.launch(prep, *blocks, second_pass="off", loads="tma")
             for walk in backward.WALKS:
                 backward.launch(prep, grad, torch.randn(lse.shape) if features else None, out, lse, sizes, warps,
                                 stages, walk)
         names = sorted(launch.name for launch in launches)
-        assert names == sorted(["_forward_kernel"] * 3 + ["_delta_kernel", "dkdv_kernel", "dq_kernel"] * 2), names
+        assert names == sorted(["_forward_kernel"] * 4 + ["_delta_kernel", "dkdv_kernel", "dq_kernel"] * 2), names
         for launch in launches:
             stats = build(launch)
             # the launch's specialisation reached the kernel: the forward's and dQ's key loops load
             # through asynchronous copies (pipelined); unspecialised, neither does
             if launch.name == "dq_kernel" or (launch.name == "_forward_kernel" and not launch.arguments["GATED"]):
                 assert stats["async_copies"] > 0, (launch.name, stats)
+            # TMA's bulk copies where the launch took descriptors, none elsewhere
+            assert (stats["tensor_copies"] > 0) == bool(launch.arguments.get("TMA")), (launch.name, stats)
             assert stats["shared"] <= 227 * 1024, (launch.name, stats)  # an H100's shared memory a block
             # each wgmma waiting for the one before (ptxas's C7515): the forward did that with a loop per
             # run of blocks once its tiles moved by offsets

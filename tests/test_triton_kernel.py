@@ -445,6 +445,51 @@ def test_the_gated_second_pass_gives_the_inline_passs_bits(poison: str) -> None:
         forward.launch(prep, 16, 16, 4, 1, second_pass=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tma_loads_give_the_pointer_loads_results(dtype: torch.dtype) -> None:
+    """``loads="tma"`` (key and value tiles of the blocks every row attends whole through the copy
+    engine's descriptors, which fill keys past Lk and features past D with zeros) gives what the
+    pointer loads give, on the mask kinds, GQA, widths that are not powers of two, strided inputs,
+    soft-capping with ALiBi and dropout, and NaN and inf values where part of a block attends them:
+    the same bits in half precision (exact products), float32's sums in another order. Layouts the
+    engine cannot take (rows 8 bytes apart) fall back to the pointers."""
+    forward = importlib.import_module("attnkit._backends.triton.forward")
+
+    def same(got, want):
+        assert torch.equal(got.isnan(), want.isnan())
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+    # six mask kinds in bfloat16, two in the other dtypes (the interpreter's time)
+    names = ["causal_long_queries", "key_ranges_two_per_row"]
+    if dtype == torch.bfloat16:
+        names += ["causal", "window", "documents", "key_padding_empty_sequence"]
+    cases = [(name, 24, 24, {}) for name in names]
+    cases += [("documents", 40, 16, dict(softcap=2.0, alibi_slopes=torch.tensor([0.5, 0.25]), dropout=0.3,
+                                         seed=torch.tensor(77, dtype=torch.int64))),
+              ("causal", 4 if dtype != torch.float32 else 2, 8, {})]  # 8-byte key rows: no descriptor
+    for index, (name, dim, v_dim, options) in enumerate(cases):
+        build, q_len, k_len = MASKS[name]
+        lo, hi = build(2).row_ranges(q_len, k_len)
+        q, k, v = _inputs(2, 2, 1, q_len, k_len, dim=dim, v_dim=v_dim, dtype=dtype, seed=30 + index)
+        poisoned = index % 3 == 1
+        if poisoned:
+            v[0, 0, k_len // 2, 0], v[1, 0, 3, v_dim - 1] = float("nan"), float("inf")
+        options = {key: value.to(DEVICE) if torch.is_tensor(value) else value for key, value in options.items()}
+        prep = kernel.prepare(q, k, v, lo.to(DEVICE), hi.to(DEVICE), scale=dim ** -0.5,
+                              **{"softcap": None, "alibi_slopes": None, "dropout": 0.0, "seed": None, **options})
+        assert (forward.tma_descriptors(prep, 16) is None) == (dim * dtype.itemsize < 16), name
+        for second_pass in ("gated", "inline") if poisoned else ("gated",):
+            want = forward.launch(prep, 16, 16, 4, 1, second_pass=second_pass)
+            got = forward.launch(prep, 16, 16, 4, 1, second_pass=second_pass, loads="tma")
+            for a, b in zip(got, want):
+                same(a, b)
+    with pytest.raises(ValueError, match="loads"):
+        forward.launch(prep, 16, 16, 4, 1, loads="bulk")
+
+
 def test_a_dropped_nan_weight_stays_nan() -> None:
     """Dropout multiplies the weights by 0 or ``1 / (1 - p)``, so a NaN weight that is dropped is
     still NaN in ``dV = P^T dO``, as the definition (``weights * keep``) has it; selecting 0 for it

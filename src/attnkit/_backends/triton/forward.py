@@ -17,6 +17,15 @@ through ``0 * inf`` (FlashAttention's kernels let it). So after its loop a progr
 values of its partly attended blocks again, and where one holds a NaN or inf it computes its
 output a second time without that leak (:mod:`.non_finite`): rare, and off the hot loop.
 
+The key and value tiles come by per-thread addresses (asynchronous copies the loop pipelines), or,
+with ``loads="tma"``, those of the whole blocks through Hopper's tensor memory accelerator: one bulk
+copy a tile from a descriptor made on the host (:func:`tma_descriptors`), no address arithmetic in
+the loop. By ptxas (sm_90a, bf16, D = 128, 64 x 64 tiles) that takes the whole blocks' loop from 399
+to 376 instructions and the kernel from 232 to 226 registers; it is not timed on a GPU yet, so the
+pointers stay the default. The partly attended blocks keep the pointer loads: their values must
+load as zeros outside the rows' hull, which a ``tl.where`` on a TMA tile did at 913 instructions a
+block against 623.
+
 Compiled into the kernel, that pass costs registers even where it never runs: ptxas (sm_90a, bf16,
 D = 128, the default 64 x 64 tiles, 4 warps, specialised as the launch is) spills nothing without
 it and 4 bytes of stores and loads with it (``benchmarks/triton_spills.py``). So
@@ -35,6 +44,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - triton before 3.3 makes no descriptors on the host: pointers serve
+    TensorDescriptor = None
+
 from . import common as c
 from . import non_finite
 from .inputs import Prepared
@@ -44,13 +58,16 @@ __all__ = ["launch"]
 
 @triton.jit
 def _visit(acc, m_i, l_i, q, k_base, v_base, kt_offsets, v_offsets, d_inside, dv_inside, start, rows, lo, hi,
-           first, last, drop_a, drop_c, seed_ptr, stride_km, stride_vm, k_len,
+           first, last, drop_a, drop_c, seed_ptr, stride_km, stride_vm, k_len, k_desc, v_desc, n, kv_head,
            scale, exp_scale, softcap, slope, k_minus_q,
-           BLOCK_N: tl.constexpr, MASKED: tl.constexpr, RAW: tl.constexpr,
-           SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
+           RAW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+           IEEE: tl.constexpr, TMA: tl.constexpr):
     """One key block into the running ``(acc, max, sum)`` of the rows. ``kt_offsets, v_offsets``
     (:func:`.common.tile_offsets`) place the block's K^T and V tiles from its first key, and
-    ``d_inside, dv_inside`` say which features lie inside ``head_dim`` and ``v_dim``.
+    ``d_inside, dv_inside`` say which features lie inside ``head_dim`` and ``v_dim``. ``TMA``: the
+    tiles come through the descriptors ``k_desc, v_desc`` instead (:func:`tma_descriptors`), which
+    fill keys past ``k_len`` and features past the widths with zeros, as the masks of the loads do.
 
     ``RAW`` (no score modifier, ``scale > 0``): the max runs over the raw products ``qk`` and the
     weights are ``exp2((qk - max) * exp_scale)``, ``exp_scale = scale * log2(e)``: one multiply an
@@ -59,17 +76,22 @@ def _visit(acc, m_i, l_i, q, k_base, v_base, kt_offsets, v_offsets, d_inside, dv
     fl(max(qk) * scale)`` for ``scale > 0``, so the caller's lse is the natural one; where that
     product overflows, the caller gives the row what the natural scores would (NaN, or no weight)."""
     keys = start + tl.arange(0, BLOCK_N)
-    block = tl.cast(start, tl.int64)  # a plain int under the interpreter
-    kt_ptrs = k_base + block * stride_km + kt_offsets
-    v_ptrs = v_base + block * stride_vm + v_offsets
     if MASKED:
         attend = c.in_range(lo[:, None], hi[:, None], keys[None, :])
         used = c.in_range(first, last, keys)  # keys some row may reach (common.key_hull)
-        kt = tl.load(kt_ptrs, mask=d_inside[:, None] & (keys[None, :] < k_len), other=0.0)
-        v = tl.load(v_ptrs, mask=used[:, None] & dv_inside[None, :], other=0.0)
+    if TMA and not MASKED:
+        kt = tl.trans(tl.reshape(k_desc.load([n, kv_head, start, 0]), [BLOCK_N, BLOCK_D]))
+        v = tl.reshape(v_desc.load([n, kv_head, start, 0]), [BLOCK_N, BLOCK_DV])
     else:
-        kt = tl.load(kt_ptrs, mask=d_inside[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=dv_inside[None, :], other=0.0)
+        block = tl.cast(start, tl.int64)  # a plain int under the interpreter
+        kt_ptrs = k_base + block * stride_km + kt_offsets
+        v_ptrs = v_base + block * stride_vm + v_offsets
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=d_inside[:, None] & (keys[None, :] < k_len), other=0.0)
+            v = tl.load(v_ptrs, mask=used[:, None] & dv_inside[None, :], other=0.0)
+        else:
+            kt = tl.load(kt_ptrs, mask=d_inside[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=dv_inside[None, :], other=0.0)
     if RAW:
         s = c.dot(q, kt, IEEE)
     else:
@@ -94,7 +116,7 @@ def _visit(acc, m_i, l_i, q, k_base, v_base, kt_offsets, v_offsets, d_inside, dv
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed, Gate,
+def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed, Gate, KDesc, VDesc,
                     stride_qn, stride_qh, stride_qm, stride_qd,
                     stride_kn, stride_kh, stride_km, stride_kd,
                     stride_vn, stride_vh, stride_vm, stride_vd,
@@ -105,11 +127,12 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed, Gate,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, RANGES: tl.constexpr, SOFTCAP: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
-                    SECOND_PASS: tl.constexpr, GATED: tl.constexpr, RAW: tl.constexpr):
+                    SECOND_PASS: tl.constexpr, GATED: tl.constexpr, RAW: tl.constexpr, TMA: tl.constexpr):
     """Grid ``(cdiv(Lq, BLOCK_M), N * H)``: output and lse of one query block of one head. ``GATED``
     (with ``SECOND_PASS``): the redo launch, whose program writes nothing unless ``Gate`` says the
     values hold a NaN or inf and its own partly attended blocks do. ``RAW``: the rows' max in raw
-    products (:func:`_visit`)."""
+    products (:func:`_visit`). ``TMA``: key and value tiles through the descriptors ``KDesc, VDesc``
+    (``None`` otherwise)."""
     if GATED:
         if tl.load(Gate) == 0:
             return
@@ -131,6 +154,7 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed, Gate,
     v_offsets = c.tile_offsets(stride_vm, stride_vd, BLOCK_N, BLOCK_DV, False)
     d_inside, dv_inside = d < head_dim, dv < v_dim
     exp_scale = scale * c.LOG2E
+    kv_head = h // heads_per_kv
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -148,15 +172,15 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed, Gate,
             block = edge + skip * (edge >= full_lo).to(tl.int32)
             acc, m_i, l_i = _visit(acc, m_i, l_i, q, k_base, v_base, kt_offsets, v_offsets, d_inside, dv_inside,
                                    block, rows, lo, hi, first, last, drop_a, drop_c, Seed, stride_km, stride_vm,
-                                   k_len,
-                                   scale, exp_scale, softcap, slope, k_minus_q, BLOCK_N, True, RAW, SOFTCAP,
-                                   HAS_ALIBI, DROPOUT, IEEE)
+                                   k_len, KDesc, VDesc, n, kv_head,
+                                   scale, exp_scale, softcap, slope, k_minus_q, BLOCK_N, BLOCK_D, BLOCK_DV, True,
+                                   RAW, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE, TMA)
         for block in range(full_lo, full_hi, BLOCK_N):
             acc, m_i, l_i = _visit(acc, m_i, l_i, q, k_base, v_base, kt_offsets, v_offsets, d_inside, dv_inside,
                                    block, rows, lo, hi, first, last, drop_a, drop_c, Seed, stride_km, stride_vm,
-                                   k_len,
-                                   scale, exp_scale, softcap, slope, k_minus_q, BLOCK_N, False, RAW, SOFTCAP,
-                                   HAS_ALIBI, DROPOUT, IEEE)
+                                   k_len, KDesc, VDesc, n, kv_head,
+                                   scale, exp_scale, softcap, slope, k_minus_q, BLOCK_N, BLOCK_D, BLOCK_DV, False,
+                                   RAW, SOFTCAP, HAS_ALIBI, DROPOUT, IEEE, TMA)
 
     if RAW:  # the max in natural units, fl(max(qk) * scale), as the backward's scores round theirs
         m_raw = m_i
@@ -189,17 +213,51 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed, Gate,
     tl.store(Lse + pid_nh.to(tl.int64) * q_len + rows, lse, mask=valid)
 
 
+#: How the forward loads its key and value tiles: by per-thread addresses (``"pointers"``, the
+#: default, measured), or through Hopper's tensor memory accelerator (``"tma"``: one bulk copy a tile
+#: from a host-made descriptor, :func:`tma_descriptors`; unmeasured on a GPU yet, timed by
+#: ``benchmarks/triton_blocks.py``).
+LOADS = ("pointers", "tma")
+
+
+def tma_descriptors(prep: Prepared, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+    """Descriptors of ``key`` and ``value`` ``[N, Hkv, Lk, D / Dv]`` for tiles of ``block_n`` keys
+    and the padded widths, or ``None`` where a layout rules the copy engine out: it wants the last
+    dimension contiguous, the other strides and the address on 16 bytes. Keys past ``Lk`` and
+    features past the widths load as zeros, as the pointer loads' masks give them. A dimension of size
+    1 is never stepped along, so its stride is given as a contiguous one (any stride is legal there
+    in torch, 0 included, not in a descriptor)."""
+    if TensorDescriptor is None:
+        return None
+    found = []
+    for tensor, width in ((prep.key, prep.block_d), (prep.value, prep.block_dv)):
+        if tensor.numel() == 0 or tensor.stride(3) != 1 or tensor.data_ptr() % 16:
+            return None
+        strides, inner = [1] * 4, 1
+        for dim in (3, 2, 1, 0):
+            strides[dim] = tensor.stride(dim) if tensor.shape[dim] > 1 else inner
+            inner = strides[dim] * tensor.shape[dim]
+        if any(stride <= 0 or stride * tensor.element_size() % 16 for stride in strides[:3]):
+            return None
+        found.append(TensorDescriptor(tensor, list(tensor.shape), strides, [1, 1, block_n, width]))
+    return found[0], found[1]
+
+
 def launch(prep: Prepared, block_m: int, block_n: int, num_warps: int, num_stages: int, *,
-           second_pass: str = "gated") -> tuple[Tensor, Tensor]:
+           second_pass: str = "gated", loads: str = "pointers") -> tuple[Tensor, Tensor]:
     """Run the forward on prepared inputs: ``(out [N, H, Lq, Dv] in the input dtype, lse [N, H, Lq]
     float32)``. ``second_pass``: :mod:`.non_finite`'s pass as ``"gated"``, the default (a second
     launch whose programs return at once unless ``value`` holds a NaN or inf), ``"inline"``
     (compiled into the kernel: the same bits, but more registers, which spill at the default tiles;
     on an H100 the inline forward took 1.08-1.30x the gated one's time, docs/performance.md), or
     ``"off"`` (a masked-out NaN or inf value then leaks through: only for
-    ``benchmarks/triton_blocks.py`` to time what the pass costs)."""
+    ``benchmarks/triton_blocks.py`` to time what the pass costs). ``loads``: one of :data:`LOADS`;
+    ``"tma"`` falls back to pointers where :func:`tma_descriptors` finds the layout unfit (same bits
+    either way)."""
     if second_pass not in ("inline", "gated", "off"):
         raise ValueError(f"second_pass must be 'inline', 'gated' or 'off', got {second_pass!r}")
+    if loads not in LOADS:
+        raise ValueError(f"loads must be one of {LOADS}, got {loads!r}")
     query, key, value = prep.query, prep.key, prep.value
     n, heads, q_len, head_dim = query.shape
     k_len, v_dim = key.shape[2], value.shape[3]
@@ -209,17 +267,20 @@ def launch(prep: Prepared, block_m: int, block_n: int, num_warps: int, num_stage
         return out, lse
     grid = (triton.cdiv(q_len, block_m), n * heads)
     raw = not (prep.has_softcap or prep.has_alibi) and prep.scale > 0.0
+    descriptors = tma_descriptors(prep, block_n) if loads == "tma" else None
+    k_desc, v_desc = descriptors or (None, None)
 
     def run(gate: Tensor, pass_compiled: bool, gated: bool) -> None:
         _forward_kernel[grid](
-            query, key, value, out, lse, prep.lo, prep.hi, prep.slopes, prep.seed, gate,
+            query, key, value, out, lse, prep.lo, prep.hi, prep.slopes, prep.seed, gate, k_desc, v_desc,
             *query.stride(), *key.stride(), *value.stride(), *out.stride(),
             prep.stride_ls, prep.stride_lr, prep.stride_sn, prep.stride_sh,
             heads, prep.heads_per_kv, q_len, k_len, head_dim, v_dim,
             prep.scale, prep.softcap, prep.drop_scale,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=prep.block_d, BLOCK_DV=prep.block_dv, RANGES=prep.ranges,
             SOFTCAP=prep.has_softcap, HAS_ALIBI=prep.has_alibi, DROPOUT=prep.has_dropout, IEEE=prep.ieee,
-            SECOND_PASS=pass_compiled, GATED=gated, RAW=raw, num_warps=num_warps, num_stages=num_stages)
+            SECOND_PASS=pass_compiled, GATED=gated, RAW=raw, TMA=descriptors is not None, num_warps=num_warps,
+            num_stages=num_stages)
 
     run(lse, second_pass == "inline", False)  # lse: a pointer the ungated kernel never reads
     if second_pass == "gated" and value.numel() > 0:
