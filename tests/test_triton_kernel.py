@@ -463,25 +463,27 @@ def test_tma_loads_give_the_pointer_loads_results(dtype: torch.dtype) -> None:
             assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
     # six mask kinds in bfloat16, two in the other dtypes (the interpreter's time)
-    names = ["causal_long_queries", "key_ranges_two_per_row"]
+    names = ["key_ranges_two_per_row", "padding"]  # padding: whole blocks in every dtype
     if dtype == torch.bfloat16:
-        names += ["causal", "window", "documents", "key_padding_empty_sequence"]
+        names += ["causal_long_queries", "window", "documents", "key_padding_empty_sequence"]
     cases = [(name, 24, 24, {}) for name in names]
     cases += [("documents", 40, 16, dict(softcap=2.0, alibi_slopes=torch.tensor([0.5, 0.25]), dropout=0.3,
                                          seed=torch.tensor(77, dtype=torch.int64))),
               ("causal", 4 if dtype != torch.float32 else 2, 8, {})]  # 8-byte key rows: no descriptor
+    padded = (lambda n: masks.padding([35, 20][:n]), 40, 35)
     for index, (name, dim, v_dim, options) in enumerate(cases):
-        build, q_len, k_len = MASKS[name]
+        build, q_len, k_len = padded if name == "padding" else MASKS[name]
         lo, hi = build(2).row_ranges(q_len, k_len)
         q, k, v = _inputs(2, 2, 1, q_len, k_len, dim=dim, v_dim=v_dim, dtype=dtype, seed=30 + index)
-        poisoned = index % 3 == 1
-        if poisoned:
+        if not options and index % 2 == 0:
             v[0, 0, k_len // 2, 0], v[1, 0, 3, v_dim - 1] = float("nan"), float("inf")
         options = {key: value.to(DEVICE) if torch.is_tensor(value) else value for key, value in options.items()}
         prep = kernel.prepare(q, k, v, lo.to(DEVICE), hi.to(DEVICE), scale=dim ** -0.5,
                               **{"softcap": None, "alibi_slopes": None, "dropout": 0.0, "seed": None, **options})
         assert (forward.tma_descriptors(prep, 16) is None) == (dim * dtype.itemsize < 16), name
-        for second_pass in ("gated", "inline") if poisoned else ("gated",):
+        # "off": the kernel without the redo (partial blocks load by pointers either way, so their leak is
+        # the same); the gated redo launch, which takes the descriptors too, once (slow here)
+        for second_pass in ("off", "gated") if name == "window" else ("off",):
             want = forward.launch(prep, 16, 16, 4, 1, second_pass=second_pass)
             got = forward.launch(prep, 16, 16, 4, 1, second_pass=second_pass, loads="tma")
             for a, b in zip(got, want):

@@ -44,14 +44,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - triton before 3.3 makes no descriptors on the host: pointers serve
-    TensorDescriptor = None
-
 from . import common as c
 from . import non_finite
-from .inputs import Prepared
+from .inputs import Prepared, TensorDescriptor, tile_descriptor
 
 __all__ = ["launch"]
 
@@ -221,26 +216,11 @@ LOADS = ("pointers", "tma")
 
 
 def tma_descriptors(prep: Prepared, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor] | None:
-    """Descriptors of ``key`` and ``value`` ``[N, Hkv, Lk, D / Dv]`` for tiles of ``block_n`` keys
-    and the padded widths, or ``None`` where a layout rules the copy engine out: it wants the last
-    dimension contiguous, the other strides and the address on 16 bytes. Keys past ``Lk`` and
-    features past the widths load as zeros, as the pointer loads' masks give them. A dimension of size
-    1 is never stepped along, so its stride is given as a contiguous one (any stride is legal there
-    in torch, 0 included, not in a descriptor)."""
-    if TensorDescriptor is None:
-        return None
-    found = []
-    for tensor, width in ((prep.key, prep.block_d), (prep.value, prep.block_dv)):
-        if tensor.numel() == 0 or tensor.stride(3) != 1 or tensor.data_ptr() % 16:
-            return None
-        strides, inner = [1] * 4, 1
-        for dim in (3, 2, 1, 0):
-            strides[dim] = tensor.stride(dim) if tensor.shape[dim] > 1 else inner
-            inner = strides[dim] * tensor.shape[dim]
-        if any(stride <= 0 or stride * tensor.element_size() % 16 for stride in strides[:3]):
-            return None
-        found.append(TensorDescriptor(tensor, list(tensor.shape), strides, [1, 1, block_n, width]))
-    return found[0], found[1]
+    """Descriptors of ``key`` and ``value`` for tiles of ``block_n`` keys and the padded widths
+    (:func:`.inputs.tile_descriptor`), or ``None`` where either layout rules the copy engine out."""
+    k_desc = tile_descriptor(prep.key, block_n, prep.block_d)
+    v_desc = tile_descriptor(prep.value, block_n, prep.block_dv)
+    return None if k_desc is None or v_desc is None else (k_desc, v_desc)
 
 
 def launch(prep: Prepared, block_m: int, block_n: int, num_warps: int, num_stages: int, *,

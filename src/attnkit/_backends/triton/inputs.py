@@ -19,11 +19,17 @@ import torch.nn.functional as F
 import triton
 from torch import Tensor
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - triton before 3.3 makes no descriptors on the host: pointers serve
+    TensorDescriptor = None
+
 from ... import _torch_private
 from .. import dropout as _dropout
 from ..transfer import to_device
 
-__all__ = ["Prepared", "prepare", "block_summary", "reached_blocks", "derived_from", "remembered"]
+__all__ = ["Prepared", "prepare", "block_summary", "reached_blocks", "derived_from", "remembered",
+           "tile_descriptor"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: The kernels place a key block's tiles by int32 offsets from its first row (common.tile_offsets):
@@ -235,3 +241,22 @@ def reached_blocks(summary: Tensor, k_len: int, block_n: int) -> Tensor:
     whole_begin = torch.minimum(torch.maximum(whole_begin, begin), end)
     whole_end = torch.minimum(torch.maximum(whole_end, whole_begin), end)
     return torch.stack([begin, whole_begin, whole_end, end], dim=-1).to(torch.int32).contiguous()
+
+
+def tile_descriptor(tensor: Tensor, rows: int, width: int) -> TensorDescriptor | None:
+    """A TMA descriptor of a ``[N, heads, L, C]`` tensor for tiles of ``rows`` rows and ``width``
+    features (powers of two; the kernels load ``[1, 1, rows, width]`` at ``[n, head, first row, 0]``),
+    or ``None`` where the layout rules Hopper's copy engine out: it wants the last dimension
+    contiguous, the other strides and the address on 16 bytes. Rows past ``L`` and features past
+    ``C`` load as zeros, as the pointer loads' masks give them. A dimension of size 1 is never
+    stepped along, so its stride is given as a contiguous one (torch allows any there, 0 included; a
+    descriptor does not)."""
+    if TensorDescriptor is None or tensor.numel() == 0 or tensor.stride(3) != 1 or tensor.data_ptr() % 16:
+        return None
+    strides, inner = [1] * 4, 1
+    for dim in (3, 2, 1, 0):
+        strides[dim] = tensor.stride(dim) if tensor.shape[dim] > 1 else inner
+        inner = strides[dim] * tensor.shape[dim]
+    if any(stride <= 0 or stride * tensor.element_size() % 16 for stride in strides[:3]):
+        return None
+    return TensorDescriptor(tensor, list(tensor.shape), strides, [1, 1, rows, width])
