@@ -228,7 +228,7 @@ def main() -> None:
     import torch
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from triton_blocks import BACKWARD, FORWARD
+    from triton_blocks import BACKWARD, FORWARD, TMA
 
     kernels = importlib.import_module("attnkit._backends.triton")
     forward, backward = (importlib.import_module("attnkit._backends.triton." + name)
@@ -248,6 +248,10 @@ def main() -> None:
             mark = "*" if config == default else ""
             label = "compiled in" if second_pass == "inline" else "none"
             print(f"| {config}{mark} | {label} | {row(build(launches[0]))} |", flush=True)
+    for config in TMA:  # the whole blocks' tiles through TMA descriptors (forward.launch's loads="tma")
+        with captured() as launches:
+            forward.launch(prep, *config, second_pass="off", loads="tma")
+        print(f"| {config}, TMA loads | none | {row(build(launches[0]))} |", flush=True)
     print("\n| backward ((dK/dV M, N, dQ M, N), warps, stages) | kernel | registers | spill stores (B) | "
           "spill loads (B) | cp.async | shared (KiB) | wgmma serialised | loop instructions |")
     print("|---|---|---:|---:|---:|---:|---:|---|---|")
