@@ -301,6 +301,42 @@ def test_keys_and_values_of_a_model_layout_give_the_same_bits_gathered_or_not():
 
 
 @needs_native
+def test_half_precision_key_gradient_sums_reuse_kept_memory_without_showing_it():
+    """A half-precision backward sums dK and dV in float32 scratch that the kernel keeps from one
+    call to the next, unzeroed (zeroed afresh each call, it faulted in ~3,700 pages a float16 window
+    backward at L = 16384 on two threads): the next call faults in next to none, and key rows no
+    query reaches still come out 0, whatever the last call left there."""
+    import resource
+
+    import attnkit.kernel
+
+    g = torch.Generator().manual_seed(3)
+    length = 16384
+    # eight heads: one part each (tile_tables.backward_parts), whose sums take the scratch; with fewer
+    # the rows are cut into parts summed in float32 copies instead
+    query, key, value, grad_out = (torch.randn(1, 8, length, 64, generator=g).half() for _ in range(4))
+    rows = torch.arange(length).reshape(1, -1)
+    window = (rows - 63, rows + 1)
+    padded = ((rows - 63).clamp(max=12000 - 1), (rows + 1).clamp(max=12000))  # keys 12000.. unreached
+
+    def gradients(lo, hi):
+        out, lse = native.interval_forward(query, key, value, lo, hi, 0.125)
+        return native.interval_backward(grad_out, query, key, value, out, lse, lo, hi, 0.125)
+
+    attnkit.kernel.release_memory()
+    fresh = gradients(*padded)  # sums in fresh mappings
+    assert torch.equal(fresh[1][0, :, 12000:], torch.zeros(8, length - 12000, 64, dtype=torch.half))
+    gradients(*window)  # the scratch now holds sums for every key row
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    reused = gradients(*padded)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    for got, want in zip(reused, fresh):
+        assert torch.equal(got, want)
+    assert faults < 500, faults
+    attnkit.kernel.release_memory()
+
+
+@needs_native
 def test_large_outputs_reuse_freed_memory_and_overwrite_all_of_it():
     """Outputs and gradients of 32 MiB or more come from mappings the kernel keeps when they are
     freed (no page faults on the next call). A reused mapping still holding NaN from its last

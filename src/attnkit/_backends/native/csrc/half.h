@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "aligned.h"
+#include "kept_memory.h"
 
 namespace attnkit_native {
 namespace {
@@ -215,8 +216,10 @@ class KeyGradRows {
     if (rows_.is_float()) {
       sums_ = rows_.mutable_floats(b, kv, part), stride_ = rows_.s3;
     } else {
-      if (static_cast<int64_t>(buffer_.size()) < keys_ * rows_.width) buffer_.resize(keys_ * rows_.width);
-      sums_ = buffer_.data(), stride_ = rows_.width;
+      // not zeroed: reach() zeroes each row before it is first added to, finish() reads only those
+      const size_t bytes = static_cast<size_t>(keys_ * rows_.width) * sizeof(float);
+      if (buffer_bytes_ < bytes) buffer_ = KeptMappings::instance().scratch(bytes), buffer_bytes_ = bytes;
+      sums_ = static_cast<float*>(buffer_.get()), stride_ = rows_.width;
     }
     return {sums_, stride_};
   }
@@ -256,7 +259,8 @@ class KeyGradRows {
 
   Rows rows_;
   int64_t keys_, parts_;
-  Floats buffer_;
+  c10::DataPtr buffer_;  // half precision: the task's float32 sums (kept_memory.h)
+  size_t buffer_bytes_ = 0;
   float* sums_ = nullptr;
   int64_t stride_ = 0, b_ = 0, kv_ = 0, lo_ = 0, hi_ = 0;
 };
