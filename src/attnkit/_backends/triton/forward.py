@@ -71,22 +71,20 @@ def _visit(acc, m_i, l_i, q, k_base, v_base, kt_offsets, v_offsets, d_inside, dv
     fl(max(qk) * scale)`` for ``scale > 0``, so the caller's lse is the natural one; where that
     product overflows, the caller gives the row what the natural scores would (NaN, or no weight)."""
     keys = start + tl.arange(0, BLOCK_N)
-    if MASKED:
+    block = tl.cast(start, tl.int64)  # a plain int under the interpreter
+    kt_ptrs = k_base + block * stride_km + kt_offsets
+    v_ptrs = v_base + block * stride_vm + v_offsets
+    if MASKED:  # by pointers whatever TMA says: the values outside the hull must load as zeros
         attend = c.in_range(lo[:, None], hi[:, None], keys[None, :])
         used = c.in_range(first, last, keys)  # keys some row may reach (common.key_hull)
-    if TMA and not MASKED:
+        kt = tl.load(kt_ptrs, mask=d_inside[:, None] & (keys[None, :] < k_len), other=0.0)
+        v = tl.load(v_ptrs, mask=used[:, None] & dv_inside[None, :], other=0.0)
+    elif TMA:
         kt = tl.trans(tl.reshape(k_desc.load([n, kv_head, start, 0]), [BLOCK_N, BLOCK_D]))
         v = tl.reshape(v_desc.load([n, kv_head, start, 0]), [BLOCK_N, BLOCK_DV])
     else:
-        block = tl.cast(start, tl.int64)  # a plain int under the interpreter
-        kt_ptrs = k_base + block * stride_km + kt_offsets
-        v_ptrs = v_base + block * stride_vm + v_offsets
-        if MASKED:
-            kt = tl.load(kt_ptrs, mask=d_inside[:, None] & (keys[None, :] < k_len), other=0.0)
-            v = tl.load(v_ptrs, mask=used[:, None] & dv_inside[None, :], other=0.0)
-        else:
-            kt = tl.load(kt_ptrs, mask=d_inside[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=dv_inside[None, :], other=0.0)
+        kt = tl.load(kt_ptrs, mask=d_inside[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=dv_inside[None, :], other=0.0)
     if RAW:
         s = c.dot(q, kt, IEEE)
     else:
