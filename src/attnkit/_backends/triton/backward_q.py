@@ -79,8 +79,8 @@ def dq_kernel(Q, K, V, dOut, RowLse, Delta, dQ, Lo, Hi, Slopes, Seed,
     for r in tl.static_range(RANGES):
         lo, hi = c.load_bounds(Lo + n * stride_ls + r * stride_lr, Hi + n * stride_ls + r * stride_lr,
                                rows, q_len, k_len)
-        start, full_lo, full_hi, end = c.key_span(lo, hi, valid, k_len, BLOCK_N)
         first, last = c.key_hull(lo, hi, k_len)
+        start, full_lo, full_hi, end = c.key_span(first, last, lo, hi, valid, k_len, BLOCK_N)
         # partly attended blocks before and after the whole ones in one masked loop, as the forward's
         skip = full_hi - full_lo
         for edge in range(start, end - skip, BLOCK_N):

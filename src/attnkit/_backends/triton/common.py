@@ -209,12 +209,12 @@ def key_hull(lo, hi, k_len):
 
 
 @triton.jit
-def key_span(lo, hi, valid, k_len, BLOCK_N: tl.constexpr):
+def key_span(first, last, lo, hi, valid, k_len, BLOCK_N: tl.constexpr):
     """The key blocks a block of rows visits for one range, as block-aligned bounds ``start <=
     full_lo <= full_hi <= end``: ``[full_lo, full_hi)`` holds the blocks every ``valid`` row attends
     whole (no mask needed), ``[start, full_lo)`` and ``[full_hi, end)`` the partly attended ones,
-    and nothing outside ``[start, end)`` is attended by any row."""
-    first, last = key_hull(lo, hi, k_len)
+    and nothing outside ``[start, end)`` is attended by any row. ``first, last``: the rows'
+    :func:`key_hull`, which the callers keep for their masks too."""
     start = (first // BLOCK_N) * BLOCK_N
     end = tl.cdiv(last, BLOCK_N) * BLOCK_N
     # full blocks lie inside every row's range: after the largest lo, before the smallest hi

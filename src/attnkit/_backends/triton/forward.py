@@ -154,8 +154,8 @@ def _forward_kernel(Q, K, V, Out, Lse, Lo, Hi, Slopes, Seed, Gate, KDesc, VDesc,
     for r in tl.static_range(RANGES):
         lo, hi = c.load_bounds(Lo + n * stride_ls + r * stride_lr, Hi + n * stride_ls + r * stride_lr,
                                rows, q_len, k_len)
-        start, full_lo, full_hi, end = c.key_span(lo, hi, valid, k_len, BLOCK_N)
         first, last = c.key_hull(lo, hi, k_len)
+        start, full_lo, full_hi, end = c.key_span(first, last, lo, hi, valid, k_len, BLOCK_N)
         # The partly attended blocks before and after the whole ones in one masked loop (its index jumps
         # over them), then the whole ones. With a loop for each of the three runs and the tiles moved by
         # offsets, ptxas serialised every wgmma of the kernel (each waiting for the one before; its

@@ -45,8 +45,8 @@ def in_partial_blocks(v_base, rows, valid, lo_ptr, hi_ptr, stride_lr, stride_vm,
     found = 0
     for r in tl.static_range(RANGES):
         lo, hi = c.load_bounds(lo_ptr + r * stride_lr, hi_ptr + r * stride_lr, rows, q_len, k_len)
-        start, full_lo, full_hi, end = c.key_span(lo, hi, valid, k_len, BLOCK_N)
         first, last = c.key_hull(lo, hi, k_len)
+        start, full_lo, full_hi, end = c.key_span(first, last, lo, hi, valid, k_len, BLOCK_N)
         for block in range(start, full_lo, BLOCK_N):
             found = tl.maximum(found, _holds_non_finite(v_base, block, first, last, stride_vm, stride_vd, v_dim,
                                                         BLOCK_N, BLOCK_DV))
@@ -74,7 +74,8 @@ def values_again(m_i, q, k_base, v_base, rows, valid, lo_ptr, hi_ptr, stride_lr,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for r in tl.static_range(RANGES):
         lo, hi = c.load_bounds(lo_ptr + r * stride_lr, hi_ptr + r * stride_lr, rows, q_len, k_len)
-        start, full_lo, full_hi, end = c.key_span(lo, hi, valid, k_len, BLOCK_N)
+        first, last = c.key_hull(lo, hi, k_len)
+        start, full_lo, full_hi, end = c.key_span(first, last, lo, hi, valid, k_len, BLOCK_N)
         for j in range(start, end):
             key = j + tl.zeros([1], dtype=tl.int64)
             k = tl.load(k_base + key * stride_km + d * stride_kd, mask=(d < head_dim) & (key < k_len),
