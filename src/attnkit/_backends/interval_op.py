@@ -152,7 +152,8 @@ def _native_backward(grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, lse
     grads = [native.interval_backward(grad_out, query, key, value, out, lse, inputs.lo[:, r], inputs.hi[:, r],
                                       inputs.scale, grad_lse, dropout=inputs.dropout, seed=seed_value,
                                       dropout_start=offsets, softcap=inputs.softcap,
-                                      alibi_slopes=inputs.alibi_slopes, out_low=residual)
+                                      alibi_slopes=inputs.alibi_slopes, out_low=residual,
+                                      split_weights=inputs.sinks is not None)
              for r in range(ranges)]
     return tuple(sum(parts[1:], parts[0]).to(inputs.query.dtype) for parts in zip(*grads))
 

@@ -25,7 +25,7 @@ EXPECTED_SCHEMAS = {
                          "Tensor value, Tensor out, Tensor lse, Tensor? grad_lse, Tensor lo, Tensor hi, float scale, "
                          "int block, int chunk, int parts, float dropout, int seed, float softcap, "
                          "Tensor? alibi_slopes, int dropout_head_start, int dropout_row_start, "
-                         "int dropout_key_start, Tensor? out_low) -> (Tensor, Tensor, Tensor)",
+                         "int dropout_key_start, Tensor? out_low, bool split_weights) -> (Tensor, Tensor, Tensor)",
     "release_kept_memory": "attnkit_native::release_kept_memory() -> int",
     "matrix_units_available": "attnkit_native::matrix_units_available() -> bool",
     "dot_products_available": "attnkit_native::dot_products_available() -> bool",
@@ -90,7 +90,7 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
                       dropout: float = 0.0, seed: int = 0, softcap: float | None = None,
                       alibi_slopes: Tensor | None = None,
                       dropout_start: tuple[int, int, int] = (0, 0, 0),
-                      out_low: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                      out_low: Tensor | None = None, split_weights: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`interval_forward` (same shapes as its inputs) from
     ``grad_out [B, H, Lq, Dv]`` and, when the lse was used too, ``grad_lse [B, H, Lq]``; ``out`` and
     ``lse`` are the forward's (the kernel takes FlashAttention's row term ``rowsum(grad_out * out) -
@@ -98,7 +98,12 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
     too. ``parts`` cuts each (sequence, kv head)'s rows into that many pieces computed in parallel
     (default :func:`.tile_tables.backward_parts`). ``out_low``: the forward's residual
     (``interval_forward(..., residual=True)``) of a half-precision ``out``, so that the row term reads
-    the output as computed, not as rounded; None (or empty) reads ``out`` alone."""
+    the output as computed, not as rounded; None (or empty) reads ``out`` alone.
+
+    On the bfloat16 products (AMX or AVX512-BF16) dV takes the weights rounded to bfloat16 once where
+    the forward rounds them once (D == Dv, no modifier, no dropout), else in two parts;
+    ``split_weights=True`` asks for two parts there too: a caller whose output and lse were folded
+    with sinks must, as their weights sum to less than one."""
     _require_library()
     grad_out, query, key, value, out = _plain_rows(grad_out, query, key, value, out)
     if block is None or chunk is None:
@@ -112,7 +117,8 @@ def interval_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tenso
         (out_low,) = _plain_rows(out_low)
     return torch.ops.attnkit_native.interval_backward(grad_out, query, key, value, out, lse, grad_lse, lo, hi, scale,
                                                       block, chunk, parts, dropout, seed, softcap or 0.0,
-                                                      _slopes(alibi_slopes), *dropout_start, out_low)
+                                                      _slopes(alibi_slopes), *dropout_start, out_low,
+                                                      split_weights)
 
 
 def release_kept_memory() -> int:

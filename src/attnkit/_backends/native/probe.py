@@ -32,7 +32,7 @@ def main(path: str) -> int:
     expected_out, expected_lse = _reference(q, k, v, lo, hi, 0.5)
     grad_out = torch.randn(out.shape, generator=g)
     grads = torch.ops.attnkit_native.interval_backward(grad_out, q, k, v, out, lse, None, lo, hi, 0.5, 4, 3, 1, 0.0, 0,
-                                                       0.0, None, 0, 0, 0, None)
+                                                       0.0, None, 0, 0, 0, None, False)
     expected_grads = torch.autograd.grad(expected_out, (q, k, v), grad_out.double())
     results = [(out, expected_out), (lse, expected_lse), *zip(grads, expected_grads)]
     if not all(torch.allclose(got.double(), want.double(), atol=1e-4, rtol=1e-4) for got, want in results):

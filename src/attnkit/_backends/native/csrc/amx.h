@@ -16,11 +16,11 @@
 // (K^T kept like V^T), and dV += (f P)^T dO, dK += dS^T Q the products over rows below.
 // The forward's weights are rounded to bfloat16 for P V where PyTorch's fused bf16 CPU kernel
 // rounds them so too (D == Dv, no score modifier, no dropout; forward.h), else taken as two
-// bfloat16 parts (split_halves: 2^-16 of the value instead of 2^-9); the backward's three products
-// over P and dS take each as two parts. Both keep the results within twice PyTorch's error where
-// rounding once did not. The softmax, its sums, delta and the lse stay
-// float32. A call takes this path when its dtype is bfloat16 and D % 32 == Dv % 32 == 0 (whole
-// tiles; others convert).
+// bfloat16 parts (split_halves: 2^-16 of the value instead of 2^-9). The backward's dV takes P by
+// the same rule (two parts also where the caller asks, for sinks), and dQ and dK take dS in two
+// parts always. Both keep the results within twice PyTorch's error where rounding once did not.
+// The softmax, its sums, delta and the lse stay float32. A call takes this path when its dtype is
+// bfloat16 and D % 32 == Dv % 32 == 0 (whole tiles; others convert).
 //
 // Every tile is 16 rows x 64 bytes: tmm0-3 accumulate (2 x 2 tiles), tmm4-5 hold A, tmm6-7 B.
 // The functions carry their ISA in a target attribute, so the library still loads on CPUs without
@@ -401,12 +401,19 @@ ATTNKIT_AMX inline SplitHalves split_lanes(const float* at, bool present) {
   return split_halves(_mm512_loadu_ps(at), _mm512_loadu_ps(at + kTile));
 }
 
+// The same lanes rounded to bfloat16 once (nearest even), as `high` (`low` unused).
+ATTNKIT_AMX inline SplitHalves rounded_lanes(const float* at, bool present) {
+  if (!present) return {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  return {(__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(at + kTile), _mm512_loadu_ps(at)), _mm512_setzero_si512()};
+}
+
 // The chunk's key-major w[t][r] (t < W, rs lanes) as bfloat16 rows [t][rs] in two parts
 // (split_halves), `high` and `low`, rows up to round_up(W, 16) (0 past W): A's layout, one tile per
-// 16 keys and 32 rows. With `pairs_high` and `pairs_low`, the same parts also in B's layout over
-// the keys (pack_weights': for query tile qt the 32-bit word [qt][pair][r] holds keys 2 pair and
-// 2 pair + 1 of row 16 qt + r, pairs up to round_up(W, 32) / 2), as the score gradients' dQ takes
-// them, from the same split (a second pass over the rows took ~5% of a window backward).
+// 16 keys and 32 rows; without `low` (and without pairs), w rounded once into `high`. With
+// `pairs_high` and `pairs_low`, the same parts also in B's layout over the keys (pack_weights': for
+// query tile qt the 32-bit word [qt][pair][r] holds keys 2 pair and 2 pair + 1 of row 16 qt + r,
+// pairs up to round_up(W, 32) / 2), as the score gradients' dQ takes them, from the same split (a
+// second pass over the rows took ~5% of a window backward).
 ATTNKIT_AMX void pack_key_rows(const float* w, int64_t rs, int64_t W, uint16_t* high, uint16_t* low,
                                uint32_t* pairs_high = nullptr, uint32_t* pairs_low = nullptr) {
   // B's words from two keys' 32 lanes: lanes 0-15 (query tile 2 q) and 16-31 (2 q + 1), key by key
@@ -417,12 +424,16 @@ ATTNKIT_AMX void pack_key_rows(const float* w, int64_t rs, int64_t W, uint16_t* 
   const int64_t rows = round_up(W, kTile), keys = pairs ? round_up(W, kTileK) : rows, words = round_up(W, kTileK) / 2;
   for (int64_t t = 0; t < keys; t += 2) {
     for (int64_t r = 0; r < rs; r += kTileK) {
-      const SplitHalves first = split_lanes(w + t * rs + r, t < W), second = split_lanes(w + (t + 1) * rs + r, t + 1 < W);
+      const SplitHalves first = low ? split_lanes(w + t * rs + r, t < W) : rounded_lanes(w + t * rs + r, t < W);
+      const SplitHalves second =
+          low ? split_lanes(w + (t + 1) * rs + r, t + 1 < W) : rounded_lanes(w + (t + 1) * rs + r, t + 1 < W);
       if (t < rows) {  // rows is even: t + 1 is a row too
         _mm512_storeu_si512(high + t * rs + r, first.high);
-        _mm512_storeu_si512(low + t * rs + r, first.low);
         _mm512_storeu_si512(high + (t + 1) * rs + r, second.high);
-        _mm512_storeu_si512(low + (t + 1) * rs + r, second.low);
+        if (low) {
+          _mm512_storeu_si512(low + t * rs + r, first.low);
+          _mm512_storeu_si512(low + (t + 1) * rs + r, second.low);
+        }
       }
       if (pairs) {
         const int64_t at = ((r / kTile) * words + t / 2) * kTile, next = at + words * kTile;
@@ -436,8 +447,9 @@ ATTNKIT_AMX void pack_key_rows(const float* w, int64_t rs, int64_t W, uint16_t* 
 }
 
 // Out[t][c] += sum_r W[t][r] X[r][c] for t < W, c < C (out: float32 rows os apart): W as its two
-// parts `a` and `a_low` from pack_key_rows, `b` from pack_rows. A last tile of fewer than 16 keys
-// goes through `spare` (16 x 32 floats: two tiles of features), so no row past W is read or written.
+// parts `a` and `a_low` from pack_key_rows (a_low null: W in one part), `b` from pack_rows. A last
+// tile of fewer than 16 keys goes through `spare` (16 x 32 floats: two tiles of features), so no
+// row past W is read or written.
 ATTNKIT_AMX void amx_rows_product(const uint16_t* a, const uint16_t* a_low, int64_t rs, int64_t W, const uint32_t* b,
                                   int64_t C, float* out, int64_t os, float* spare) {
   const int64_t pairs = rs / 2, steps = rs / kTileK, key_tiles = (W + kTile - 1) / kTile;
@@ -467,6 +479,7 @@ ATTNKIT_AMX void amx_rows_product(const uint16_t* a, const uint16_t* a_low, int6
           _tile_loadd(7, b1 + step * kTile * kTile, 64);
           _tile_dpbf16ps(1, 4, 7);
         }
+        if (!a_low) continue;
         _tile_loadd(5, a_low + kt * kTile * rs + step * kTileK, rs * 2);
         _tile_dpbf16ps(0, 5, 6);
         if (two) _tile_dpbf16ps(1, 5, 7);

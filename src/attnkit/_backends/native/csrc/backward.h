@@ -130,7 +130,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const at::Tensor& lo_rows, const at::Tensor& hi_rows,
     double scale, int64_t block, int64_t chunk, int64_t parts, double dropout_p, int64_t seed, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, int64_t dropout_head_start, int64_t dropout_row_start,
-    int64_t dropout_key_start, const std::optional<at::Tensor>& out_low) {
+    int64_t dropout_key_start, const std::optional<at::Tensor>& out_low, bool split_weights_asked) {
   Params c("interval_backward", query, key, value, lo_rows, hi_rows, /*together=*/false);
   const int64_t B = c.B, H = c.H, Lq = c.Lq, D = c.D, Hkv = c.Hkv, Lk = c.Lk, Dv = c.Dv;  // the lambdas capture these
   TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == B && grad_out.size(1) == H && grad_out.size(2) == Lq &&
@@ -179,6 +179,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     // The five products on the units the forward's took (products.h; dO's rows moved by pairs too)
     const HalfProducts units = backward_half_products(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2, go.s2);
     const bool packed = units != HalfProducts::kConvert;
+    // dV takes P rounded once by the forward's rule (forward.h, split_weights), and in two parts
+    // where the caller asks (sinks: their P sums to less than one, which the kernel cannot see; one
+    // part there put calls over twice the bar's error). dS always goes in two parts: by the
+    // forward's rule, dq read 2.4x SDPA's error in 1 call of 3,000 (docs/performance.md, thirteenth
+    // session).
+    const bool split_weights = packed && (split_weights_asked || D != Dv || !c.plain() || dropout.active);
     if (packed) chunk = round_up(std::max(chunk, kAmxChunk), kTileK);
     const bool capped = c.capped();  // the cap's derivative is stored then
     using L = RowLanes;
@@ -204,7 +210,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       TileScope tiles(units == HalfProducts::kTiles);
       LineVector<uint32_t> packed_q(packed ? padded * D / 2 : 0), packed_go(packed ? padded * Dv / 2 : 0);
       LineVector<uint32_t> rows_q(packed ? padded * D / 2 : 0), rows_go(packed ? padded * Dv / 2 : 0);
-      // the weights and score gradients as two bfloat16 parts each (amx.h, high and low). Every
+      // the weights (one part or two) and score gradients (two) as bfloat16 (amx.h, high and low). Every
       // buffer a tile reads or writes starts on a cache line (aligned.h: from glibc's 16-byte start
       // every tile row of 64 bytes touched two lines; window backward 110-118 -> 96-102 ms with the
       // two parts, L = 16384, 2 threads)
@@ -379,10 +385,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
               std::fill(dq_start.begin(), dq_start.end(), dq_started ? Start::kKeep : Start::kZero);
               dq_started = true;
               if (packed) {
-                // P and dS in two bfloat16 parts each (amx.h, split_halves); dS in B's layout too, for dQ
-                pack_key_rows(p, rs, width, key_rows.data(), key_rows_low.data());
-                rows_product(units, key_rows.data(), key_rows_low.data(), rs, width, rows_go.data(), Dv, dv_head + c0 * dv2s,
-                             dv2s, spare_sums.data());
+                // P rounded once or in two bfloat16 parts (amx.h, split_halves), dS in two parts, in B's
+                // layout too, for dQ
+                uint16_t* p_low = split_weights ? key_rows_low.data() : nullptr;
+                pack_key_rows(p, rs, width, key_rows.data(), p_low);
+                rows_product(units, key_rows.data(), p_low, rs, width, rows_go.data(), Dv, dv_head + c0 * dv2s, dv2s,
+                             spare_sums.data());
                 pack_key_rows(ds, rs, width, key_rows.data(), key_rows_low.data(), packed_ds.data(), packed_ds_low.data());
                 values_product(units, keys_transposed->from(b, kv, c0, c0 + width), width, D, packed_ds.data(), rs, dqt.data(),
                                dq_start.data(), no_rescale.data(), spare_block.data(), packed_ds_low.data());

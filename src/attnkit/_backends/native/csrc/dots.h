@@ -166,8 +166,9 @@ ATTNKIT_DOTS void dot_values(const uint16_t* vt, int64_t W, int64_t Dv, const ui
 }
 
 // Out[t][c] += for kKeys keys over kTiles tiles of 16 features: W's two parts `a`, `a_low` ([t][rs]
-// bfloat16) by pairs of rows against X's pairs `b` (pack_rows' layout, `pairs` pairs a tile).
-template <int kKeys, int kTiles>
+// bfloat16; `a` alone without kLow) by pairs of rows against X's pairs `b` (pack_rows' layout,
+// `pairs` pairs a tile).
+template <int kKeys, int kTiles, bool kLow>
 ATTNKIT_DOTS void dot_rows_tile(const uint16_t* a, const uint16_t* a_low, int64_t rs, const uint32_t* b,
                                 int64_t pairs, float* out, int64_t os) {
   __m512 sum[kKeys][kTiles];
@@ -178,8 +179,12 @@ ATTNKIT_DOTS void dot_rows_tile(const uint16_t* a, const uint16_t* a_low, int64_
     __m512i x[kTiles];
     _Pragma("GCC unroll 16") for (int f = 0; f < kTiles; ++f) x[f] = _mm512_loadu_si512(b + (f * pairs + p) * kTile);
     _Pragma("GCC unroll 16") for (int t = 0; t < kKeys; ++t) {
-      const __m512i high = pair_at(a + t * rs + 2 * p), low = pair_at(a_low + t * rs + 2 * p);
-      _Pragma("GCC unroll 16") for (int f = 0; f < kTiles; ++f) sum[t][f] = dot(dot(sum[t][f], high, x[f]), low, x[f]);
+      const __m512i high = pair_at(a + t * rs + 2 * p);
+      _Pragma("GCC unroll 16") for (int f = 0; f < kTiles; ++f) sum[t][f] = dot(sum[t][f], high, x[f]);
+      if constexpr (kLow) {
+        const __m512i low = pair_at(a_low + t * rs + 2 * p);
+        _Pragma("GCC unroll 16") for (int f = 0; f < kTiles; ++f) sum[t][f] = dot(sum[t][f], low, x[f]);
+      }
     }
   }
   _Pragma("GCC unroll 16") for (int t = 0; t < kKeys; ++t) {
@@ -188,7 +193,8 @@ ATTNKIT_DOTS void dot_rows_tile(const uint16_t* a, const uint16_t* a_low, int64_
 }
 
 // amx_rows_product's product: Out[t][c] += sum_r W[t][r] X[r][c] for t < W, c < C (C a multiple of
-// 32; out: float32 rows os apart), W as pack_key_rows' two parts, X from pack_rows. Rows past W are
+// 32; out: float32 rows os apart), W as pack_key_rows' two parts (or its high part alone, a_low
+// null), X from pack_rows. Rows past W are
 // never read or written.
 ATTNKIT_DOTS void dot_rows_product(const uint16_t* a, const uint16_t* a_low, int64_t rs, int64_t W, const uint32_t* b,
                                    int64_t C, float* out, int64_t os) {
@@ -200,10 +206,14 @@ ATTNKIT_DOTS void dot_rows_product(const uint16_t* a, const uint16_t* a_low, int
     const uint32_t* x = b + ft * pairs * kTile;
     const auto keys = [&](int64_t t, auto n) {
       constexpr int kN = decltype(n)::value;
+      const uint16_t* low = a_low ? a_low + t * rs : nullptr;
+      float* at = out + t * os + ft * kTile;
       if (four) {
-        dot_rows_tile<kN, 4>(a + t * rs, a_low + t * rs, rs, x, pairs, out + t * os + ft * kTile, os);
+        low ? dot_rows_tile<kN, 4, true>(a + t * rs, low, rs, x, pairs, at, os)
+            : dot_rows_tile<kN, 4, false>(a + t * rs, low, rs, x, pairs, at, os);
       } else {
-        dot_rows_tile<kN, 2>(a + t * rs, a_low + t * rs, rs, x, pairs, out + t * os + ft * kTile, os);
+        low ? dot_rows_tile<kN, 2, true>(a + t * rs, low, rs, x, pairs, at, os)
+            : dot_rows_tile<kN, 2, false>(a + t * rs, low, rs, x, pairs, at, os);
       }
     };
     int64_t t = 0;

@@ -43,7 +43,7 @@ TORCH_LIBRARY(attnkit_native, m) {
   m.def("interval_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
         "Tensor? grad_lse, Tensor lo, Tensor hi, float scale, int block, int chunk, int parts, float dropout, int seed, "
         "float softcap, Tensor? alibi_slopes, int dropout_head_start, int dropout_row_start, int dropout_key_start, "
-        "Tensor? out_low) -> (Tensor, Tensor, Tensor)");
+        "Tensor? out_low, bool split_weights) -> (Tensor, Tensor, Tensor)");
   m.def("release_kept_memory() -> int", &attnkit_native::release_kept_memory);
   m.def("matrix_units_available() -> bool", &attnkit_native::matrix_units_available);
   m.def("dot_products_available() -> bool", &attnkit_native::dot_products_available);
