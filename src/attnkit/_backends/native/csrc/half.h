@@ -48,6 +48,11 @@ inline void to_float(const void* src, at::ScalarType type, int64_t n, float* dst
     }
     for (; i < n; ++i) dst[i] = static_cast<float>(c10::BFloat16(in[i], c10::BFloat16::from_bits()));
   } else {
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))));
+    }
+#endif
     for (; i + 8 <= n; i += 8) {
       _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
     }
@@ -74,6 +79,12 @@ inline void from_float(const float* src, int64_t n, at::ScalarType type, void* d
     }
     for (; i < n; ++i) out[i] = c10::BFloat16(src[i]).x;
   } else {
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+      const __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
+    }
+#endif
     for (; i + 8 <= n; i += 8) {
       const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
