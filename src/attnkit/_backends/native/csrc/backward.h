@@ -179,13 +179,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     // The five products on the units the forward's took (products.h; dO's rows moved by pairs too)
     const HalfProducts units = backward_half_products(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2, go.s2);
     const bool packed = units != HalfProducts::kConvert;
-    // dV takes P rounded to bfloat16 once by the forward's rule (forward.h, split_weights), and in
+    // dV takes P rounded to bfloat16 once by the forward's rule (Params::weights_round_once), and in
     // two parts where the caller asks (sinks: their P sums to less than one, which the kernel cannot
     // see; one part there put calls over twice the bar's error). dQ and dK take dS in two parts
     // always: by the forward's rule, one part put dq at 2.4x SDPA's error in 1 call of 3,000
     // (thirteenth session), and dK alone at 2.1x in 2 plain calls of 3,000 (twentieth; both in
     // docs/performance.md).
-    const bool split_weights = packed && (split_weights_asked || D != Dv || !c.plain() || dropout.active);
+    const bool split_weights = packed && (split_weights_asked || !c.weights_round_once());
     if (packed) chunk = round_up(std::max(chunk, kAmxChunk), kTileK);
     const bool capped = c.capped();  // the cap's derivative is stored then
     using L = RowLanes;

@@ -194,8 +194,7 @@ ATTNKIT_DOTS void dot_rows_tile(const uint16_t* a, const uint16_t* a_low, int64_
 
 // amx_rows_product's product: Out[t][c] += sum_r W[t][r] X[r][c] for t < W, c < C (C a multiple of
 // 32; out: float32 rows os apart), W as pack_key_rows' two parts (or its high part alone, a_low
-// null), X from pack_rows. Rows past W are
-// never read or written.
+// null), X from pack_rows. Rows past W are never read or written.
 ATTNKIT_DOTS void dot_rows_product(const uint16_t* a, const uint16_t* a_low, int64_t rs, int64_t W, const uint32_t* b,
                                    int64_t C, float* out, int64_t os) {
   constexpr int kKeys = 4;

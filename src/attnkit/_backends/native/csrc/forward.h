@@ -157,13 +157,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
   Dropout kept = dropout;
   if (packed) kept.keep_scale = 1.0f;
   const float after_sum = packed && dropout.active ? dropout.keep_scale : 1.0f;
-  // P V takes P rounded to bfloat16 once where PyTorch's own fused CPU kernel (the accuracy rule's
-  // bar) rounds it so too: D == Dv, no score modifier, no dropout. Elsewhere PyTorch computes the
-  // call in float32 (SDPA's math path for D != Dv; eager float32 ops for what SDPA lacks), and P
-  // goes in two parts (split_halves), as in the backward: one part there put 10 random calls in
-  // 3,000 over twice that bar's error; two cost those calls about 1.1x the forward's time
-  // (docs/performance.md, thirteenth session).
-  const bool split_weights = packed && (D != Dv || !c.plain() || dropout.active);
+  // P V takes P rounded once or in two parts by Params::weights_round_once (two cost those calls
+  // about 1.1x the forward's time, docs/performance.md, thirteenth session)
+  const bool split_weights = packed && !c.weights_round_once();
   // on 16 lanes the packed layouts' weights come straight from the softmax (packed_softmax.h)
   const PackedSoftmaxRows packed_softmax =
       packed ? pick_packed_softmax_rows(rescore, dropout.active, split_weights) : nullptr;

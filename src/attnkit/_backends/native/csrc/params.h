@@ -103,6 +103,13 @@ struct Params {
   bool capped() const { return static_cast<float>(softcap) > 0.0f; }
   // Neither soft-capping nor ALiBi in the call (ScoreMods::plain for every head).
   bool plain() const { return !capped() && !slopes.defined(); }
+  // Whether the bfloat16 products may take the weights P rounded to bfloat16 once (else in two
+  // parts, amx.h split_halves): where PyTorch's own fused CPU kernel (the accuracy rule's bar)
+  // rounds them so too, D == Dv, no score modifier, no dropout. Elsewhere PyTorch computes the call
+  // in float32 (SDPA's math path for D != Dv; eager float32 ops for what SDPA lacks), and one part
+  // there put 10 random calls in 3,000 over twice that bar's error (docs/performance.md, thirteenth
+  // session). The forward's P V and the backward's dV follow it; set by modifiers().
+  bool weights_round_once() const { return D == Dv && plain() && !dropout.active; }
   // The intervals of sequence b's rows from `first`.
   const int64_t* lo_of(int64_t b, int64_t first) const { return lo + (shared_rows ? 0 : b * Lq) + first; }
   const int64_t* hi_of(int64_t b, int64_t first) const { return hi + (shared_rows ? 0 : b * Lq) + first; }
