@@ -7,9 +7,9 @@ score gradients, dropout hash, soft-capping and ALiBi; 512-bit product tiles) ag
 AVX2 build is compiled into a temporary cache and run in a child process (a process can load only
 one library registering the kernel's ops); the outputs, lse and all three gradients must be equal,
 NaN for NaN, on calls with dropout, soft-capping, ALiBi, planted NaN/inf and an overflowing scale, in
-float32 and in half precision (bf16 on the AMX tiles where the CPU has them: both builds call the
-same tile code, with their own softmax between the products; the AVX-512 build's writes the packed
-weights itself, the AVX2 build's packs them after)."""
+float32 and in half precision (bf16, and fp16 in two bf16 parts, on the AMX tiles where the CPU has
+them: both builds call the same tile code, with their own softmax between the products; the AVX-512
+build's writes the packed weights itself, the AVX2 build's packs them after)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ CASES = """
 import sys, torch
 from attnkit._backends import native
 results = []
-for case, (length, dim, p, block, chunk, cap, alibi, scale, dtype) in enumerate([
+for case, (length, dim, p, block, chunk, cap, alibi, scale, dtype, *finite) in enumerate([
         (300, 64, 0.1, 32, 64, 30.0, False, 0.3, torch.float32), (257, 40, 0.5, 64, 37, 0.0, True, 0.3, torch.float32),
         (200, 16, 0.0, 96, 50, 5.0, True, 0.7, torch.float32), (180, 80, 0.2, 32, 1000, 2.0, True, 1.5, torch.float32),
         (150, 24, 0.0, 33, 17, 50.0, False, 3e37, torch.float32), (130, 8, 0.0, 40, 9, 0.0, False, 0.5, torch.float32),
@@ -36,11 +36,17 @@ for case, (length, dim, p, block, chunk, cap, alibi, scale, dtype) in enumerate(
         (257, 40, 0.2, 64, 37, 5.0, True, 0.3, torch.bfloat16), (200, 64, 0.1, 96, 50, 2.0, True, 0.7, torch.float16),
         # the AVX-512 build's packed softmax in its other forms: plain scores with dropout (two parts),
         # and plain ones at a negative scale (scores stored, not rescored)
-        (700, 64, 0.2, 48, 96, 0.0, False, 0.3, torch.bfloat16), (500, 64, 0.0, 32, 80, 0.0, False, -0.3, torch.bfloat16)]):
+        (700, 64, 0.2, 48, 96, 0.0, False, 0.3, torch.bfloat16), (500, 64, 0.0, 32, 80, 0.0, False, -0.3, torch.bfloat16),
+        # fp16 on the AMX tiles (two bf16 parts): with finite inputs only (the planted NaN, above,
+        # sends a call back to the float32-convert path)
+        (300, 64, 0.1, 32, 64, 30.0, True, 0.3, torch.float16, True),
+        (700, 64, 0.0, 48, 96, 0.0, False, 0.3, torch.float16, True),
+        (500, 32, 0.2, 32, 80, 0.0, False, -0.3, torch.float16, True)]):
     g = torch.Generator().manual_seed(case)
     q, k, v = (torch.randn(2, 4, length, dim, generator=g).to(dtype) for _ in range(3))
-    k[0, 1, 5, 3] = float("inf")
-    q[1, 2, 7, 0] = float("nan")
+    if not finite:
+        k[0, 1, 5, 3] = float("inf")
+        q[1, 2, 7, 0] = float("nan")
     lo = torch.randint(-5, length, (2, length), generator=g)
     hi = lo + torch.randint(0, length, (2, length), generator=g)
     slopes = torch.rand(2, 4, generator=g) if alibi else None

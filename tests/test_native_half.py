@@ -50,10 +50,12 @@ def _policy_of_a_cpu(*, multiplies: tuple[torch.dtype, ...], tiles: bool):
 
 
 def _skip_unless_units_run(units: str, dtype: torch.dtype) -> None:
-    """Skips where ``units`` (``native.half_products``) would not multiply this call: the packed
-    units take bfloat16, each on CPUs that have it."""
-    if units != "convert" and (dtype != torch.bfloat16 or not native.half_products_available(units)):
-        pytest.skip(f"the {units} take bfloat16 on CPUs that have them")
+    """Skips where ``units`` (``native.half_products``) would not multiply this call: the tiles take
+    bfloat16 and float16 (as two bfloat16 parts), the dot products bfloat16, each on CPUs that have
+    them."""
+    takes = (torch.bfloat16, torch.float16) if units == "tiles" else (torch.bfloat16,)
+    if units != "convert" and (dtype not in takes or not native.half_products_available(units)):
+        pytest.skip(f"the {units} take {', '.join(map(str, takes))} on CPUs that have them")
 
 
 @pytest.fixture

@@ -20,7 +20,8 @@
 // the same rule (two parts also where the caller asks, for sinks), and dQ and dK take dS in two
 // parts always. Both keep the results within twice PyTorch's error where rounding once did not.
 // The softmax, its sums, delta and the lse stay float32. A call takes this path when its dtype is
-// bfloat16 and D % 32 == Dv % 32 == 0 (whole tiles; others convert).
+// bfloat16 and D % 32 == Dv % 32 == 0 (whole tiles; others convert). float16 takes it too, each
+// value as two bfloat16 parts (below: "float16 on the bfloat16 tiles"), on the tiles only.
 //
 // Every tile is 16 rows x 64 bytes: tmm0-3 accumulate (2 x 2 tiles), tmm4-5 hold A, tmm6-7 B.
 // The functions carry their ISA in a target attribute, so the library still loads on CPUs without
@@ -100,6 +101,15 @@ bool bf16_layouts_fit(at::ScalarType type, int64_t D, int64_t Dv, int64_t Lk, in
   return type == at::kBFloat16 && D % kTileK == 0 && Dv % kTileK == 0 && q_row_stride % 2 == 0 &&
          k_row_stride % 2 == 0 && v_row_stride % 2 == 0 &&
          std::max(D, Dv) * (round_up(Lk, kTileK) + kTileK) * 2 <= kMaxTransposedBytes;
+}
+
+// float16's two-part layouts fit the call (the rows split below): whole tiles of features, K^T
+// and V^T (the backward's and the forward's) in two parts within bounds, key and value rows an
+// even number of elements apart (transposed by pairs of features).
+bool float16_layouts_fit(at::ScalarType type, int64_t D, int64_t Dv, int64_t Lk, int64_t k_row_stride,
+                         int64_t v_row_stride) {
+  return type == at::kHalf && D % kTileK == 0 && Dv % kTileK == 0 && k_row_stride % 2 == 0 && v_row_stride % 2 == 0 &&
+         std::max(D, Dv) * (round_up(Lk, kTileK) + kTileK) * 2 * 2 <= kMaxTransposedBytes;
 }
 
 // Keys a chunk takes on the tiles at least: the accumulators then load and store once per block
@@ -247,6 +257,63 @@ ATTNKIT_AMX inline SplitHalves split_halves(__m512 first, __m512 second) {
           (__m512i)_mm512_cvtne2ps_pbh(cut_remainder(second), cut_remainder(first))};
 }
 
+// ---- float16 on the bfloat16 tiles ----------------------------------------------------------------
+//
+// A float16 value has 11 significant bits: its upper 8 (cut) are a bfloat16 `high`, and the 3 left
+// are exactly a bfloat16 `low` (split_halves, whose guard below 2^-100 no float16 meets: the least
+// is 2^-24). So each product of two float16 rows is exact as x_h y_h + x_h y_l + x_l y_h + x_l y_l
+// on the tiles, which sum each in float32. The forward keeps the first three and drops x_l y_l,
+// at most 2^-18 of |x| |y| per term (the float32-convert path's sums round 64 terms to about 2^-18
+// of their magnitude too). The rows are laid side by side so the scores' product runs unchanged
+// over three times the features: keys [high | low | high] . queries [high | high | low]. Values
+// take V^T's two parts (TransposedRows) against the weights' two: Vh Ph + Vh Pl + Vl Ph.
+// A non-finite value does not split (inf - inf): a call that meets one runs again converted
+// (forward.h).
+
+// Set when a split met a float16 NaN or inf on this thread (the forward resets and reads it).
+thread_local bool split_met_nonfinite = false;
+
+// 32 float16 as their two bfloat16 parts (elements in order), noting a non-finite one.
+ATTNKIT_AMX inline SplitHalves split_float16_lanes(__m512i x) {
+  const __m512i exponent = _mm512_set1_epi16(0x7C00);
+  if (_mm512_cmpeq_epi16_mask(_mm512_and_si512(x, exponent), exponent) != 0) split_met_nonfinite = true;
+  return split_halves(_mm512_cvtph_ps(_mm512_castsi512_si256(x)), _mm512_cvtph_ps(_mm512_extracti64x4_epi64(x, 1)));
+}
+
+// n float16 (n a multiple of 32) from src as their two bfloat16 parts, into `high` and `low`.
+ATTNKIT_AMX inline void split_float16(const uint16_t* src, int64_t n, uint16_t* high, uint16_t* low) {
+  for (int64_t i = 0; i < n; i += kTileK) {
+    const SplitHalves parts = split_float16_lanes(_mm512_loadu_si512(src + i));
+    _mm512_storeu_si512(high + i, parts.high);
+    _mm512_storeu_si512(low + i, parts.low);
+  }
+}
+
+// A float16 key row of n as [high | low | high] (3 n bfloat16), a query row as [high | high | low]
+// (HeldRows' conversions; `type` is float16).
+ATTNKIT_AMX void split_key_row(const void* src, at::ScalarType, int64_t n, uint16_t* dst) {
+  split_float16(static_cast<const uint16_t*>(src), n, dst, dst + n);
+  std::memcpy(dst + 2 * n, dst, n * 2);
+}
+ATTNKIT_AMX void split_query_row(const void* src, at::ScalarType, int64_t n, uint16_t* dst) {
+  split_float16(static_cast<const uint16_t*>(src), n, dst, dst + 2 * n);
+  std::memcpy(dst + n, dst, n * 2);
+}
+
+// All four products, exact, for the backward's dP = dO V^T: a value row as [high | low | high | low]
+// (4 n) and a row of dO as [high | high | low | low]. FlashAttention's row term delta = dO . O is
+// exact to float32 there, and dS = P (dP - delta) takes their difference: a row on one key, whose
+// dS is 0 in exact arithmetic, read the dropped dO_l V_l as a dq of 5e-5 where PyTorch's is 0.
+ATTNKIT_AMX void split_value_row(const void* src, at::ScalarType, int64_t n, uint16_t* dst) {
+  split_float16(static_cast<const uint16_t*>(src), n, dst, dst + n);
+  std::memcpy(dst + 2 * n, dst, n * 4);
+}
+ATTNKIT_AMX void split_grad_row(const void* src, at::ScalarType, int64_t n, uint16_t* dst) {
+  split_float16(static_cast<const uint16_t*>(src), n, dst, dst + 2 * n);
+  std::memcpy(dst + n, dst, n * 2);
+  std::memcpy(dst + 3 * n, dst + 2 * n, n * 2);
+}
+
 // Two keys' weights for a query tile's 16 rows (`first` the even key's) as the 16 words of one
 // pair at `at`: rounded to bfloat16 (nearest even), or with kParts in two parts (split_halves),
 // `packed` their upper 16 bits and `low` what those leave.
@@ -299,18 +366,21 @@ ATTNKIT_AMX void pack_weights(const float* s, int64_t rs, int64_t W, uint32_t* p
 // the same layout (split_halves), joining each step's product.
 ATTNKIT_AMX void amx_values(const uint16_t* vt, int64_t W, int64_t Dv, const uint32_t* weights, int64_t rs,
                             float* ot, const Start* start, const float* rescale, uint16_t* spare,
-                            const uint32_t* weights_low = nullptr) {
+                            const uint32_t* weights_low = nullptr, const uint16_t* vt_low = nullptr) {
   const int64_t pairs = round_up(W, kTileK) / 2, steps = pairs / kTile, feature_tiles = Dv / kTile;
   const int64_t os = rs * 4, block = Dv * kTileK;
   const uint16_t* last = vt + (steps - 1) * block;  // the last step's block
+  const uint16_t* last_low = vt_low ? vt_low + (steps - 1) * block : nullptr;
   if (W % kTileK != 0) {
     const __mmask32 keys = (1u << (W % kTileK)) - 1u;
     for (int64_t f = 0; f < Dv; ++f) {
       _mm512_storeu_si512(spare + f * kTileK, _mm512_maskz_loadu_epi16(keys, last + f * kTileK));
+      if (vt_low) _mm512_storeu_si512(spare + block + f * kTileK, _mm512_maskz_loadu_epi16(keys, last_low + f * kTileK));
     }
-    last = spare;
+    last = spare, last_low = spare + block;
   }
   const auto a_block = [&](int64_t step) { return step == steps - 1 ? last : vt + step * block; };
+  const auto a_low_block = [&](int64_t step) { return step == steps - 1 ? last_low : vt_low + step * block; };
   for (int64_t g = 0; g < rs / kGroup; ++g) {
     if (start[g] == Start::kRescale) {
       const __m512 f0 = _mm512_loadu_ps(rescale + g * kGroup), f1 = _mm512_loadu_ps(rescale + g * kGroup + kTile);
@@ -356,6 +426,19 @@ ATTNKIT_AMX void amx_values(const uint16_t* vt, int64_t W, int64_t Dv, const uin
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 4, 7);
           if (two) {
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        if (vt_low != nullptr) {  // float16: V's low part against the weights' high part
+          const uint16_t* a0_low = a_low_block(step) + ft * kTile * kTileK;
+          _tile_loadd(4, a0_low, 64);
+          _tile_loadd(6, b0 + step * kTile * kTile, 64);
+          _tile_loadd(7, b1 + step * kTile * kTile, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (two) {
+            _tile_loadd(5, a0_low + kTile * kTileK, 64);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
           }
@@ -447,11 +530,12 @@ ATTNKIT_AMX void pack_key_rows(const float* w, int64_t rs, int64_t W, uint16_t* 
 }
 
 // Out[t][c] += sum_r W[t][r] X[r][c] for t < W, c < C (out: float32 rows os apart): W as its two
-// parts `a` and `a_low` from pack_key_rows (a_low null: W in one part), `b` from pack_rows. A last
+// parts `a` and `a_low` from pack_key_rows (a_low null: W in one part), `b` from pack_rows (and
+// `b_low`, float16's low part of X, where given: X_l joins against W's high part). A last
 // tile of fewer than 16 keys goes through `spare` (16 x 32 floats: two tiles of features), so no
 // row past W is read or written.
 ATTNKIT_AMX void amx_rows_product(const uint16_t* a, const uint16_t* a_low, int64_t rs, int64_t W, const uint32_t* b,
-                                  int64_t C, float* out, int64_t os, float* spare) {
+                                  int64_t C, float* out, int64_t os, float* spare, const uint32_t* b_low = nullptr) {
   const int64_t pairs = rs / 2, steps = rs / kTileK, key_tiles = (W + kTile - 1) / kTile;
   for (int64_t kt = 0; kt < key_tiles; ++kt) {
     const int64_t keys = std::min(kTile, W - kt * kTile);
@@ -479,10 +563,19 @@ ATTNKIT_AMX void amx_rows_product(const uint16_t* a, const uint16_t* a_low, int6
           _tile_loadd(7, b1 + step * kTile * kTile, 64);
           _tile_dpbf16ps(1, 4, 7);
         }
-        if (!a_low) continue;
-        _tile_loadd(5, a_low + kt * kTile * rs + step * kTileK, rs * 2);
-        _tile_dpbf16ps(0, 5, 6);
-        if (two) _tile_dpbf16ps(1, 5, 7);
+        if (a_low) {
+          _tile_loadd(5, a_low + kt * kTile * rs + step * kTileK, rs * 2);
+          _tile_dpbf16ps(0, 5, 6);
+          if (two) _tile_dpbf16ps(1, 5, 7);
+        }
+        if (b_low) {  // float16: X's low part against W's high part (still in tmm4)
+          _tile_loadd(6, b_low + (b0 - b) + step * kTile * kTile, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (two) {
+            _tile_loadd(7, b_low + (b1 - b) + step * kTile * kTile, 64);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+        }
       }
       _tile_stored(0, at, stride);
       if (two) _tile_stored(1, at + kTile, stride);
@@ -502,8 +595,14 @@ ATTNKIT_AMX void amx_rows_product(const uint16_t* a, const uint16_t* a_low, int6
 // filled are 0, so the tiles past the last key read zeros.
 class TransposedRows {
  public:
+  // float16 rows are held as their two bfloat16 parts (split_float16): `from` gives the high part's
+  // blocks and `low_at` the low part's at the same offset.
   TransposedRows(const Rows& values, int64_t keys)
-      : v_(values), keys_(keys), data_(values.width * (round_up(keys, kTileK) + kTileK), 0) {}
+      : v_(values),
+        keys_(keys),
+        split_(values.type == at::kHalf),
+        data_(values.width * (round_up(keys, kTileK) + kTileK), 0),
+        low_(split_ ? data_.size() : 0, 0) {}
 
   // The block of key `first` (a multiple of 32), blocks up to key `last` filled.
   const uint16_t* from(int64_t b, int64_t kv, int64_t first, int64_t last) {
@@ -512,6 +611,7 @@ class TransposedRows {
     for (; hi_ < last; hi_ += kTileK) fill(b, kv, hi_);  // hi_ stays a multiple of 32
     return data_.data() + first * v_.width;
   }
+  const uint16_t* low_at(int64_t first) const { return low_.data() + first * v_.width; }
 
  private:
   // The block of keys [t0, t0 + 32): pairs of features as 32-bit words, transposed 8 x 8 at a time
@@ -524,18 +624,29 @@ class TransposedRows {
     const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26,
                                           24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
-    uint16_t* block = data_.data() + t0 * Dv;
     for (int64_t p = 0; p < Dv / 2; ++p) {
-      const __m512i low = _mm512_loadu_si512(pairs_.data() + p * kTileK);  // keys 0-15, two features each
-      const __m512i high = _mm512_loadu_si512(pairs_.data() + p * kTileK + kTile);
-      _mm512_storeu_si512(block + 2 * p * kTileK, _mm512_permutex2var_epi16(low, even, high));
-      _mm512_storeu_si512(block + (2 * p + 1) * kTileK, _mm512_permutex2var_epi16(low, odd, high));
+      const __m512i first = _mm512_loadu_si512(pairs_.data() + p * kTileK);  // keys 0-15, two features each
+      const __m512i second = _mm512_loadu_si512(pairs_.data() + p * kTileK + kTile);
+      store(_mm512_permutex2var_epi16(first, even, second), t0 * Dv + 2 * p * kTileK);
+      store(_mm512_permutex2var_epi16(first, odd, second), t0 * Dv + (2 * p + 1) * kTileK);
     }
+  }
+
+  // One feature's 32 keys at element `at` of the blocks (float16: their two parts).
+  ATTNKIT_AMX void store(__m512i keys, int64_t at) {
+    if (!split_) {
+      _mm512_storeu_si512(data_.data() + at, keys);
+      return;
+    }
+    const SplitHalves parts = split_float16_lanes(keys);
+    _mm512_storeu_si512(data_.data() + at, parts.high);
+    _mm512_storeu_si512(low_.data() + at, parts.low);
   }
 
   Rows v_;
   int64_t keys_;
-  LineVector<uint16_t> data_;  // from a cache line: each 1 KiB block is whole tile rows
+  bool split_;
+  LineVector<uint16_t> data_, low_;  // from a cache line: each 1 KiB block is whole tile rows
   Floats pairs_;  // one block as 32-bit words [Dv / 2][32]
   int64_t b_ = -1, kv_ = -1, lo_ = 0, hi_ = 0;
 };

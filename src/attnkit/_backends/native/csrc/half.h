@@ -112,24 +112,24 @@ struct Rows {
   float* mutable_floats(int64_t b, int64_t h, int64_t i) const { return const_cast<float*>(floats(b, h, i)); }
 };
 
-// One input's rows as float32 for one thread: a float32 tensor's own rows, or a half-precision
-// tensor's converted into a buffer that holds the rows [base_, hi_) of the (sequence, head) last
-// asked for. Blocks move forward along the rows, so a request that starts inside the held rows
+// One input's rows converted for one thread (each row of `in.width` elements into `width`
+// elements of T by `convert`), in a buffer that holds the rows [base_, hi_) of the (sequence, head)
+// last asked for. Blocks move forward along the rows, so a request that starts inside the held rows
 // keeps them, converts only the rows past hi_, and drops the rows before its start when the buffer
 // is full; any other request starts over. The buffer holds about two requests' rows, not the
 // head's (a buffer of whole heads, zeroed as it grew, cost 3-4% of a window forward in page
 // faults and copies).
-class FloatRows {
+template <typename T>
+class HeldRows {
  public:
-  explicit FloatRows(const Rows& rows) : in_(rows) {}
+  using Convert = void (*)(const void* src, at::ScalarType type, int64_t n, T* dst);
+  HeldRows(const Rows& rows, int64_t width, Convert convert) : in_(rows), w_(width), convert_(convert) {}
 
-  // A pointer p with row i of (b, h) at p + i * stride for rows [first, last), and the stride.
-  // (For half precision p lies before the buffer when rows before `first` were dropped; only rows
-  // in [first, last) are read through it.) An absent tensor (Rows()) gives {nullptr, 0}.
-  std::pair<const float*, int64_t> head(int64_t b, int64_t h, int64_t first, int64_t last) {
-    if (in_.data == nullptr) return {nullptr, 0};
-    if (in_.is_float()) return {in_.floats(b, h, 0), in_.s2};
-    const int64_t w = in_.width;
+  // A pointer p with row i of (b, h) at p + i * stride for rows [first, last), and the stride (p lies
+  // before the buffer when rows before `first` were dropped; only rows in [first, last) are read
+  // through it).
+  std::pair<const T*, int64_t> head(int64_t b, int64_t h, int64_t first, int64_t last) {
+    const int64_t w = w_;
     if (b != b_ || h != h_ || first < base_ || first > hi_) b_ = b, h_ = h, base_ = hi_ = first;
     if (last > hi_) {
       if (last - base_ > capacity_) {
@@ -138,32 +138,53 @@ class FloatRows {
         if (needed > capacity_) {
           const int64_t grown = std::max<int64_t>(2 * needed, 64);
           // not zeroed: every row read is written first
-          Buffer larger(static_cast<float*>(::operator new(grown * w * sizeof(float), kCacheLine)));
-          std::memcpy(larger.get(), buffer_.get() + (first - base_) * w, kept * w * sizeof(float));
+          Buffer larger(static_cast<T*>(::operator new(grown * w * sizeof(T), kCacheLine)));
+          std::memcpy(larger.get(), buffer_.get() + (first - base_) * w, kept * w * sizeof(T));
           buffer_ = std::move(larger), capacity_ = grown;
         } else {
-          std::memmove(buffer_.get(), buffer_.get() + (first - base_) * w, kept * w * sizeof(float));
+          std::memmove(buffer_.get(), buffer_.get() + (first - base_) * w, kept * w * sizeof(T));
         }
         base_ = first;
       }
-      for (int64_t i = hi_; i < last; ++i) to_float(in_.at(b_, h_, i), in_.type, w, buffer_.get() + (i - base_) * w);
+      for (int64_t i = hi_; i < last; ++i) convert_(in_.at(b_, h_, i), in_.type, in_.width, buffer_.get() + (i - base_) * w);
       hi_ = last;
     }
-    return {reinterpret_cast<const float*>(reinterpret_cast<uintptr_t>(buffer_.get()) -
-                                           static_cast<uintptr_t>(base_ * w * sizeof(float))),
+    return {reinterpret_cast<const T*>(reinterpret_cast<uintptr_t>(buffer_.get()) -
+                                       static_cast<uintptr_t>(base_ * w * sizeof(T))),
             w};
   }
 
  private:
   struct Release {
-    void operator()(float* p) const { ::operator delete(p, kCacheLine); }
+    void operator()(T* p) const { ::operator delete(p, kCacheLine); }
   };
-  using Buffer = std::unique_ptr<float, Release>;
+  using Buffer = std::unique_ptr<T, Release>;
 
   Rows in_;
+  int64_t w_;
+  Convert convert_;
   Buffer buffer_;
   int64_t capacity_ = 0;  // rows
   int64_t b_ = -1, h_ = -1, base_ = 0, hi_ = 0;  // rows [base_, hi_) held, row base_ at the buffer's start
+};
+
+// One input's rows as float32 for one thread: a float32 tensor's own rows, or a half-precision
+// tensor's converted as it reads them (HeldRows).
+class FloatRows {
+ public:
+  explicit FloatRows(const Rows& rows) : in_(rows), held_(rows, rows.width, to_float) {}
+
+  // A pointer p with row i of (b, h) at p + i * stride for rows [first, last), and the stride. An
+  // absent tensor (Rows()) gives {nullptr, 0}.
+  std::pair<const float*, int64_t> head(int64_t b, int64_t h, int64_t first, int64_t last) {
+    if (in_.data == nullptr) return {nullptr, 0};
+    if (in_.is_float()) return {in_.floats(b, h, 0), in_.s2};
+    return held_.head(b, h, first, last);
+  }
+
+ private:
+  Rows in_;
+  HeldRows<float> held_;
 };
 
 // Where a block's float32 results go before the output: the output's own rows (float32), or a

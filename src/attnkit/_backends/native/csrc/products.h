@@ -1,6 +1,6 @@
-// Which units multiply a bfloat16 call's products: the AMX tiles (amx.h), the AVX512-BF16 dot
-// products (dots.h), or neither (the float32-convert path, half.h, which float16 and shapes off the
-// packed layouts always take). Both units read the same packed layouts,
+// Which units multiply a half-precision call's products: the AMX tiles (amx.h; float16 as two
+// bfloat16 parts), the AVX512-BF16 dot products (dots.h; bfloat16 only), or neither (the
+// float32-convert path, half.h, which shapes off the packed layouts take). Both units read the same packed layouts,
 // so the forward and the backward call the three products below and only these choose.
 
 #pragma once
@@ -30,11 +30,18 @@ int64_t use_half_products(int64_t units) {
   return half_products_asked.exchange(units);
 }
 
-// The units this call's bfloat16 products run on (bf16_layouts_fit's conditions first).
+// The units this call's half-precision products run on. bfloat16: bf16_layouts_fit's conditions,
+// then the units asked for where the CPU has them. float16: the tiles, as two bfloat16 parts per
+// value (amx.h), where they are asked for and granted and float16_layouts_fit holds (a call that
+// meets a NaN or inf runs again converted: forward.h, backward.h); the dot products would take
+// three products where the float32 FMA takes one at twice their rate. Else converted.
 HalfProducts half_products(at::ScalarType type, int64_t D, int64_t Dv, int64_t Lk, int64_t q_row_stride,
                            int64_t k_row_stride, int64_t v_row_stride) {
-  if (!bf16_layouts_fit(type, D, Dv, Lk, q_row_stride, k_row_stride, v_row_stride)) return HalfProducts::kConvert;
   const auto asked = static_cast<HalfProducts>(half_products_asked.load(std::memory_order_relaxed));
+  if (float16_layouts_fit(type, D, Dv, Lk, k_row_stride, v_row_stride)) {
+    return asked == HalfProducts::kTiles && matrix_units_available() ? HalfProducts::kTiles : HalfProducts::kConvert;
+  }
+  if (!bf16_layouts_fit(type, D, Dv, Lk, q_row_stride, k_row_stride, v_row_stride)) return HalfProducts::kConvert;
   if (asked == HalfProducts::kTiles && matrix_units_available()) return HalfProducts::kTiles;
   if (asked == HalfProducts::kDots && dot_products_available()) return HalfProducts::kDots;
   return HalfProducts::kConvert;
@@ -68,20 +75,23 @@ void scores_product(HalfProducts units, const uint16_t* k, int64_t k2s, int64_t 
 // Ot[dv][r] (+)= sum_t V^T[dv][t] P[t][r] (amx_values, dot_values).
 void values_product(HalfProducts units, const uint16_t* vt, int64_t W, int64_t Dv, const uint32_t* weights,
                     int64_t rs, float* ot, const Start* start, const float* rescale, uint16_t* spare,
-                    const uint32_t* weights_low = nullptr) {
+                    const uint32_t* weights_low = nullptr, const uint16_t* vt_low = nullptr) {
   if (units == HalfProducts::kTiles) {
-    amx_values(vt, W, Dv, weights, rs, ot, start, rescale, spare, weights_low);
+    amx_values(vt, W, Dv, weights, rs, ot, start, rescale, spare, weights_low, vt_low);
   } else {
+    TORCH_CHECK(vt_low == nullptr, "values_product: V^T in two parts runs on the tiles only");
     dot_values(vt, W, Dv, weights, rs, ot, start, rescale, weights_low);
   }
 }
 
 // Out[t][c] += sum_r W[t][r] X[r][c] (amx_rows_product, dot_rows_product).
 void rows_product(HalfProducts units, const uint16_t* a, const uint16_t* a_low, int64_t rs, int64_t W,
-                  const uint32_t* b, int64_t C, float* out, int64_t os, float* spare) {
+                  const uint32_t* b, int64_t C, float* out, int64_t os, float* spare,
+                  const uint32_t* b_low = nullptr) {
   if (units == HalfProducts::kTiles) {
-    amx_rows_product(a, a_low, rs, W, b, C, out, os, spare);
+    amx_rows_product(a, a_low, rs, W, b, C, out, os, spare, b_low);
   } else {
+    TORCH_CHECK(b_low == nullptr, "rows_product: X in two parts runs on the tiles only");
     dot_rows_product(a, a_low, rs, W, b, C, out, os);
   }
 }

@@ -1,0 +1,264 @@
+"""float16 on the native kernel's AMX tiles (``csrc/amx.h``): each float16 value is exactly the sum
+of two bfloat16 parts (its upper 8 significant bits and the 3 left), so the products run on the
+bfloat16 tiles as x_h y_h + x_h y_l + x_l y_h (x_l y_l, at most 2^-18 of |x| |y|, dropped). Where
+the CPU has no AMX (or the OS refuses its state) these tests skip; float16 there takes the
+float32-convert path, which ``test_native_half.py`` holds to the float32 kernel bit for bit.
+
+References: float64 on the float16 values (FlashAttention's rule: at most twice the error of
+PyTorch's own computation in float16), and the float32-convert path of the same kernel
+(``native.half_products("convert")``) for what must not move: the lse to float32's rounding, the
+dropout pattern, NaN and inf (a call that meets one runs again on that path, so its bits are that
+path's).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import masks
+from attnkit._backends import native
+from attnkit._backends.native import ops, tile_tables
+from attnkit._backends.tiled_plan import tuning
+from oracle import output_and_gradients
+from test_native_bf16_products import MASKS, SHAPES, _error, _inputs, _lse, _random_mask
+
+
+@pytest.fixture(autouse=True)
+def on_tiles():
+    if not native.half_products_available("tiles"):
+        pytest.skip("the CPU has no AMX-BF16 (or the OS does not grant its state)")
+    with native.half_products("tiles"):
+        yield
+
+
+def _halves(*tensors):
+    return [t.half() for t in tensors]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:7])) + s[7])
+@pytest.mark.parametrize("name", list(MASKS))
+def test_forward_within_twice_pytorchs_fp16_error(shape, name):
+    batch, heads, kv_heads, q_len, k_len, dim, dim_v, layout = shape
+    mask = MASKS[name]
+    if name == "documents" and q_len != k_len:
+        mask = masks.document([k_len // 2, k_len - k_len // 2])
+    lows = _halves(*_inputs(batch, heads, kv_heads, q_len, k_len, dim, dim_v, layout=layout))
+    want = attnkit.attention(*(t.double() for t in lows), mask=mask, backend="reference")
+    want_lse = _lse(*(t.double() for t in lows), mask)
+    pytorch = attnkit.attention(*lows, mask=mask, backend="reference")  # plain PyTorch ops in fp16
+    with tuning(kernel="native"):
+        got, lse = attnkit.attention(*lows, mask=mask, backend="tiled", return_lse=True)
+        with native.half_products("convert"):
+            converted, converted_lse = attnkit.attention(*lows, mask=mask, backend="tiled", return_lse=True)
+    assert got.dtype == torch.float16 and got.shape == want.shape
+    assert _error(got, want) <= 2 * _error(pytorch, want) + 1e-6, (_error(got, want), _error(pytorch, want))
+    finite = torch.isfinite(want_lse)
+    assert not torch.equal(lse[finite], converted_lse[finite])  # the tiles did run: other float32 sums
+    # the scores take the low parts: with the high parts alone (bf16) the lse moved by ~1e-2; the
+    # dropped x_l y_l moves a score by up to 2^-18 sum_d |q_d k_d| / sqrt(D) (~1e-5 here)
+    torch.testing.assert_close(lse, converted_lse, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-4)
+    empty = ~finite  # rows with no key: zeros and -inf
+    assert torch.equal(~torch.isfinite(lse), empty)
+    assert got.masked_select(empty[..., None]).eq(0).all()
+
+
+def test_a_row_on_one_key_reads_that_value_exactly():
+    """A row that attends one key has weight 1 there, and out = v: exact only if V's low part joins
+    the product (with the high part alone, v would come back with 8 significant bits of its 11). The
+    values span float16's range, subnormals to 65504. Its lse is its one score, q . k / sqrt(D):
+    float32's rounding plus the dropped x_l y_l, within 2^-16 of sum |q_d k_d| / sqrt(D)."""
+    g = torch.Generator().manual_seed(4)
+    length, dim = 96, 64
+    magnitude = torch.pow(2.0, torch.randint(-24, 16, (1, 2, length, dim), generator=g).float())
+    v = (torch.randn(1, 2, length, dim, generator=g).sign() * magnitude * (1 + torch.rand(1, 2, length, dim, generator=g)))
+    v = v.clamp(-65504, 65504).half()
+    q, k = (torch.randn(1, 2, length, dim, generator=g).half() for _ in range(2))
+    lo, hi = (t[:, 0] for t in masks.sliding_window(1).row_ranges(length, length))
+    out, lse = native.interval_forward(q, k, v, lo, hi, dim ** -0.5)
+    assert torch.equal(out, v)
+    products = q.double() * k.double()
+    exact = products.sum(-1) * dim ** -0.5
+    bound = products.abs().sum(-1) * dim ** -0.5 * 2 ** -16
+    assert ((lse.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:7])) + s[7])
+@pytest.mark.parametrize("name", ["window", "causal+padding"])
+def test_backward_within_twice_pytorchs_fp16_error(shape, name):
+    """The five products on the tiles in two parts each (scores and dP = dO V^T over three times the
+    features, dV and dK with dO's and Q's low parts, dQ with K^T's): gradients against float64 by
+    the 2x rule, the lse's gradient too."""
+    batch, heads, kv_heads, q_len, k_len, dim, dim_v, layout = shape
+    q, k, v = _inputs(batch, heads, kv_heads, q_len, k_len, dim, dim_v, layout=layout, seed=12)
+    g = torch.Generator().manual_seed(13)
+    grad_out = torch.randn(batch, heads, q_len, dim_v, generator=g).half().float()
+    lse_weight = torch.randn(batch, heads, q_len, generator=g)
+    mask = MASKS[name]
+    lows = [t.half().double() for t in (q, k, v)]
+
+    def on(kernel):
+        def fn(a, b, c):
+            with tuning(kernel=kernel):
+                return attnkit.attention(a, b, c, mask=mask, backend="tiled", return_lse=True)
+        return fn
+
+    want = output_and_gradients(on("blocks"), lows, grad_out, torch.float64, lse_weight)
+    pytorch = output_and_gradients(on("blocks"), lows, grad_out, torch.float16, lse_weight)
+    got = output_and_gradients(on("native"), lows, grad_out, torch.float16, lse_weight)
+    with native.half_products("convert"):
+        converted = output_and_gradients(on("native"), lows, grad_out, torch.float16, lse_weight)
+    for what, mine, theirs, exact in zip(("output", "dq", "dk", "dv"), got, pytorch, want):
+        assert mine.dtype == torch.float16 and mine.shape == exact.shape
+        assert _error(mine, exact) <= 2 * _error(theirs, exact) + 1e-6, (what, _error(mine, exact), _error(theirs, exact))
+    assert any(not torch.equal(mine, other) for mine, other in zip(got[1:], converted[1:]))  # the tiles ran
+
+
+@pytest.mark.parametrize("feature", ["softcap", "alibi", "dropout", "scale"])
+def test_features_within_twice_pytorchs_fp16_error(feature):
+    """Forward and backward with each score modifier and dropout (the same pattern as the
+    float32-convert path: the same zeros)."""
+    q, k, v = _inputs(1, 4, 2, 160, 160, 64, 64, seed=14)
+    grad_out = torch.randn(1, 4, 160, 64, generator=torch.Generator().manual_seed(15)).half().float()
+    options = {"softcap": dict(softcap=1.5), "alibi": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625])),
+               "scale": dict(scale=0.3), "dropout": dict(dropout=0.3)}[feature]
+    mask = masks.document([60, 100]) & masks.causal()
+
+    def run(backend, kernel=""):
+        def fn(a, b, c):
+            extra = dict(generator=torch.Generator().manual_seed(16)) if feature == "dropout" else {}
+            with tuning(kernel=kernel):
+                return attnkit.attention(a, b, c, mask=mask, backend=backend, **options, **extra)
+        return fn
+
+    lows = [t.half().double() for t in (q, k, v)]
+    want = output_and_gradients(run("reference"), lows, grad_out, torch.float64)
+    pytorch = output_and_gradients(run("reference"), lows, grad_out, torch.float16)
+    got = output_and_gradients(run("tiled", "native"), lows, grad_out, torch.float16)
+    for what, mine, theirs, exact in zip(("output", "dq", "dk", "dv"), got, pytorch, want):
+        assert _error(mine, exact) <= 2 * _error(theirs, exact) + 1e-6, (feature, what, _error(mine, exact),
+                                                                         _error(theirs, exact))
+    if feature == "dropout":
+        with native.half_products("convert"):
+            converted = output_and_gradients(run("tiled", "native"), lows, grad_out, torch.float16)
+        assert torch.equal(got[0] == 0, converted[0] == 0)
+
+
+@pytest.mark.parametrize("where", ["query", "key", "value"])
+@pytest.mark.parametrize("planted", [float("nan"), float("inf"), float("-inf")])
+def test_a_nan_or_inf_runs_the_call_again_converted(where, planted):
+    """A non-finite value does not split into two finite parts (inf - inf), so a call whose splits
+    meet one runs again on the float32-convert path: the output, lse and gradients are that path's,
+    bit for bit."""
+    g = torch.Generator().manual_seed(30)
+    q, k, v, grad_out = (torch.randn(1, 2, 100, 64, generator=g).half() for _ in range(4))
+    {"query": q, "key": k, "value": v}[where][0, 1, 40, 3] = planted
+    lo, hi = (t[:, 0] for t in masks.sliding_window(20).row_ranges(100, 100))
+
+    def run():
+        out, lse, low = native.interval_forward(q, k, v, lo, hi, 0.125, residual=True)
+        return (out, lse, *native.interval_backward(grad_out, q, k, v, out, lse, lo, hi, 0.125, out_low=low))
+
+    got = run()
+    with native.half_products("convert"):
+        converted = run()
+    assert got[0].isnan().any() or got[0].isinf().any() or got[2].isnan().any()
+    for what, mine, theirs in zip(("output", "lse", "dq", "dk", "dv"), got, converted):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True, msg=what)
+
+
+@pytest.mark.parametrize("where", ["key", "value"])
+@pytest.mark.parametrize("planted", [float("nan"), float("inf")])
+def test_a_nan_or_inf_no_row_attends_changes_nothing(where, planted):
+    """In a key no row attends, a NaN or inf stays out of every result: the tiles never split it
+    (the keys' rows are split over the blocks' spans), or meet it in the 32-key blocks of K^T and
+    V^T they read and run the call again converted; either way, results as the convert path's."""
+    g = torch.Generator().manual_seed(32)
+    q, k, v, grad_out = (torch.randn(1, 2, 100, 64, generator=g).half() for _ in range(4))
+    mask = masks.causal() & masks.padding([70])  # keys 70-99 attended by no row
+    {"key": k, "value": v}[where][0, 1, 75, 3] = planted
+    lo, hi = (t[:, 0] for t in mask.row_ranges(100, 100))
+
+    def run():
+        out, lse, low = native.interval_forward(q, k, v, lo, hi, 0.125, residual=True)
+        return (out, lse, *native.interval_backward(grad_out, q, k, v, out, lse, lo, hi, 0.125, out_low=low))
+
+    got = run()
+    with native.half_products("convert"):
+        converted = run()
+    for what, mine, theirs in zip(("output", "lse", "dq", "dk", "dv"), got, converted):
+        assert mine.isfinite().all() and theirs.isfinite().all(), what
+        assert (mine.float() - theirs.float()).abs().max() <= 2e-3, what
+
+
+def test_a_nan_in_the_outputs_gradient_alone_keeps_the_forwards_rows():
+    """dO is split by the backward alone: a NaN there sends the backward (not the forward) to the
+    convert path, which puts NaN and inf where that path does."""
+    g = torch.Generator().manual_seed(31)
+    q, k, v, grad_out = (torch.randn(1, 2, 100, 64, generator=g).half() for _ in range(4))
+    grad_out[0, 0, 50, 7] = float("nan")
+    lo, hi = (t[:, 0] for t in masks.sliding_window(20).row_ranges(100, 100))
+
+    def run():
+        out, lse, low = native.interval_forward(q, k, v, lo, hi, 0.125, residual=True)
+        return native.interval_backward(grad_out, q, k, v, out, lse, lo, hi, 0.125, out_low=low)
+
+    got = run()
+    with native.half_products("convert"):
+        converted = run()
+    for mine, theirs in zip(got, converted):
+        assert torch.equal(mine.isnan(), theirs.isnan()) and torch.equal(mine.isinf(), theirs.isinf())
+        assert (mine.float() - theirs.float()).nan_to_num().abs().max() <= 2e-3
+
+
+def test_the_backward_takes_the_packed_tiles_table():
+    q = torch.zeros(1, 2, 64, 64, dtype=torch.float16)
+    lo, hi = masks.sliding_window(16).row_ranges(64, 64)
+    assert ops.backward_packs(q, q, q, q)
+    assert tile_tables.backward_tiles(lo, hi, True) == tile_tables.PACKED_BACKWARD_TILES[0][1]
+    assert not ops.backward_packs(q[..., :48], q[..., :48], q[..., :48], q[..., :48])  # not whole tiles
+    with native.half_products("dots"):  # the dot products take bfloat16 only
+        assert not ops.backward_packs(q, q, q, q)
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(length=st.integers(1, 160), heads=st.sampled_from([(1, 1), (2, 1), (2, 2), (4, 2)]),
+       dims=st.sampled_from([(32, 32), (64, 64), (64, 32), (32, 64)]),
+       kind=st.sampled_from(["window", "documents", "padding", "prefix", "causal"]), width=st.integers(1, 160),
+       feature=st.sampled_from(["none", "softcap", "alibi", "sinks", "dropout"]), seed=st.integers(0, 2**16))
+def test_random_calls_within_twice_pytorchs_fp16_error(length, heads, dims, kind, width, feature, seed):
+    """FlashAttention's rule over random calls, as test_native_bf16_products' test of that name:
+    the bar is SDPA over the dense mask for plain calls, the reference backend in float16 for the
+    modifiers SDPA lacks; inputs and the output's gradient are float16 values for every contender."""
+    (num_heads, num_kv_heads), (dim, dim_v) = heads, dims
+    mask = _random_mask(kind, length, min(width, length))
+    q, k, v = _inputs(1, num_heads, num_kv_heads, length, length, dim, dim_v, seed=seed)
+    grad_out = torch.randn(1, num_heads, length, dim_v, generator=torch.Generator().manual_seed(seed + 1)).half().float()
+    g = torch.Generator().manual_seed(seed + 2)
+    options = {"none": {}, "softcap": dict(softcap=5.0), "alibi": dict(alibi_slopes=torch.rand(num_heads, generator=g)),
+               "sinks": dict(sinks=torch.randn(num_heads, generator=g)), "dropout": dict(dropout=0.2)}[feature]
+
+    def run(backend, kernel=""):
+        def fn(a, b, c):
+            drawn = dict(generator=torch.Generator().manual_seed(seed)) if feature == "dropout" else {}
+            with tuning(kernel=kernel):
+                return attnkit.attention(a, b, c, mask=mask, backend=backend, **options, **drawn)
+        return fn
+
+    def sdpa(a, b, c):
+        group = num_heads // num_kv_heads
+        return F.scaled_dot_product_attention(a, b.repeat_interleave(group, 1), c.repeat_interleave(group, 1),
+                                              attn_mask=mask.dense(length, length, ndim=4))
+
+    lows = [t.half().double() for t in (q, k, v)]
+    want = output_and_gradients(run("reference"), lows, grad_out, torch.float64)
+    bar = output_and_gradients(sdpa if feature == "none" else run("reference"), lows, grad_out, torch.float16)
+    got = output_and_gradients(run("tiled", "native"), lows, grad_out, torch.float16)
+    for what, mine, theirs, exact in zip(("output", "dq", "dk", "dv"), got, bar, want):
+        assert _error(mine, exact) <= 2 * _error(theirs, exact) + 1e-5, (what, _error(mine, exact),
+                                                                         _error(theirs, exact))
