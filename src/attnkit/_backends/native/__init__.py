@@ -8,7 +8,7 @@ output and log-sum-exp, and the gradients from them (the backward's five product
 kind of tiles: no BLAS). The tiled
 backend runs it, forward and backward, where it is built and applies (CPU tensors in float32, or
 bfloat16 / float16 computed in float32 on CPUs without half-precision units, and on CPUs with AMX,
-where the bfloat16 products run on the tiles; a structured mask, no
+where the products run on the tiles, float16's as two bfloat16 parts per value; a structured mask, no
 dense tensor mask; dropout included), and PyTorch's kernels block by block
 otherwise; both give the same results up to float rounding, and the same dropout pattern.
 

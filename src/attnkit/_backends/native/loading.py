@@ -45,7 +45,7 @@ class _Library:
         self.wide = False  # the AVX-512 build (see building.wide)
         self.not_built = False  # it would run here: only the build step is missing
         self.hinted = False
-        self.matrix_units = False  # the bfloat16 products on AMX tiles (csrc/amx.h), asked once at load
+        self.matrix_units = False  # the half-precision products on AMX tiles (csrc/amx.h), asked once at load
         self.dot_products = False  # AVX512-BF16's dot products (csrc/dots.h), asked once at load
 
     def load(self) -> bool:

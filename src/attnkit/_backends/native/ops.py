@@ -146,13 +146,13 @@ def dot_products_available() -> bool:
     return available() and _library.dot_products
 
 
-#: The units a bfloat16 call's products can run on (``csrc/products.h``): the AMX tiles (the
+#: The units a half-precision call's products can run on (``csrc/products.h``): the AMX tiles (the
 #: default), the AVX512-BF16 dot products, and neither (the float32-convert path, ``csrc/half.h``).
 HALF_PRODUCTS = ("tiles", "dots", "convert")
 
 
 def half_products_available(units: str) -> bool:
-    """Whether bfloat16 products can run on ``units`` (one of :data:`HALF_PRODUCTS`) here: the
+    """Whether half-precision products can run on ``units`` (one of :data:`HALF_PRODUCTS`) here: the
     float32-convert path wherever the kernel is loaded, the tiles and the dot products where the CPU
     has them too."""
     if units not in HALF_PRODUCTS:
@@ -163,8 +163,10 @@ def half_products_available(units: str) -> bool:
 
 
 def use_half_products(units: str) -> str:
-    """Sets the units (one of :data:`HALF_PRODUCTS`) bfloat16 calls run their products on, each where
-    the CPU has them, else the float32-convert path; returns the previous setting. The setting is the
+    """Sets the units (one of :data:`HALF_PRODUCTS`) half-precision calls run their products on (the
+    tiles take bfloat16 and float16, float16 as two bfloat16 parts per value; the dot products
+    bfloat16 alone), each where the CPU has them, else the float32-convert path; returns the
+    previous setting. The setting is the
     kernel's, for the whole process (not one thread); the environment variable
     ``ATTNKIT_NATIVE_HALF_PRODUCTS`` sets it when the kernel loads (benchmarks in their own processes).
     The tiles by default; the dot products only when asked (slower than converting on the one CPU
@@ -186,7 +188,7 @@ def _ask_units(units: str) -> str:
 
 def backward_packs(query: Tensor, key: Tensor, value: Tensor, grad_out: Tensor) -> bool:
     """Whether :func:`interval_backward` over these tensors (the kernel's row layout, as
-    :func:`_plain_rows` leaves them) runs its bfloat16 products on the packed layouts
+    :func:`_plain_rows` leaves them) runs its half-precision products on the packed layouts
     (``csrc/products.h``: the AMX tiles or the dot products, as asked and as the CPU has them),
     which take their own tile table (:data:`.tile_tables.PACKED_BACKWARD_TILES`). The kernel's
     own decision, asked of it."""
@@ -195,7 +197,7 @@ def backward_packs(query: Tensor, key: Tensor, value: Tensor, grad_out: Tensor) 
 
 @contextmanager
 def half_products(units: str) -> Iterator[None]:
-    """Inside the ``with``, bfloat16 calls run their products on ``units`` (:func:`use_half_products`),
+    """Inside the ``with``, half-precision calls run their products on ``units`` (:func:`use_half_products`),
     for tests and benchmarks that compare the paths."""
     previous = use_half_products(units)
     try:

@@ -29,7 +29,7 @@ TILES = ((4096, (32, 64)), (float("inf"), (64, 64)))
 #: runs 1,069-1,194 against 926-1,155), a causal window of 2048 1,021 / 917 / 897, of 1024 (992
 #: keys a row) level at 475-477, of 512 32 x 1024 5-10% faster (``native_kernel.py --backward``).
 BACKWARD_TILES = ((1024, (32, 1024)), (4096, (64, 512)), (float("inf"), (128, 128)))
-#: The backward's tiles where its bfloat16 products run on the packed layouts (AMX tiles or dot
+#: The backward's tiles where its half-precision products run on the packed layouts (AMX tiles or dot
 #: products, ``csrc/products.h``; the chunk is at least 1024 keys there). The products over rows
 #: (dV, dK) load and store their accumulators once per block: 64 rows give each load two tile
 #: steps where 32 gave one, and 128 widen the block's key span. Xeon with AMX, L = 16384, H = 8,
