@@ -461,10 +461,16 @@ def test_random_calls_within_twice_pytorchs_bf16_error(length, heads, dims, kind
     examples one length-2 call read 3.2x SDPA's error at dk, where ours, SDPA's and the exact
     answer to the bf16 inputs rounded once all had the same error against that answer
     (docs/performance.md, the twentieth session)."""
+    random_call_within_the_rule(torch.bfloat16, length, heads, dims, kind, width, feature, seed)
+
+
+def random_call_within_the_rule(dtype: torch.dtype, length, heads, dims, kind, width, feature, seed) -> None:
+    """One random call, its inputs and the output's gradient values of ``dtype``: ours (the tiled
+    backend on the native kernel) against float64 within twice the error of the bar in ``dtype``."""
     (num_heads, num_kv_heads), (dim, dim_v) = heads, dims
     mask = _random_mask(kind, length, min(width, length))
     q, k, v = _inputs(1, num_heads, num_kv_heads, length, length, dim, dim_v, seed=seed)
-    grad_out = torch.randn(1, num_heads, length, dim_v, generator=torch.Generator().manual_seed(seed + 1)).bfloat16().float()
+    grad_out = torch.randn(1, num_heads, length, dim_v, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).float()
     g = torch.Generator().manual_seed(seed + 2)
     options = {"none": {}, "softcap": dict(softcap=5.0), "alibi": dict(alibi_slopes=torch.rand(num_heads, generator=g)),
                "sinks": dict(sinks=torch.randn(num_heads, generator=g)), "dropout": dict(dropout=0.2)}[feature]
@@ -481,10 +487,10 @@ def test_random_calls_within_twice_pytorchs_bf16_error(length, heads, dims, kind
         return F.scaled_dot_product_attention(a, b.repeat_interleave(group, 1), c.repeat_interleave(group, 1),
                                               attn_mask=mask.dense(length, length, ndim=4))
 
-    lows = [t.bfloat16().double() for t in (q, k, v)]
+    lows = [t.to(dtype).double() for t in (q, k, v)]
     want = output_and_gradients(run("reference"), lows, grad_out, torch.float64)
-    bar = output_and_gradients(sdpa if feature == "none" else run("reference"), lows, grad_out, torch.bfloat16)
-    got = output_and_gradients(run("tiled", "native"), lows, grad_out, torch.bfloat16)
+    bar = output_and_gradients(sdpa if feature == "none" else run("reference"), lows, grad_out, dtype)
+    got = output_and_gradients(run("tiled", "native"), lows, grad_out, dtype)
     for what, mine, theirs, exact in zip(("output", "dq", "dk", "dv"), got, bar, want):
         assert _error(mine, exact) <= 2 * _error(theirs, exact) + 1e-5, (what, _error(mine, exact),
                                                                          _error(theirs, exact))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +24,7 @@ from attnkit._backends import native
 from attnkit._backends.native import ops, tile_tables
 from attnkit._backends.tiled_plan import tuning
 from oracle import output_and_gradients
-from test_native_bf16_products import MASKS, SHAPES, _error, _inputs, _lse, _random_mask
+from test_native_bf16_products import MASKS, SHAPES, _error, _inputs, _lse, random_call_within_the_rule
 
 
 @pytest.fixture(autouse=True)
@@ -149,6 +148,18 @@ def test_features_within_twice_pytorchs_fp16_error(feature):
         assert torch.equal(got[0] == 0, converted[0] == 0)
 
 
+def _on_tiles_and_converted(q, k, v, grad_out, lo, hi):
+    """Output, lse and the three gradients of the raw ops (with the residual, as a differentiated
+    call runs them), on the tiles and on the float32-convert path."""
+    def run():
+        out, lse, low = native.interval_forward(q, k, v, lo, hi, 0.125, residual=True)
+        return (out, lse, *native.interval_backward(grad_out, q, k, v, out, lse, lo, hi, 0.125, out_low=low))
+
+    got = run()
+    with native.half_products("convert"):
+        return got, run()
+
+
 @pytest.mark.parametrize("where", ["query", "key", "value"])
 @pytest.mark.parametrize("planted", [float("nan"), float("inf"), float("-inf")])
 def test_a_nan_or_inf_runs_the_call_again_converted(where, planted):
@@ -159,14 +170,7 @@ def test_a_nan_or_inf_runs_the_call_again_converted(where, planted):
     q, k, v, grad_out = (torch.randn(1, 2, 100, 64, generator=g).half() for _ in range(4))
     {"query": q, "key": k, "value": v}[where][0, 1, 40, 3] = planted
     lo, hi = (t[:, 0] for t in masks.sliding_window(20).row_ranges(100, 100))
-
-    def run():
-        out, lse, low = native.interval_forward(q, k, v, lo, hi, 0.125, residual=True)
-        return (out, lse, *native.interval_backward(grad_out, q, k, v, out, lse, lo, hi, 0.125, out_low=low))
-
-    got = run()
-    with native.half_products("convert"):
-        converted = run()
+    got, converted = _on_tiles_and_converted(q, k, v, grad_out, lo, hi)
     assert got[0].isnan().any() or got[0].isinf().any() or got[2].isnan().any()
     for what, mine, theirs in zip(("output", "lse", "dq", "dk", "dv"), got, converted):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True, msg=what)
@@ -183,14 +187,7 @@ def test_a_nan_or_inf_no_row_attends_changes_nothing(where, planted):
     mask = masks.causal() & masks.padding([70])  # keys 70-99 attended by no row
     {"key": k, "value": v}[where][0, 1, 75, 3] = planted
     lo, hi = (t[:, 0] for t in mask.row_ranges(100, 100))
-
-    def run():
-        out, lse, low = native.interval_forward(q, k, v, lo, hi, 0.125, residual=True)
-        return (out, lse, *native.interval_backward(grad_out, q, k, v, out, lse, lo, hi, 0.125, out_low=low))
-
-    got = run()
-    with native.half_products("convert"):
-        converted = run()
+    got, converted = _on_tiles_and_converted(q, k, v, grad_out, lo, hi)
     for what, mine, theirs in zip(("output", "lse", "dq", "dk", "dv"), got, converted):
         assert mine.isfinite().all() and theirs.isfinite().all(), what
         assert (mine.float() - theirs.float()).abs().max() <= 2e-3, what
@@ -203,15 +200,9 @@ def test_a_nan_in_the_outputs_gradient_alone_keeps_the_forwards_rows():
     q, k, v, grad_out = (torch.randn(1, 2, 100, 64, generator=g).half() for _ in range(4))
     grad_out[0, 0, 50, 7] = float("nan")
     lo, hi = (t[:, 0] for t in masks.sliding_window(20).row_ranges(100, 100))
-
-    def run():
-        out, lse, low = native.interval_forward(q, k, v, lo, hi, 0.125, residual=True)
-        return native.interval_backward(grad_out, q, k, v, out, lse, lo, hi, 0.125, out_low=low)
-
-    got = run()
-    with native.half_products("convert"):
-        converted = run()
-    for mine, theirs in zip(got, converted):
+    got, converted = _on_tiles_and_converted(q, k, v, grad_out, lo, hi)
+    assert not torch.equal(got[1], converted[1])  # the forward's lse: the tiles' sums
+    for mine, theirs in zip(got[2:], converted[2:]):
         assert torch.equal(mine.isnan(), theirs.isnan()) and torch.equal(mine.isinf(), theirs.isinf())
         assert (mine.float() - theirs.float()).nan_to_num().abs().max() <= 2e-3
 
@@ -235,30 +226,4 @@ def test_random_calls_within_twice_pytorchs_fp16_error(length, heads, dims, kind
     """FlashAttention's rule over random calls, as test_native_bf16_products' test of that name:
     the bar is SDPA over the dense mask for plain calls, the reference backend in float16 for the
     modifiers SDPA lacks; inputs and the output's gradient are float16 values for every contender."""
-    (num_heads, num_kv_heads), (dim, dim_v) = heads, dims
-    mask = _random_mask(kind, length, min(width, length))
-    q, k, v = _inputs(1, num_heads, num_kv_heads, length, length, dim, dim_v, seed=seed)
-    grad_out = torch.randn(1, num_heads, length, dim_v, generator=torch.Generator().manual_seed(seed + 1)).half().float()
-    g = torch.Generator().manual_seed(seed + 2)
-    options = {"none": {}, "softcap": dict(softcap=5.0), "alibi": dict(alibi_slopes=torch.rand(num_heads, generator=g)),
-               "sinks": dict(sinks=torch.randn(num_heads, generator=g)), "dropout": dict(dropout=0.2)}[feature]
-
-    def run(backend, kernel=""):
-        def fn(a, b, c):
-            drawn = dict(generator=torch.Generator().manual_seed(seed)) if feature == "dropout" else {}
-            with tuning(kernel=kernel):
-                return attnkit.attention(a, b, c, mask=mask, backend=backend, **options, **drawn)
-        return fn
-
-    def sdpa(a, b, c):
-        group = num_heads // num_kv_heads
-        return F.scaled_dot_product_attention(a, b.repeat_interleave(group, 1), c.repeat_interleave(group, 1),
-                                              attn_mask=mask.dense(length, length, ndim=4))
-
-    lows = [t.half().double() for t in (q, k, v)]
-    want = output_and_gradients(run("reference"), lows, grad_out, torch.float64)
-    bar = output_and_gradients(sdpa if feature == "none" else run("reference"), lows, grad_out, torch.float16)
-    got = output_and_gradients(run("tiled", "native"), lows, grad_out, torch.float16)
-    for what, mine, theirs, exact in zip(("output", "dq", "dk", "dv"), got, bar, want):
-        assert _error(mine, exact) <= 2 * _error(theirs, exact) + 1e-5, (what, _error(mine, exact),
-                                                                         _error(theirs, exact))
+    random_call_within_the_rule(torch.float16, length, heads, dims, kind, width, feature, seed)

@@ -357,6 +357,22 @@ ATTNKIT_AMX void pack_weights(const float* s, int64_t rs, int64_t W, uint32_t* p
   }
 }
 
+// One step of the values' 2 x 2 accumulators: tmm0-1 += A's first 16 features (tmm4) times B's
+// two query tiles (tmm6-7), and with `two` tmm2-3 += the next 16 (tmm5) times the same; A is a
+// 1 KiB block of 32 keys, rows 64 bytes apart.
+ATTNKIT_AMX inline void accumulate_2x2(const uint16_t* a, const uint32_t* b0, const uint32_t* b1, bool two) {
+  _tile_loadd(4, a, 64);
+  _tile_loadd(6, b0, 64);
+  _tile_loadd(7, b1, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  if (two) {
+    _tile_loadd(5, a + kTile * kTileK, 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
 // Ot[dv][r] (+)= sum_t V^T[dv][t] P[t][r] over the chunk's W keys: `vt` is V^T's block of the
 // chunk's first key (TransposedRows: blocks of 32 keys, Dv x 32 each), `weights` from pack_weights.
 // The accumulators of group g start as start[g] says (rescaled in memory first). A last block
@@ -409,20 +425,11 @@ ATTNKIT_AMX void amx_values(const uint16_t* vt, int64_t W, int64_t Dv, const uin
         }
       }
       for (int64_t step = 0; step < steps; ++step) {
-        const uint16_t* a0 = a_block(step) + ft * kTile * kTileK;
-        _tile_loadd(4, a0, 64);
-        _tile_loadd(6, b0 + step * kTile * kTile, 64);
-        _tile_loadd(7, b1 + step * kTile * kTile, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-          _tile_loadd(5, a0 + kTile * kTileK, 64);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
+        const uint32_t *b0_step = b0 + step * kTile * kTile, *b1_step = b1 + step * kTile * kTile;
+        accumulate_2x2(a_block(step) + ft * kTile * kTileK, b0_step, b1_step, two);
         if (weights_low != nullptr) {
-          _tile_loadd(6, weights_low + (b0 - weights) + step * kTile * kTile, 64);
-          _tile_loadd(7, weights_low + (b1 - weights) + step * kTile * kTile, 64);
+          _tile_loadd(6, weights_low + (b0_step - weights), 64);
+          _tile_loadd(7, weights_low + (b1_step - weights), 64);
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 4, 7);
           if (two) {
@@ -431,17 +438,7 @@ ATTNKIT_AMX void amx_values(const uint16_t* vt, int64_t W, int64_t Dv, const uin
           }
         }
         if (vt_low != nullptr) {  // float16: V's low part against the weights' high part
-          const uint16_t* a0_low = a_low_block(step) + ft * kTile * kTileK;
-          _tile_loadd(4, a0_low, 64);
-          _tile_loadd(6, b0 + step * kTile * kTile, 64);
-          _tile_loadd(7, b1 + step * kTile * kTile, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          if (two) {
-            _tile_loadd(5, a0_low + kTile * kTileK, 64);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-          }
+          accumulate_2x2(a_low_block(step) + ft * kTile * kTileK, b0_step, b1_step, two);
         }
       }
       _tile_stored(0, acc, os);
