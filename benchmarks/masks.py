@@ -172,7 +172,26 @@ def child(contender: str, mask_name: str, length: int, window: int) -> None:
     before = _rss_kib("VmRSS")
     output = call()
     extra = (_rss_kib("VmHWM") - before) * 1024
-    print(json.dumps({"seconds": seconds, "extra_bytes": extra, "finite": bool(torch.isfinite(output).all())}))
+    print(json.dumps({"seconds": seconds, "extra_bytes": extra, "finite": bool(torch.isfinite(output).all()),
+                      "kernel": _kernel_loaded()}))
+
+
+def _kernel_loaded() -> str:
+    """The native library this process loaded ("" for none): a child reports it with its times."""
+    return str(native.loaded_from() or "")
+
+
+def _same_kernel(payload: dict, contender: str, mask_name: str) -> dict:
+    """A child's results, when it loaded the library this run loaded; else the run stops. Each
+    library is keyed by a digest of the kernel's sources, so a child started after a source edit
+    finds none built and runs PyTorch's kernels: a run from a checkout being edited measured
+    that for a while (the twenty-first session). A frozen checkout (a git worktree with an
+    ATTNKIT_NATIVE_DIR of its own) cannot change under a run."""
+    if payload.get("kernel", "") != _kernel_loaded():
+        raise SystemExit(f"masks.py: {contender} ({mask_name}) ran with the native kernel "
+                         f"{payload.get('kernel') or 'not loaded'} where this run loaded {_kernel_loaded() or 'none'}: "
+                         "its sources or its cache changed during the run; run from a checkout nobody edits")
+    return payload
 
 
 def measure_first_call(contender: str, mask_name: str, length: int, window: int) -> dict:
@@ -185,7 +204,7 @@ def measure_first_call(contender: str, mask_name: str, length: int, window: int)
         )
     if result.returncode != 0:
         return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return _same_kernel(json.loads(result.stdout.strip().splitlines()[-1]), contender, mask_name)
 
 
 # -- steady times, each contender in its own process ---------------------------------------------------
@@ -241,7 +260,7 @@ def steady_child(contender: str, mask_name: str, length: int, window: int, repea
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    print(json.dumps({"times": times}))
+    print(json.dumps({"times": times, "kernel": _kernel_loaded()}))
 
 
 def _child_env() -> dict[str, str]:
@@ -293,7 +312,8 @@ def steady_times(contenders: list[str], mask_name: str, args: argparse.Namespace
                 failed.add(contender)
                 print(f"    {contender} ({mask_name}) failed: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
                 continue
-            samples[contender].append(statistics.median(json.loads(result.stdout.strip().splitlines()[-1])["times"]))
+            payload = _same_kernel(json.loads(result.stdout.strip().splitlines()[-1]), contender, mask_name)
+            samples[contender].append(statistics.median(payload["times"]))
     return {c: ts for c, ts in samples.items() if ts}
 
 
