@@ -24,7 +24,8 @@ from attnkit._backends import native
 from attnkit._backends.native import ops, tile_tables
 from attnkit._backends.tiled_plan import tuning
 from oracle import output_and_gradients
-from test_native_bf16_products import MASKS, SHAPES, _error, _inputs, _lse, random_call_within_the_rule
+from test_native_bf16_products import (MASKS, SHAPES, _error, _inputs, _lse, features_within_the_rule,
+                                      random_call_within_the_rule)
 
 
 @pytest.fixture(autouse=True)
@@ -120,31 +121,12 @@ def test_backward_within_twice_pytorchs_fp16_error(shape, name):
 
 @pytest.mark.parametrize("feature", ["softcap", "alibi", "dropout", "scale"])
 def test_features_within_twice_pytorchs_fp16_error(feature):
-    """Forward and backward with each score modifier and dropout (the same pattern as the
+    """Forward and backward with each score modifier, a scale, and dropout (the same pattern as the
     float32-convert path: the same zeros)."""
-    q, k, v = _inputs(1, 4, 2, 160, 160, 64, 64, seed=14)
-    grad_out = torch.randn(1, 4, 160, 64, generator=torch.Generator().manual_seed(15)).half().float()
-    options = {"softcap": dict(softcap=1.5), "alibi": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625])),
-               "scale": dict(scale=0.3), "dropout": dict(dropout=0.3)}[feature]
-    mask = masks.document([60, 100]) & masks.causal()
-
-    def run(backend, kernel=""):
-        def fn(a, b, c):
-            extra = dict(generator=torch.Generator().manual_seed(16)) if feature == "dropout" else {}
-            with tuning(kernel=kernel):
-                return attnkit.attention(a, b, c, mask=mask, backend=backend, **options, **extra)
-        return fn
-
-    lows = [t.half().double() for t in (q, k, v)]
-    want = output_and_gradients(run("reference"), lows, grad_out, torch.float64)
-    pytorch = output_and_gradients(run("reference"), lows, grad_out, torch.float16)
-    got = output_and_gradients(run("tiled", "native"), lows, grad_out, torch.float16)
-    for what, mine, theirs, exact in zip(("output", "dq", "dk", "dv"), got, pytorch, want):
-        assert _error(mine, exact) <= 2 * _error(theirs, exact) + 1e-6, (feature, what, _error(mine, exact),
-                                                                         _error(theirs, exact))
+    got = features_within_the_rule(torch.float16, feature)
     if feature == "dropout":
         with native.half_products("convert"):
-            converted = output_and_gradients(run("tiled", "native"), lows, grad_out, torch.float16)
+            converted = features_within_the_rule(torch.float16, feature)
         assert torch.equal(got[0] == 0, converted[0] == 0)
 
 

@@ -289,30 +289,28 @@ ATTNKIT_AMX inline void split_float16(const uint16_t* src, int64_t n, uint16_t* 
   }
 }
 
-// A float16 key row of n as [high | low | high] (3 n bfloat16), a query row as [high | high | low]
-// (HeldRows' conversions; `type` is float16).
-ATTNKIT_AMX void split_key_row(const void* src, at::ScalarType, int64_t n, uint16_t* dst) {
-  split_float16(static_cast<const uint16_t*>(src), n, dst, dst + n);
-  std::memcpy(dst + 2 * n, dst, n * 2);
+// A float16 row of n as the parts kLayout names in order ('h' high, 'l' low), n bfloat16 each
+// (HeldRows' conversions; `type` is float16). The scores take keys as "hlh" against queries as
+// "hhl": three of the four products. The backward's dP = dO V^T takes all four, values as "hlhl"
+// against dO as "hhll": FlashAttention's row term delta = dO . O is exact to float32 there, and
+// dS = P (dP - delta) takes their difference; a row on one key, whose dS is 0 in exact arithmetic,
+// read the dropped dO_l V_l as a dq of 5e-5 where PyTorch's is 0.
+template <char... kLayout>
+ATTNKIT_AMX void split_row(const void* src, at::ScalarType, int64_t n, uint16_t* dst) {
+  constexpr char layout[] = {kLayout...};
+  constexpr int64_t parts = sizeof...(kLayout);
+  int64_t high = 0, low = 0;
+  while (layout[high] != 'h') ++high;
+  while (layout[low] != 'l') ++low;
+  split_float16(static_cast<const uint16_t*>(src), n, dst + high * n, dst + low * n);
+  for (int64_t i = 0; i < parts; ++i) {
+    if (i != high && i != low) std::memcpy(dst + i * n, dst + (layout[i] == 'h' ? high : low) * n, n * 2);
+  }
 }
-ATTNKIT_AMX void split_query_row(const void* src, at::ScalarType, int64_t n, uint16_t* dst) {
-  split_float16(static_cast<const uint16_t*>(src), n, dst, dst + 2 * n);
-  std::memcpy(dst + n, dst, n * 2);
-}
-
-// All four products, exact, for the backward's dP = dO V^T: a value row as [high | low | high | low]
-// (4 n) and a row of dO as [high | high | low | low]. FlashAttention's row term delta = dO . O is
-// exact to float32 there, and dS = P (dP - delta) takes their difference: a row on one key, whose
-// dS is 0 in exact arithmetic, read the dropped dO_l V_l as a dq of 5e-5 where PyTorch's is 0.
-ATTNKIT_AMX void split_value_row(const void* src, at::ScalarType, int64_t n, uint16_t* dst) {
-  split_float16(static_cast<const uint16_t*>(src), n, dst, dst + n);
-  std::memcpy(dst + 2 * n, dst, n * 4);
-}
-ATTNKIT_AMX void split_grad_row(const void* src, at::ScalarType, int64_t n, uint16_t* dst) {
-  split_float16(static_cast<const uint16_t*>(src), n, dst, dst + 2 * n);
-  std::memcpy(dst + n, dst, n * 2);
-  std::memcpy(dst + 3 * n, dst + 2 * n, n * 2);
-}
+constexpr auto split_key_row = split_row<'h', 'l', 'h'>;
+constexpr auto split_query_row = split_row<'h', 'h', 'l'>;
+constexpr auto split_value_row = split_row<'h', 'l', 'h', 'l'>;
+constexpr auto split_grad_row = split_row<'h', 'h', 'l', 'l'>;
 
 // Two keys' weights for a query tile's 16 rows (`first` the even key's) as the 16 words of one
 // pair at `at`: rounded to bfloat16 (nearest even), or with kParts in two parts (split_halves),
