@@ -219,7 +219,16 @@ def _child(args) -> None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     summary = float(result.float().abs().mean()) if result.is_floating_point() else result[0].tolist()
     print(json.dumps({"time": statistics.median(times), "times": times, "first": first, "extra_peak": peak - before,
-                      "summary": summary}))
+                      "summary": summary, "kernel": _kernel_loaded()}))
+
+
+def _kernel_loaded() -> str:
+    """The native CPU library this process loaded ("" for none, or where attnkit is not imported)."""
+    if "attnkit" not in sys.modules:
+        return ""
+    from attnkit._backends import native
+
+    return str(native.loaded_from() or "")
 
 
 def _interleaved(args) -> None:
@@ -288,7 +297,16 @@ def _measure(implementation: str, length: int, args) -> dict:
         lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
         why = "killed (out of memory?)" if done.returncode < 0 else (lines[-1] if lines else f"exit {done.returncode}")
         return {"error": why[:160]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if args.device == "cpu" and implementation.startswith("attnkit"):
+        import attnkit  # noqa: F401  (the library this run's attnkit would load)
+
+        # The library is keyed by a digest of the kernel's sources: a child started after an edit
+        # of them finds none built and runs PyTorch's kernels (masks.py stops on the same check).
+        if result.get("kernel", "") != _kernel_loaded():
+            return {"error": f"ran with native kernel {result.get('kernel') or 'none'}, not {_kernel_loaded() or 'none'}"
+                             " (its sources or cache changed during the run)"}
+    return result
 
 
 def _matmul_rate(threads: int) -> float:
