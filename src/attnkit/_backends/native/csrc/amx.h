@@ -595,9 +595,8 @@ class TransposedRows {
   TransposedRows(const Rows& values, int64_t keys)
       : v_(values),
         keys_(keys),
-        split_(values.type == at::kHalf),
         data_(values.width * (round_up(keys, kTileK) + kTileK), 0),
-        low_(split_ ? data_.size() : 0, 0) {}
+        low_(split() ? data_.size() : 0, 0) {}
 
   // The block of key `first` (a multiple of 32), blocks up to key `last` filled.
   const uint16_t* from(int64_t b, int64_t kv, int64_t first, int64_t last) {
@@ -629,7 +628,7 @@ class TransposedRows {
 
   // One feature's 32 keys at element `at` of the blocks (float16: their two parts).
   ATTNKIT_AMX void store(__m512i keys, int64_t at) {
-    if (!split_) {
+    if (!split()) {
       _mm512_storeu_si512(data_.data() + at, keys);
       return;
     }
@@ -638,9 +637,10 @@ class TransposedRows {
     _mm512_storeu_si512(low_.data() + at, parts.low);
   }
 
+  bool split() const { return v_.type == at::kHalf; }
+
   Rows v_;
   int64_t keys_;
-  bool split_;
   LineVector<uint16_t> data_, low_;  // from a cache line: each 1 KiB block is whole tile rows
   Floats pairs_;  // one block as 32-bit words [Dv / 2][32]
   int64_t b_ = -1, kv_ = -1, lo_ = 0, hi_ = 0;

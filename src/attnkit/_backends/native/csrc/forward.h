@@ -147,7 +147,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
   // before each call took 2-3% of a window forward).
   const int64_t chunk_given = chunk;
   for (HalfProducts units = half_products(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2);; units = HalfProducts::kConvert) {
-    // bfloat16 products on the AMX tiles or the dot products, read from packed layouts (products.h)
     const bool packed = units != HalfProducts::kConvert;
     // float16 on the tiles: rows of two bfloat16 parts side by side, three times the features (amx.h)
     const bool split_inputs = packed && c.dtype == at::kHalf;
