@@ -146,29 +146,38 @@ MASKS = {
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:7])) + s[7])
 @pytest.mark.parametrize("name", list(MASKS))
 def test_forward_within_twice_pytorchs_bf16_error(shape, name):
+    got, lse, converted, converted_lse, want = forward_within_the_rule(torch.bfloat16, shape, name)
+    assert not torch.equal(got, converted) or _error(converted, want) == 0  # the units did run
+    # the lse comes from float32 scores on both paths: equal up to float32 summation order
+    torch.testing.assert_close(lse, converted_lse, rtol=1e-5, atol=1e-5)
+
+
+def forward_within_the_rule(dtype: torch.dtype, shape: tuple, name: str) -> tuple[torch.Tensor, ...]:
+    """The forward of one of SHAPES under MASKS[name] on inputs of ``dtype``: ours (the tiled backend
+    on the native kernel) against float64 within twice the error of plain PyTorch ops in ``dtype``,
+    its lse against float64's, rows with no key zeros and -inf on ours and on the float32-convert
+    path. Returns (ours, its lse, the convert path's output, its lse, the float64 output)."""
     batch, heads, kv_heads, q_len, k_len, dim, dim_v, layout = shape
     mask = MASKS[name]
     if name == "documents" and q_len != k_len:
         mask = masks.document([k_len // 2, k_len - k_len // 2])  # documents cover the keys
     q, k, v = _inputs(batch, heads, kv_heads, q_len, k_len, dim, dim_v, layout=layout)
-    lows = [t.bfloat16() for t in (q, k, v)]
+    lows = [t.to(dtype) for t in (q, k, v)]
     want = attnkit.attention(*(t.double() for t in lows), mask=mask, backend="reference")
     want_lse = _lse(*(t.double() for t in lows), mask)
-    pytorch = attnkit.attention(*lows, mask=mask, backend="reference")  # plain PyTorch ops in bf16
+    pytorch = attnkit.attention(*lows, mask=mask, backend="reference")  # plain PyTorch ops in the dtype
     with tuning(kernel="native"):  # short calls would run PyTorch's dense kernel
         got, lse = attnkit.attention(*lows, mask=mask, backend="tiled", return_lse=True)
         with native.half_products("convert"):
             converted, converted_lse = attnkit.attention(*lows, mask=mask, backend="tiled", return_lse=True)
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert got.dtype == dtype and got.shape == want.shape
     assert _error(got, want) <= 2 * _error(pytorch, want) + 1e-6, (_error(got, want), _error(pytorch, want))
-    assert not torch.equal(got, converted) or _error(converted, want) == 0  # the units did run
-    # the lse comes from float32 scores on both paths: equal up to float32 summation order
-    torch.testing.assert_close(lse, converted_lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-4)
     # rows with no key: zeros and -inf on both paths
     empty = ~torch.isfinite(want_lse)
     assert torch.equal(~torch.isfinite(lse), empty) and torch.equal(~torch.isfinite(converted_lse), empty)
     assert got.masked_select(empty[..., None]).eq(0).all()
+    return got, lse, converted, converted_lse, want
 
 
 @on_units
@@ -274,13 +283,20 @@ def test_keys_past_every_rows_span_are_never_read_by_the_units(kept):
 def test_backward_within_twice_pytorchs_bf16_error(shape, name):
     """The five products on the tiles (scores and dP = dO V^T from the rows in place, dV and dK over
     the block's rows, dQ from K^T): gradients against float64 by the 2x rule; the lse's gradient too."""
+    backward_within_the_rule(torch.bfloat16, shape, name)
+
+
+def backward_within_the_rule(dtype: torch.dtype, shape: tuple, name: str) -> None:
+    """Output and gradients (the lse's gradient included) of one of SHAPES under MASKS[name] on
+    values of ``dtype``: ours against float64 within twice the error of PyTorch's kernels block by
+    block in ``dtype``, and not the float32-convert path's bits (the units ran)."""
     batch, heads, kv_heads, q_len, k_len, dim, dim_v, layout = shape
     q, k, v = _inputs(batch, heads, kv_heads, q_len, k_len, dim, dim_v, layout=layout, seed=12)
     g = torch.Generator().manual_seed(13)
-    grad_out = torch.randn(batch, heads, q_len, dim_v, generator=g).bfloat16().float()
+    grad_out = torch.randn(batch, heads, q_len, dim_v, generator=g).to(dtype).float()
     lse_weight = torch.randn(batch, heads, q_len, generator=g)
     mask = MASKS[name]
-    lows = [t.bfloat16().double() for t in (q, k, v)]  # the bf16 values, exactly
+    lows = [t.to(dtype).double() for t in (q, k, v)]  # the dtype's values, exactly
 
     def on(kernel):
         def fn(a, b, c):
@@ -289,14 +305,14 @@ def test_backward_within_twice_pytorchs_bf16_error(shape, name):
         return fn
 
     ours = on("native")
-    # PyTorch's kernels in float64, and in bf16: the baseline
+    # PyTorch's kernels in float64, and in the dtype: the baseline
     want = output_and_gradients(on("blocks"), lows, grad_out, torch.float64, lse_weight)
-    pytorch = output_and_gradients(on("blocks"), lows, grad_out, torch.bfloat16, lse_weight)
-    got = output_and_gradients(ours, lows, grad_out, torch.bfloat16, lse_weight)
+    pytorch = output_and_gradients(on("blocks"), lows, grad_out, dtype, lse_weight)
+    got = output_and_gradients(ours, lows, grad_out, dtype, lse_weight)
     with native.half_products("convert"):
-        converted = output_and_gradients(ours, lows, grad_out, torch.bfloat16, lse_weight)
-    for what, mine, theirs, exact, other in zip(("output", "dq", "dk", "dv"), got, pytorch, want, converted):
-        assert mine.dtype == torch.bfloat16 and mine.shape == exact.shape
+        converted = output_and_gradients(ours, lows, grad_out, dtype, lse_weight)
+    for what, mine, theirs, exact in zip(("output", "dq", "dk", "dv"), got, pytorch, want):
+        assert mine.dtype == dtype and mine.shape == exact.shape
         assert _error(mine, exact) <= 2 * _error(theirs, exact) + 1e-6, (what, _error(mine, exact), _error(theirs, exact))
     assert any(not torch.equal(mine, other) for mine, other in zip(got[1:], converted[1:]))  # the units ran
 
