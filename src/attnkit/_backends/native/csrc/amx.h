@@ -268,9 +268,9 @@ ATTNKIT_AMX inline SplitHalves split_halves(__m512 first, __m512 second) {
 // over three times the features: keys [high | low | high] . queries [high | high | low]. Values
 // take V^T's two parts (TransposedRows) against the weights' two: Vh Ph + Vh Pl + Vl Ph.
 // A non-finite value does not split (inf - inf): a call that meets one runs again converted
-// (forward.h).
+// (products.h, run_on_units).
 
-// Set when a split met a float16 NaN or inf on this thread (the forward resets and reads it).
+// Set when a split met a float16 NaN or inf on this thread (products.h's SplitWatch resets and reads it).
 thread_local bool split_met_nonfinite = false;
 
 // 32 float16 as their two bfloat16 parts (elements in order), noting a non-finite one.

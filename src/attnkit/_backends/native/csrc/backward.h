@@ -128,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& out, const at::Tensor& lse_rows, const std::optional<at::Tensor>& grad_lse_rows,
     const at::Tensor& lo_rows, const at::Tensor& hi_rows,
-    double scale, int64_t block, int64_t chunk, int64_t parts, double dropout_p, int64_t seed, double softcap,
+    double scale, int64_t block, int64_t chunk_asked, int64_t parts, double dropout_p, int64_t seed, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, int64_t dropout_head_start, int64_t dropout_row_start,
     int64_t dropout_key_start, const std::optional<at::Tensor>& out_low, bool split_weights_asked) {
   Params c("interval_backward", query, key, value, lo_rows, hi_rows, /*together=*/false);
@@ -145,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
   TORCH_CHECK(!has_low || (out_low->sizes() == out.sizes() && out_low->scalar_type() == c.dtype &&
                            out_low->device().is_cpu() && out_low->stride(3) == 1),
               "interval_backward: out_low must be the forward's residual: [B, H, Lq, Dv] like out");
-  TORCH_CHECK(block > 0 && chunk > 0 && parts > 0, "interval_backward: block, chunk and parts must be positive");
+  TORCH_CHECK(block > 0 && chunk_asked > 0 && parts > 0, "interval_backward: block, chunk and parts must be positive");
   c.modifiers(scale, dropout_p, seed, softcap, alibi_slopes, dropout_head_start, dropout_row_start, dropout_key_start);
   const Dropout& dropout = c.dropout;
   const at::Tensor lse = lse_rows.contiguous();
@@ -176,12 +176,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
     const float* l = lse.data_ptr<float>();
     const float* gl = grad_lse.defined() ? grad_lse.data_ptr<float>() : nullptr;
     const Rows dq_rows(dq), dk_rows(dk), dv_rows(dv);
-    // The five products on the units the forward's took (products.h; dO's rows moved by pairs too)
-    // float16 on the tiles meets a NaN or inf only as it splits the rows it reads: the call then runs
-    // again converted, every gradient row written again (as the forward does)
-    const int64_t chunk_given = chunk;
-    for (HalfProducts units = backward_half_products(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2, go.s2);;
-         units = HalfProducts::kConvert) {
+    // The five products on the units the forward's took (products.h; dO's rows moved by pairs too;
+    // float16 on the tiles runs again converted where it meets a NaN or inf, every gradient row
+    // written again)
+    const HalfProducts asked_units = backward_half_products(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2, go.s2);
+    run_on_units(asked_units, [&](HalfProducts units, SplitWatch& watch) {
       const bool packed = units != HalfProducts::kConvert;
       const bool split_inputs = packed && c.dtype == at::kHalf;
       // float16: the scores over three parts' features, dP over four (amx.h)
@@ -193,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       // (thirteenth session), and dK alone at 2.1x in 2 plain calls of 3,000 (twentieth; both in
       // docs/performance.md).
       const bool split_weights = packed && (split_inputs || split_weights_asked || !c.weights_round_once());
-      chunk = packed ? round_up(std::max(chunk_given, kAmxChunk), kTileK) : chunk_given;
+      const int64_t chunk = chunk_keys(units, chunk_asked);
       const bool capped = c.capped();  // the cap's derivative is stored then
       using L = RowLanes;
       const WeightsRows<L> weights = pick_weights_rows<L>(c.plain());  // one per call
@@ -205,9 +204,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
       const int64_t tasks = B * Hkv * parts;
       const std::vector<int64_t> order = costliest_first(c, B, Hkv, parts, blocks_per_part * block);
       std::atomic<int64_t> next_task{0};
-      std::atomic<bool> met_nonfinite{false};
       at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-        split_met_nonfinite = false;
+        watch.begin();
         // The scores come from the forward's register tiles, bit for bit the forward's: the weights
         // recomputed from its lse must round alike (a score one ulp lower under a huge scale would
         // weigh 0 here where the forward gave it 1). P (in place of the scores), dP, dS and the cap's
@@ -254,7 +252,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
         OutputRows dq_out(dq_rows);
         KeyGradRows dk_sums(dk_rows, Lk, parts), dv_sums(dv_rows, Lk, parts);
         const auto reach = [&](int64_t from, int64_t to) { dk_sums.reach(from, to), dv_sums.reach(from, to); };
-        for (int64_t claimed; !met_nonfinite.load(std::memory_order_relaxed) && (claimed = next_task.fetch_add(1)) < tasks;) {
+        for (int64_t claimed; !watch.stopped() && (claimed = next_task.fetch_add(1)) < tasks;) {
           const int64_t task = order[claimed];
           const int64_t b = task / (Hkv * parts), kv = (task / parts) % Hkv, part = task % parts;
           const auto [dk_head, dk2s] = dk_sums.start(b, kv, part);
@@ -450,11 +448,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_backward(
           }
           if (parts > 1) part_spans[task] = dk_sums.reached();  // dv_sums reached the same rows
           dk_sums.finish(), dv_sums.finish();
-          if (split_met_nonfinite) met_nonfinite.store(true, std::memory_order_relaxed);
+          watch.note();
         }
       });
-      if (!split_inputs || !met_nonfinite.load()) break;
-    }
+    });
   } else {  // no task ran: no key row was reached
     dk.zero_(), dv.zero_();
   }

@@ -125,12 +125,12 @@ inline void prefetch_rows(const char* first, int64_t rows, int64_t stride, int64
 std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor& query, const at::Tensor& key,
                                                     const at::Tensor& value, const at::Tensor& lo_rows,
                                                     const at::Tensor& hi_rows, double scale, int64_t block,
-                                                    int64_t chunk, double dropout_p, int64_t seed, double softcap,
+                                                    int64_t chunk_asked, double dropout_p, int64_t seed, double softcap,
                                                     const std::optional<at::Tensor>& alibi_slopes,
                                                     int64_t dropout_head_start, int64_t dropout_row_start,
                                                     int64_t dropout_key_start, bool residual) {
   Params c("interval_forward", query, key, value, lo_rows, hi_rows, /*together=*/true);
-  TORCH_CHECK(block > 0 && chunk > 0, "interval_forward: block and chunk must be positive");
+  TORCH_CHECK(block > 0 && chunk_asked > 0, "interval_forward: block and chunk must be positive");
   TORCH_CHECK(c.Lk < (int64_t{1} << 31), "interval_forward: at most 2^31 - 1 keys");
   c.modifiers(scale, dropout_p, seed, softcap, alibi_slopes, dropout_head_start, dropout_row_start, dropout_key_start);
   const int64_t B = c.B, H = c.H, Lq = c.Lq, D = c.D, Lk = c.Lk, Dv = c.Dv;  // the lambdas capture these
@@ -141,12 +141,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
   at::Tensor low = residual && c.dtype != at::kFloat ? like_layout(query, B, H, Lq, Dv, c.dtype)
                                                      : at::empty({0}, query.options());
   if (lse.numel() == 0) return {out, lse, low};
-  // bfloat16 products on the AMX tiles or the dot products, read from packed layouts (products.h).
-  // float16 on the tiles meets a NaN or inf only as it splits the rows it reads (they do not split):
-  // the call then runs again converted, every output row written again (a scan of the inputs
-  // before each call took 2-3% of a window forward).
-  const int64_t chunk_given = chunk;
-  for (HalfProducts units = half_products(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2);; units = HalfProducts::kConvert) {
+  // bfloat16 products on the AMX tiles or the dot products, read from packed layouts (products.h;
+  // float16 on the tiles runs again converted where it meets a NaN or inf)
+  run_on_units(half_products(c.dtype, D, Dv, Lk, c.q.s2, c.k.s2, c.v.s2), [&](HalfProducts units, SplitWatch& watch) {
     const bool packed = units != HalfProducts::kConvert;
     // float16 on the tiles: rows of two bfloat16 parts side by side, three times the features (amx.h)
     const bool split_inputs = packed && c.dtype == at::kHalf;
@@ -172,7 +169,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
         packed ? pick_packed_softmax_rows(rescore, dropout.active, split_weights) : nullptr;
 
     const int64_t padded = (block + kGroup - 1) / kGroup * kGroup;
-    chunk = packed ? round_up(std::max(chunk_given, kAmxChunk), kTileK) : chunk_given;
+    const int64_t chunk = chunk_keys(units, chunk_asked);
     // Tasks are (batch, head, block) in order, and threads claim runs of `claim` consecutive ones as
     // they go (consecutive blocks share most keys): a range split in halves waits for the slower
     // thread, and on a shared machine one core often is (window, L = 16384, 2 threads: 84-87 or
@@ -183,9 +180,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
     const int64_t tasks = B * H * blocks;
     const int64_t claim = std::clamp<int64_t>(tasks / (32 * at::get_num_threads()), 1, 64);
     std::atomic<int64_t> next_task{0};
-    std::atomic<bool> met_nonfinite{false};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      split_met_nonfinite = false;
+      watch.begin();
       // scores: a chunk's rows rounded up to whole tiles of keys (the tiles write past W)
       Floats qt(packed ? 0 : D * padded), scores((chunk + kTile) * padded), ot(Dv * padded);
       TileScope tiles(units == HalfProducts::kTiles);
@@ -207,7 +203,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
       FloatRows queries(c.q), keys(c.k), values(c.v);  // as float32 (half.h)
       HeldRows<uint16_t> split_queries(c.q, 3 * D, split_query_row), split_keys(c.k, 3 * D, split_key_row);
       OutputRows outputs(o, o_low);
-      for (int64_t begin; !met_nonfinite.load(std::memory_order_relaxed) && (begin = next_task.fetch_add(claim)) < tasks;) {
+      for (int64_t begin; !watch.stopped() && (begin = next_task.fetch_add(claim)) < tasks;) {
         const int64_t end = std::min(tasks, begin + claim);
         for (int64_t task = begin; task < end; ++task) {
           const int64_t b = task / (H * blocks), h = (task / blocks) % H, first = (task % blocks) * block;
@@ -338,11 +334,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> interval_forward(const at::Tensor
           }
           outputs.store();
         }
-        if (split_met_nonfinite) met_nonfinite.store(true, std::memory_order_relaxed);
+        watch.note();
       }
     });
-    if (!split_inputs || !met_nonfinite.load()) break;
-  }
+  });
   return {out, lse, low};
 }
 
