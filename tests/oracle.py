@@ -106,3 +106,52 @@ def pairwise_oracle(query: Tensor, key: Tensor, value: Tensor, scale: float, all
     out = (torch.where(pair, weights[..., None], 0.0) * torch.where(pair, value[..., None, :, :], 0.0)).sum(-2)
     lse = torch.where(broken, float("nan"), torch.where(total > 0, torch.log(divisor) + peak, float("-inf")))
     return out, lse[..., 0]
+
+
+def flash_backward_float32(query: Tensor, key: Tensor, value: Tensor, grad_out: Tensor, allowed: Tensor,
+                           scale: float, *, softcap: float | None = None, alibi_slopes: Tensor | None = None,
+                           sinks: Tensor | None = None, keep: Tensor | None = None,
+                           dropout: float = 0.0) -> list[Tensor]:
+    """``[output, dq, dk, dv]`` as FlashAttention's algorithm computes them, in float32 by plain
+    PyTorch ops: the backward's softmax term is ``dS = P * (dP - delta)`` with the row term
+    ``delta = rowsum(dO * O)`` (Dao 2022, eq. 4), where the textbook backward (autograd, the math
+    path) takes ``rowsum(P * dP)``. The two are equal in exact arithmetic, but not in float32: on a
+    row that attends one key, dS is exactly 0 by the textbook and the rounding of two differently
+    ordered dot products by this one (PyTorch's own fused CPU kernel reads 7e-6 at dk there in
+    float32 where its math path reads 0). Its error against float64 is the floor of every kernel
+    built on that algorithm, so the tests that hold a kernel to a textbook bar allow it too.
+
+    ``query [B, H, Lq, D]``, ``key [B, Hkv, Lk, D]``, ``value [B, Hkv, Lk, Dv]`` (GQA: query head
+    ``h`` reads kv head ``h // (H / Hkv)``), ``grad_out [B, H, Lq, Dv]``, ``allowed`` broadcastable
+    to ``[B, H, Lq, Lk]``; ``softcap`` (``cap * tanh(s / cap)``), ``alibi_slopes [H]`` (FlashAttention's
+    ``-slope * |i + Lk - Lq - j|``), ``sinks [H]`` (a logit in each row's normaliser with no value),
+    ``keep`` (bool ``[B, H, Lq, Lk]``, the dropout's kept weights, each scaled by ``1 / (1 - dropout)``)."""
+    group = query.shape[1] // key.shape[1]
+    q, dout = query.float(), grad_out.float()
+    k, v = key.float().repeat_interleave(group, 1), value.float().repeat_interleave(group, 1)
+    lq, lk = q.shape[-2], k.shape[-2]
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        capped = torch.tanh(scores / softcap)
+        scores = softcap * capped
+    if alibi_slopes is not None:
+        distance = (torch.arange(lq)[:, None] + lk - lq - torch.arange(lk)[None, :]).abs()
+        scores = scores - alibi_slopes.float().view(1, -1, 1, 1) * distance
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    logits = scores if sinks is None else torch.cat(
+        [scores, sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    finite = torch.isfinite(lse)
+    weights = torch.where(finite, torch.exp(scores - torch.where(finite, lse, 0.0)), 0.0)
+    factors = keep.float() / (1.0 - dropout) if keep is not None else torch.ones_like(weights)
+    dropped = weights * factors
+    out = dropped @ v
+    delta = (dout * out).sum(-1, keepdim=True)
+    grad_scores = weights * ((dout @ v.transpose(-1, -2)) * factors - delta)
+    if softcap is not None:
+        grad_scores = grad_scores * (1.0 - capped * capped)
+    dq = grad_scores @ k * scale
+    fold = lambda t: t.unflatten(1, (-1, group)).sum(2)  # noqa: E731  (a kv head's query heads)
+    dk = fold(grad_scores.transpose(-1, -2) @ q * scale)
+    dv = fold(dropped.transpose(-1, -2) @ dout)
+    return [out, dq, dk, dv]

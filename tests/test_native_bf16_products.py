@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import masks
-from attnkit._backends import native
+from attnkit._backends import dropout, native
 from attnkit._backends.tiled_plan import tuning
-from oracle import output_and_gradients
+from oracle import flash_backward_float32, output_and_gradients
 
 WHY_NOT = {
     "tiles": "the CPU has no AMX-BF16 (or the OS does not grant its state)",
@@ -476,8 +476,13 @@ def test_random_calls_within_twice_pytorchs_bf16_error(length, heads, dims, kind
     modifier PyTorch's own is SDPA over the dense mask, which picks its kernel (its fused kernel
     rounds P to bf16 for P V as the units do; for D != Dv it runs its math path in float32); for
     soft-capping, ALiBi, sinks and dropout, which SDPA lacks, the reference backend (PyTorch ops
-    computing in float32). The 1e-5 allows float32's rounding of `dP - delta` where a key's
-    gradient is 0 in exact arithmetic (every row on that key alone) and the bar reads 0.
+    computing in float32). Beside twice the bar's error, each output allows FlashAttention's atol:
+    the larger of 1e-5 and twice the error of FlashAttention's own algorithm carried out in float32
+    on the same call (oracle.flash_backward_float32). That floor is float32's rounding of
+    `dP - delta`, which the bars (math paths) escape where a key's gradient is 0 in exact
+    arithmetic (every row on that key alone): there the bar reads 0, and PyTorch's own fused
+    kernel does not. A flat 1e-5 let one call of 8,000 random fp16 ones fail at dk, 1.03e-5
+    against 0 (149 rows on one key, dropout), where the float32 algorithm read 1.04e-5.
 
     The inputs and the output's gradient are bf16 values, as every contender receives them, so that
     float64 computes the exact answer to those (FlashAttention's tests do so). With the gradient
@@ -488,6 +493,51 @@ def test_random_calls_within_twice_pytorchs_bf16_error(length, heads, dims, kind
     random_call_within_the_rule(torch.bfloat16, length, heads, dims, kind, width, feature, seed)
 
 
+def _feature_options(feature: str, heads: int, seed: int) -> dict:
+    """attention()'s keywords for one feature of the random calls (values drawn from ``seed + 2``)."""
+    g = torch.Generator().manual_seed(seed + 2)
+    return {"none": {}, "softcap": dict(softcap=5.0), "alibi": dict(alibi_slopes=torch.rand(heads, generator=g)),
+            "sinks": dict(sinks=torch.randn(heads, generator=g)), "dropout": dict(dropout=0.2)}[feature]
+
+
+def _flash_floor(query, key, value, grad_out, mask, options: dict, seed: int) -> list[torch.Tensor]:
+    """oracle.flash_backward_float32 on ``attention(query, key, value, mask=mask, **options)``, its
+    dropout drawn from ``torch.Generator().manual_seed(seed)`` (attnkit's pattern, as the float64
+    truth draws it)."""
+    batch, heads, q_len, dim = query.shape
+    k_len, p = key.shape[-2], options.get("dropout", 0.0)
+    keep = None
+    if p:
+        keep = dropout.keep_mask(dropout.draw_seed(torch.Generator().manual_seed(seed)), batch, heads, q_len, k_len, p)
+    modifiers = {name: value for name, value in options.items() if name != "dropout"}
+    return flash_backward_float32(query, key, value, grad_out, mask.dense(q_len, k_len, ndim=4), dim ** -0.5,
+                                  keep=keep, dropout=p, **modifiers)
+
+
+@pytest.mark.parametrize("feature", ["none", "softcap", "alibi", "sinks", "dropout"])
+def test_the_float32_floor_computes_the_same_attention(feature):
+    """oracle.flash_backward_float32, the atol of the random-calls rule, computes what the float64
+    reference computes, feature by feature (ALiBi's distances, sinks, the dropout pattern), to
+    float32's rounding: were it to compute something else, its error would loosen the rule unseen.
+    And on rows that attend one key it is not exact where the textbook is (the floor it exists for)."""
+    length, heads, kv_heads, dim, dim_v, seed = 70, 4, 2, 32, 64, 3
+    q, k, v = _inputs(1, heads, kv_heads, length, length, dim, dim_v, seed=seed)
+    grad_out = torch.randn(1, heads, length, dim_v, generator=torch.Generator().manual_seed(1))
+    options = _feature_options(feature, heads, seed)
+    for mask, exact_zero in ((masks.sliding_window(9) & masks.causal(), False), (masks.padding([1]), True)):
+        def reference(a, b, c):
+            drawn = dict(generator=torch.Generator().manual_seed(seed)) if feature == "dropout" else {}
+            return attnkit.attention(a, b, c, mask=mask, backend="reference", **options, **drawn)
+        want = output_and_gradients(reference, (q, k, v), grad_out, torch.float64)
+        floor = _flash_floor(q, k, v, grad_out, mask, options, seed)
+        for what, mine, exact in zip(("output", "dq", "dk", "dv"), floor, want):
+            assert mine.dtype == torch.float32 and mine.shape == exact.shape, what
+            assert _error(mine, exact) <= 1e-5 * max(1.0, exact.abs().max().item()), (what, _error(mine, exact))
+        if exact_zero and feature != "sinks":  # every row on key 0 alone (a sink takes a share of it): dk is 0
+            # exactly by the textbook, not by this algorithm
+            assert want[2].abs().max().item() == 0.0 and floor[2].abs().max().item() > 0.0
+
+
 def random_call_within_the_rule(dtype: torch.dtype, length, heads, dims, kind, width, feature, seed) -> None:
     """One random call, its inputs and the output's gradient values of ``dtype``: ours (the tiled
     backend on the native kernel) against float64 within twice the error of the bar in ``dtype``."""
@@ -495,9 +545,7 @@ def random_call_within_the_rule(dtype: torch.dtype, length, heads, dims, kind, w
     mask = _random_mask(kind, length, min(width, length))
     q, k, v = _inputs(1, num_heads, num_kv_heads, length, length, dim, dim_v, seed=seed)
     grad_out = torch.randn(1, num_heads, length, dim_v, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).float()
-    g = torch.Generator().manual_seed(seed + 2)
-    options = {"none": {}, "softcap": dict(softcap=5.0), "alibi": dict(alibi_slopes=torch.rand(num_heads, generator=g)),
-               "sinks": dict(sinks=torch.randn(num_heads, generator=g)), "dropout": dict(dropout=0.2)}[feature]
+    options = _feature_options(feature, num_heads, seed)
 
     def run(backend, kernel=""):
         def fn(a, b, c):
@@ -515,6 +563,10 @@ def random_call_within_the_rule(dtype: torch.dtype, length, heads, dims, kind, w
     want = output_and_gradients(run("reference"), lows, grad_out, torch.float64)
     bar = output_and_gradients(sdpa if feature == "none" else run("reference"), lows, grad_out, dtype)
     got = output_and_gradients(run("tiled", "native"), lows, grad_out, dtype)
-    for what, mine, theirs, exact in zip(("output", "dq", "dk", "dv"), got, bar, want):
-        assert _error(mine, exact) <= 2 * _error(theirs, exact) + 1e-5, (what, _error(mine, exact),
-                                                                         _error(theirs, exact))
+    # FlashAttention's rule: rtol 2, atol max(1e-5, twice the float32 floor), the floor measured by its
+    # own algorithm in float32 on this call (see test_random_calls_within_twice_pytorchs_bf16_error)
+    floor = _flash_floor(*lows, grad_out, mask, options, seed)
+    for what, mine, theirs, exact, flash in zip(("output", "dq", "dk", "dv"), got, bar, want, floor):
+        atol = max(1e-5, 2 * _error(flash, exact))
+        assert _error(mine, exact) <= 2 * _error(theirs, exact) + atol, (what, _error(mine, exact),
+                                                                          _error(theirs, exact), atol)

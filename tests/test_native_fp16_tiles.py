@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from attnkit import masks
@@ -158,6 +158,9 @@ def test_the_backward_takes_the_packed_tiles_table():
        dims=st.sampled_from([(32, 32), (64, 64), (64, 32), (32, 64)]),
        kind=st.sampled_from(["window", "documents", "padding", "prefix", "causal"]), width=st.integers(1, 160),
        feature=st.sampled_from(["none", "softcap", "alibi", "sinks", "dropout"]), seed=st.integers(0, 2**16))
+# every row on one key, with dropout: dk is 0 in exact arithmetic and both bars read 0; ours read
+# 1.03e-5 (FlashAttention's algorithm in float32: 1.04e-5), over the flat 1e-5 the rule allowed before
+@example(length=149, heads=(2, 1), dims=(32, 64), kind="padding", width=1, feature="dropout", seed=464)
 def test_random_calls_within_twice_pytorchs_fp16_error(length, heads, dims, kind, width, feature, seed):
     """FlashAttention's rule over random calls, as test_native_bf16_products' test of that name:
     the bar is SDPA over the dense mask for plain calls, the reference backend in float16 for the
