@@ -111,7 +111,7 @@ def pairwise_oracle(query: Tensor, key: Tensor, value: Tensor, scale: float, all
 def flash_backward_float32(query: Tensor, key: Tensor, value: Tensor, grad_out: Tensor, allowed: Tensor,
                            scale: float, *, softcap: float | None = None, alibi_slopes: Tensor | None = None,
                            sinks: Tensor | None = None, keep: Tensor | None = None,
-                           dropout: float = 0.0) -> list[Tensor]:
+                           dropout: float = 0.0, grad_lse: Tensor | None = None) -> list[Tensor]:
     """``[output, dq, dk, dv]`` as FlashAttention's algorithm computes them, in float32 by plain
     PyTorch ops: the backward's softmax term is ``dS = P * (dP - delta)`` with the row term
     ``delta = rowsum(dO * O)`` (Dao et al. 2022, the backward pass), where the textbook backward
@@ -125,7 +125,9 @@ def flash_backward_float32(query: Tensor, key: Tensor, value: Tensor, grad_out: 
     ``h`` reads kv head ``h // (H / Hkv)``), ``grad_out [B, H, Lq, Dv]``, ``allowed`` broadcastable
     to ``[B, H, Lq, Lk]``; ``softcap`` (``cap * tanh(s / cap)``), ``alibi_slopes [H]`` (FlashAttention's
     ``-slope * |i + Lk - Lq - j|``), ``sinks [H]`` (a logit in each row's normaliser with no value),
-    ``keep`` (bool ``[B, H, Lq, Lk]``, the dropout's kept weights, each scaled by ``1 / (1 - dropout)``)."""
+    ``keep`` (bool ``[B, H, Lq, Lk]``, the dropout's kept weights, each scaled by ``1 / (1 - dropout)``),
+    ``grad_lse [B, H, Lq]`` (a gradient on the lse too, which FlashAttention takes off the row term;
+    rows with no key have a constant lse)."""
     group = query.shape[1] // key.shape[1]
     q, dout = query.float(), grad_out.float()
     k, v = key.float().repeat_interleave(group, 1), value.float().repeat_interleave(group, 1)
@@ -147,6 +149,8 @@ def flash_backward_float32(query: Tensor, key: Tensor, value: Tensor, grad_out: 
     dropped = weights * factors
     out = dropped @ v
     delta = (dout * out).sum(-1, keepdim=True)
+    if grad_lse is not None:
+        delta = delta - torch.where(finite, grad_lse.float()[..., None], 0.0)
     grad_scores = weights * ((dout @ v.transpose(-1, -2)) * factors - delta)
     if softcap is not None:
         grad_scores = grad_scores * (1.0 - capped * capped)
