@@ -7,12 +7,26 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+
+
+def native_library_loaded() -> str:
+    """The native CPU library this process loaded ("" for none, or where attnkit is not imported).
+    A benchmark's child reports it with its times, and the parent counts those times only where it
+    is the library the parent loads: each library is keyed by a digest of the kernel's sources, so
+    a child started after an edit of them finds none built and runs PyTorch's kernels."""
+    if "attnkit" not in sys.modules:
+        return ""
+    from attnkit._backends import native
+
+    return str(native.loaded_from() or "")
 
 
 def median_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:

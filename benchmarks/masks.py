@@ -60,7 +60,8 @@ import attnkit.kernel  # noqa: E402
 from attnkit import masks  # noqa: E402
 from attnkit._backends import auto_runs, native, tiled, tiled_plan  # noqa: E402
 from attnkit._call import make_call  # noqa: E402
-from common import describe_machine, fma_peak, median_times, reliable_peak, square_matmul  # noqa: E402
+from common import (describe_machine, fma_peak, median_times, native_library_loaded, reliable_peak,  # noqa: E402
+                    square_matmul)
 
 HEADS, HEAD_DIM = 8, 64
 MIB = 2**20
@@ -173,24 +174,19 @@ def child(contender: str, mask_name: str, length: int, window: int) -> None:
     output = call()
     extra = (_rss_kib("VmHWM") - before) * 1024
     print(json.dumps({"seconds": seconds, "extra_bytes": extra, "finite": bool(torch.isfinite(output).all()),
-                      "kernel": _kernel_loaded()}))
-
-
-def _kernel_loaded() -> str:
-    """The native library this process loaded ("" for none): a child reports it with its times."""
-    return str(native.loaded_from() or "")
+                      "kernel": native_library_loaded()}))
 
 
 def _same_kernel(payload: dict, contender: str, mask_name: str) -> dict:
-    """A child's results, when it loaded the library this run loaded; else the run stops. Each
-    library is keyed by a digest of the kernel's sources, so a child started after a source edit
-    finds none built and runs PyTorch's kernels: a run from a checkout being edited measured
-    that for a while (the twenty-first session). A frozen checkout (a git worktree with an
+    """A child's results, when it loaded the library this run loaded (common.native_library_loaded);
+    else the run stops: a run from a checkout being edited measured PyTorch's kernels for a while
+    (the twenty-first session). A frozen checkout (a git worktree with an
     ATTNKIT_NATIVE_DIR of its own) cannot change under a run."""
-    if payload.get("kernel", "") != _kernel_loaded():
+    if payload.get("kernel", "") != native_library_loaded():
         raise SystemExit(f"masks.py: {contender} ({mask_name}) ran with the native kernel "
-                         f"{payload.get('kernel') or 'not loaded'} where this run loaded {_kernel_loaded() or 'none'}: "
-                         "its sources or its cache changed during the run; run from a checkout nobody edits")
+                         f"{payload.get('kernel') or 'not loaded'} where this run loaded "
+                         f"{native_library_loaded() or 'none'}: its sources or its cache changed during the run; "
+                         "run from a checkout nobody edits")
     return payload
 
 
@@ -260,7 +256,7 @@ def steady_child(contender: str, mask_name: str, length: int, window: int, repea
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    print(json.dumps({"times": times, "kernel": _kernel_loaded()}))
+    print(json.dumps({"times": times, "kernel": native_library_loaded()}))
 
 
 def _child_env() -> dict[str, str]:

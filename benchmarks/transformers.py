@@ -187,6 +187,7 @@ def _synchronized(args, result):
 def _child(args) -> None:
     """Run one (implementation, length) and print a JSON line."""
     import torch
+    from common import native_library_loaded
 
     torch.set_num_threads(args.threads)
     if args.memory_limit:  # fail with an allocation error instead of waking the kernel's OOM killer
@@ -219,16 +220,7 @@ def _child(args) -> None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     summary = float(result.float().abs().mean()) if result.is_floating_point() else result[0].tolist()
     print(json.dumps({"time": statistics.median(times), "times": times, "first": first, "extra_peak": peak - before,
-                      "summary": summary, "kernel": _kernel_loaded()}))
-
-
-def _kernel_loaded() -> str:
-    """The native CPU library this process loaded ("" for none, or where attnkit is not imported)."""
-    if "attnkit" not in sys.modules:
-        return ""
-    from attnkit._backends import native
-
-    return str(native.loaded_from() or "")
+                      "summary": summary, "kernel": native_library_loaded()}))
 
 
 def _interleaved(args) -> None:
@@ -300,12 +292,13 @@ def _measure(implementation: str, length: int, args) -> dict:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if args.device == "cpu" and implementation.startswith("attnkit"):
         import attnkit  # noqa: F401  (the library this run's attnkit would load)
+        from common import native_library_loaded
 
-        # The library is keyed by a digest of the kernel's sources: a child started after an edit
-        # of them finds none built and runs PyTorch's kernels (masks.py stops on the same check).
-        if result.get("kernel", "") != _kernel_loaded():
-            return {"error": f"ran with native kernel {result.get('kernel') or 'none'}, not {_kernel_loaded() or 'none'}"
-                             " (its sources or cache changed during the run)"}
+        # a child started after an edit of the kernel's sources runs PyTorch's kernels (masks.py
+        # stops on the same check)
+        if result.get("kernel", "") != native_library_loaded():
+            return {"error": f"ran with native kernel {result.get('kernel') or 'none'}, not "
+                             f"{native_library_loaded() or 'none'} (its sources or cache changed during the run)"}
     return result
 
 
