@@ -115,9 +115,9 @@ def flash_backward_float32(query: Tensor, key: Tensor, value: Tensor, grad_out: 
     """``[output, dq, dk, dv]`` as FlashAttention's algorithm computes them, in float32 by plain
     PyTorch ops: the backward's softmax term is ``dS = P * (dP - delta)`` with the row term
     ``delta = rowsum(dO * O)`` (Dao et al. 2022, the backward pass), where the textbook backward
-    (autograd, the math path) takes ``rowsum(P * dP)``. The two are equal in exact arithmetic, but not in float32: on a
-    row that attends one key, dS is exactly 0 by the textbook and the rounding of two differently
-    ordered dot products by this one (PyTorch's own fused CPU kernel reads 7e-6 at dk there in
+    (autograd, the math path) takes ``rowsum(P * dP)``. The two are equal in exact arithmetic, but
+    not in float32: on a row that attends one key, dS is exactly 0 by the textbook and the rounding
+    of two differently ordered dot products by this one (PyTorch's own fused CPU kernel reads 7e-6 at dk there in
     float32 where its math path reads 0). Its error against float64 is the floor of every kernel
     built on that algorithm, so the tests that hold a kernel to a textbook bar allow it too.
 
