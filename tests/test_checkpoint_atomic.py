@@ -291,7 +291,11 @@ def test_partial_versions_and_temporary_files_are_never_read_and_are_cleaned_up(
     assert tidy(folder) and checkpoint.read_state(folder)["step"] == 2
 
 
-@pytest.mark.parametrize("pointer", ["", "{garbled", '{"version": "v00000007-00000000"}', '["v1"]'])
+# DEEP: JSON nested past json's recursion limit, which it refuses with a RecursionError, not a ValueError
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("pointer", ["", "{garbled", '{"version": "v00000007-00000000"}', '["v1"]', DEEP])
 def test_a_damaged_pointer_falls_back_to_the_newest_complete_version(runs, tmp_path, pointer):
     out = fresh_copy(runs, tmp_path, "pointer")
     save_step2(runs, out)
@@ -360,13 +364,32 @@ def edit_state(change):
     (lambda data: data[: len(data) // 2], "not valid JSON"),
     (lambda data: b"\xff\xfe garbled", "not valid JSON"),
     (lambda data: b"[1, 2]", "JSON object"),
+    (lambda data: DEEP.encode(), "not valid JSON \\(nested too deeply\\)"),
 ], ids=["negative", "beyond", "string", "bool", "missing", "short-losses", "evals", "train_config",
-        "param-index", "param-groups", "truncated", "garbled", "list"])
+        "param-index", "param-groups", "truncated", "garbled", "list", "deep"])
 def test_a_damaged_state_json_is_a_value_error_naming_file_and_key(runs, tmp_path, change, key):
     out = damaged(runs, tmp_path, "state.json", change)
     with pytest.raises(ValueError, match=rf"state\.json.*{key}") as caught:
         train(config(out), resume=True, quiet=True)
     assert not isinstance(caught.value.__cause__, (KeyError, TypeError))
+
+
+def test_a_huge_step_is_refused_without_building_it(runs, tmp_path):
+    """read_state / load_checkpoint without ``steps`` (nothing bounds 'step' but the losses recorded):
+    a damaged step of 10**7 is a ValueError naming 'losses', its peak Python allocation a few MiB,
+    where the list of steps 1..10**7 it once built to compare takes hundreds (10**9 took the machine)."""
+    import tracemalloc
+
+    out = damaged(runs, tmp_path, "state.json", edit_state(lambda r: r.update(step=10**7)))
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"state\.json.*'losses' must hold one \[step, loss\] pair for each "
+                                             r"of steps 1\.\.10000000"):
+            checkpoint.read_state(out / "checkpoint")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20, f"{peak / 2**20:.0f} MiB allocated to refuse a step"
 
 
 def edit_tensors(change):
@@ -424,6 +447,7 @@ def test_a_published_file_that_changed_is_reported_not_skipped(runs, tmp_path, f
     ("step", "'step' must be an int >= 0, got -5"),
     ("rot", "SHA-256"),
     ("partial", "no checkpoint to resume from"),
+    ("deep-manifest", "not a readable manifest (nested too deeply)"),
 ])
 def test_the_cli_reports_a_damaged_checkpoint_in_one_line(runs, tmp_path, capsys, damage, message):
     if damage == "step":
@@ -434,6 +458,8 @@ def test_the_cli_reports_a_damaged_checkpoint_in_one_line(runs, tmp_path, capsys
         if damage == "rot":
             text = (version / "state.json").read_bytes()
             (version / "state.json").write_bytes(text.replace(b'"step": 1', b'"step": 0'))  # same size
+        elif damage == "deep-manifest":  # the published version's manifest, so reported, not skipped
+            (version / checkpoint.MANIFEST).write_text(DEEP)
         else:  # only a save cut short is left
             (version / checkpoint.MANIFEST).unlink()
     assert main(["train", "--size", "tiny", "--steps", "3", "--out", str(out), "--resume"]) == 2

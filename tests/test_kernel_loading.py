@@ -86,6 +86,10 @@ def test_a_library_without_a_record_is_probed_in_another_process_first(tmp_path)
     building.record_path(library).unlink()
     assert _child(cache) == (True, True, 0, "")  # the probe passed: loaded, and now recorded
     assert json.loads(building.record_path(library).read_text())["sha256"] == building.file_digest(library)
+    # a record nested past json's limit (a RecursionError, not a ValueError, from json) is no record
+    building.record_path(library).write_text("[" * 100_000 + "]" * 100_000)
+    assert _child(cache) == (True, True, 0, "")
+    assert json.loads(building.record_path(library).read_text())["sha256"] == building.file_digest(library)
     # the same for a file that only looks like a library: the probe (not this process) meets it
     library.write_bytes(library.read_bytes()[:2048])
     building.record_path(library).unlink()

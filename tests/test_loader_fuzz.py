@@ -237,6 +237,35 @@ def _damages(rng: random.Random, directory: Path, kind: str):
 
 rng_bytes = random.Random(SEED + 1)
 
+# Damages that keep a tensor's name, shape and a float dtype but change what it holds: with no checksum
+# in the file (the case of every file transformers writes) nothing can tell them from a weight, so a
+# model that loads must compute with the tensor as stored (with one, loading fails the test). A
+# transposed square matrix (q_proj, o_proj and BERT's attention weights are hidden x hidden) is one;
+# other matrices change shape and are refused.
+_STORED_AS = {"half": lambda t: t.half().float(), "transpose": lambda t: t.t()}
+
+
+def _carries_checksum(directory: Path) -> bool:
+    """Whether the directory's model.safetensors holds the checksum save_llama writes."""
+    from safetensors import safe_open
+
+    from attnkit.models.checkpoint import CHECKSUM_KEY
+
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as handle:
+        return CHECKSUM_KEY in (handle.metadata() or {})
+
+
+def _reads_as(stated, loaded) -> bool:
+    """Whether a config value as the file states it is the value loaded: equal, or a JSON integer read
+    into a float field (``10**30`` is loaded as ``1e30``, the nearest float, which Python's ``==``
+    tells apart from the integer)."""
+    if isinstance(stated, int) and not isinstance(stated, bool) and isinstance(loaded, float):
+        try:
+            return float(stated) == loaded
+        except OverflowError:
+            return False
+    return stated == loaded
+
 
 def _stated_differences(kind: str, original, loaded, raw_after: dict | None) -> list[str]:
     """Fields where ``loaded`` differs from ``original`` that config.json does not state (a silent change)."""
@@ -246,11 +275,11 @@ def _stated_differences(kind: str, original, loaded, raw_after: dict | None) -> 
         if before == after or (isinstance(before, float) and before != before and after != after):
             continue
         stated = raw_after is not None and (
-            raw_after.get(field.name, field.default) == after
+            _reads_as(raw_after.get(field.name, field.default), after)
             or (field.name == "rope_theta" and isinstance(raw_after.get("rope_parameters"), dict)
                 and raw_after["rope_parameters"].get("rope_theta") == after)
             or (field.name == "eos_token_id" and isinstance(raw_after.get("eos_token_id"), list)
-                and raw_after["eos_token_id"][:1] == [after])
+                and raw_after["eos_token_id"][:1] == ([] if after is None else [after]))  # the first id, or none
             or (field.name == "rope_theta" and "rope_theta" not in raw_after and after == 10000.0
                 and "rope_theta" not in (raw_after.get("rope_parameters") or {})))
         if not stated:
@@ -314,9 +343,11 @@ def test_a_damaged_directory_is_a_named_valueerror_or_the_same_model(which, orig
             continue
         got = run(model)
         reference = expected if got_config == config else _reference(kind, got_config, weights)
-        if what.startswith("tensor half") and file == "model.safetensors":
-            half = {k: (v.half().float() if hf_equivalent(k, named) else v) for k, v in weights.items()}
-            reference = _reference(kind, got_config, half)
+        as_stored = _STORED_AS.get(what.split()[1]) if what.startswith("tensor ") else None
+        if as_stored is not None and not _carries_checksum(target):
+            tie = getattr(got_config, "tie_word_embeddings", False)
+            stated = {k: (as_stored(v) if hf_equivalent(k, named, tie) else v) for k, v in weights.items()}
+            reference = _reference(kind, got_config, stated)
         if not torch.allclose(got, reference, atol=1e-6, rtol=0, equal_nan=False):
             failures.append(f"{what}: loaded, but computes something else "
                             f"(max difference {(got - reference).abs().max().item():.3g})")
@@ -326,11 +357,66 @@ def test_a_damaged_directory_is_a_named_valueerror_or_the_same_model(which, orig
     assert outcomes["error"] > CASES_PER_DIRECTORY // 3, outcomes  # the damage did reach the checks
 
 
-def hf_equivalent(ours: str, stored: str | None) -> bool:
-    """Whether attnkit's parameter ``ours`` is the stored tensor ``stored`` (either format)."""
+@pytest.mark.parametrize("which", ["gpt", "bert"])
+def test_a_huge_layer_count_is_refused_without_allocating_it(which, originals, tmp_path):
+    """num_hidden_layers within the config's integer range but far beyond the layers stored (the fuzz
+    drew 10**9, and the check of the layers stored took the whole machine's memory to build
+    ``set(range(10**9))`` before it could refuse): a ValueError naming both files, its peak Python
+    allocation a few MiB where ``set(range(10**7))`` alone takes hundreds."""
+    import tracemalloc
+
+    directory, _, _ = originals[which]
+    target = tmp_path / which
+    shutil.copytree(directory, target)
+    raw = json.loads((target / "config.json").read_text())
+    raw["num_hidden_layers"] = 10**7
+    (target / "config.json").write_text(json.dumps(raw))
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"model\.safetensors holds layers 0\.\.1 but .*config\.json has "
+                                             r"num_hidden_layers 10000000"):
+            (_load_bert if which == "bert" else _load_gpt)(target)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20, f"{peak / 2**20:.0f} MiB allocated to refuse a layer count"
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # past json's recursion limit: a RecursionError, not a ValueError, from json
+
+
+def test_a_config_nested_too_deep_is_one_line_from_the_cli(originals, tmp_path, capsys):
+    """``attnkit show --model DIR`` asks first whether DIR holds a GPT attnkit wrote; a config.json
+    nested past json's limit once escaped that question as a RecursionError and a traceback."""
+    from attnkit.cli import main
+
+    for which in ("gpt", "bert"):
+        target = tmp_path / which
+        shutil.copytree(originals[which][0], target)
+        (target / "config.json").write_text(DEEP)
+        assert main(["show", "w1 w2", "--model", str(target), "--out", str(tmp_path / "report"), "--no-images"]) == 2
+        err = capsys.readouterr().err
+        assert "config.json" in err and "nested too deeply" in err and err.count("\n") == 1, err
+
+
+def test_a_checksum_nested_too_deep_is_a_valueerror_naming_the_file(originals, tmp_path):
+    from attnkit.models.checkpoint import CHECKSUM_KEY
+
+    target = tmp_path / "gpt"
+    shutil.copytree(originals["gpt"][0], target)
+    stored = safetensors_torch.load_file(str(target / "model.safetensors"))
+    safetensors_torch.save_file(stored, str(target / "model.safetensors"), metadata={"format": "pt", CHECKSUM_KEY: DEEP})
+    with pytest.raises(ValueError, match=rf"model\.safetensors: its metadata {CHECKSUM_KEY} is not valid JSON "
+                                         r"\(nested too deeply\)"):
+        _load_gpt(target)
+
+
+def hf_equivalent(ours: str, stored: str | None, tie_word_embeddings: bool) -> bool:
+    """Whether attnkit's parameter ``ours`` is the stored tensor ``stored`` (either format; with tied
+    embeddings the output layer is the stored embedding matrix too)."""
     if stored is None:
         return False
-    tied = ours == "lm_head.weight" and stored == "model.embed_tokens.weight"  # one matrix when tied
+    tied = tie_word_embeddings and ours == "lm_head.weight" and stored == "model.embed_tokens.weight"
     from attnkit.models.llama_export import hf_name
 
     return hf_name(ours) == stored or tied or _hf_bert_name_safe(ours) == stored

@@ -84,7 +84,7 @@ def is_llama_directory(model: str) -> bool:
         return False
     try:
         return json.loads(config.read_text(encoding="utf-8")).get("model_type") == "llama"
-    except (ValueError, UnicodeDecodeError, AttributeError):
+    except (ValueError, AttributeError, OSError, RecursionError):  # RecursionError: nested too deep
         return False  # the BERT loader reports what is wrong with the file
 
 

@@ -298,8 +298,9 @@ def verify_checksum(path: Path, tensors: Mapping[str, Tensor], metadata: Mapping
         return
     try:
         expected = json.loads(stored)
-    except ValueError as error:
-        raise ValueError(f"{path}: its metadata {CHECKSUM_KEY} is not valid JSON ({error})") from error
+    except (ValueError, RecursionError) as error:  # RecursionError: nested some thousands deep
+        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise ValueError(f"{path}: its metadata {CHECKSUM_KEY} is not valid JSON ({reason})") from error
     if not isinstance(expected, dict) or sorted(expected) != sorted(tensors):
         raise ValueError(f"{path}: its metadata {CHECKSUM_KEY} does not list the tensors the file holds")
     actual = json.loads(tensor_checksum(tensors))
@@ -335,7 +336,8 @@ def check_layer_count(path: Path, weights: Mapping[str, Tensor], config_path: Pa
     ValueError: model.safetensors holds layers 0..1 but config.json has num_hidden_layers 3
     """
     found = {int(m.group(1)) for name in weights if (m := re.match(r"layers\.(\d+)\.", name))}
-    if found != set(range(layers)):
+    # the count first: set(range(layers)) of a damaged count would itself be the allocation refused
+    if len(found) != layers or found != set(range(layers)):
         held = f"layers 0..{max(found)}" if found == set(range(len(found))) and found else f"layers {sorted(found)[:8]}"
         raise ValueError(f"{path} holds {held} but {config_path} has num_hidden_layers {layers}")
 

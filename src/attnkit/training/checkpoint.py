@@ -312,10 +312,20 @@ def find_checkpoint(directory: Path) -> Path:
     raise FileNotFoundError(f"no checkpoint to resume from: {str(directory)!r} holds none")
 
 
+def _read_json(path: Path) -> Any:
+    """The document of a JSON file; ``ValueError`` for any malformed one, including a document nested
+    thousands deep, for which json raises ``RecursionError``."""
+    data = path.read_bytes()
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError as error:
+        raise ValueError("nested too deeply") from error
+
+
 def _read_pointer(directory: Path) -> Path | None:
     """The version ``CURRENT`` names, or None when it is missing, unreadable, or names no version."""
     try:
-        pointer = json.loads((directory / CURRENT).read_bytes().decode("utf-8"))
+        pointer = _read_json(directory / CURRENT)
     except (OSError, ValueError):
         return None
     name = pointer.get("version") if isinstance(pointer, dict) else None
@@ -363,7 +373,7 @@ def verify_version(version: Path) -> None:
     """
     path = version / MANIFEST
     try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
+        manifest = _read_json(path)
     except (OSError, ValueError) as error:
         raise ValueError(f"{str(path)!r}: not a readable manifest ({error})") from error
     files = manifest.get("files") if isinstance(manifest, dict) else None
@@ -427,8 +437,8 @@ def read_state(directory: Path, *, steps: int | None = None) -> dict:
     """
     path = find_checkpoint(directory) / "state.json"
     try:
-        record = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        record = _read_json(path)
+    except ValueError as error:
         raise ValueError(f"{str(path)!r}: not valid JSON ({error})") from error
     _check_state(record, str(path), steps)
     return record
@@ -464,8 +474,10 @@ def _check_state(record: Any, path: str, steps: int | None) -> None:
             raise ValueError(f"{path!r}: {key!r} must be a list of [step, loss] pairs, got {value!r:.80}")
         return [pair[0] for pair in value]
 
-    # One training loss per step taken: anything else means the record and the step disagree.
-    if pairs("losses") != list(range(1, step + 1)):
+    # One training loss per step taken: anything else means the record and the step disagree. The count
+    # first, so that a damaged step (10**9, with no `steps` to bound it) is not built as a list to compare.
+    losses = pairs("losses")
+    if len(losses) != step or losses != list(range(1, step + 1)):
         raise ValueError(f"{path!r}: 'losses' must hold one [step, loss] pair for each of steps 1..{step}")
     evaluated = pairs("evals")
     if any(not 1 <= s <= step for s in evaluated) or evaluated != sorted(set(evaluated)):

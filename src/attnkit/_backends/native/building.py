@@ -135,7 +135,7 @@ def read_record(library: Path) -> dict | None:
     """The record of ``library``, or None when there is none or it cannot be read."""
     try:
         record = json.loads(record_path(library).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return record if isinstance(record, dict) else None
 
