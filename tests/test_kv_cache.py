@@ -82,3 +82,11 @@ def test_reset_overflow_and_mismatches_are_clear():
     wrong = KVCache(1, 4, 2, 4, dtype=torch.float64)
     with pytest.raises(TypeError, match="cache holds torch.float64"):
         wrong.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+
+
+def test_a_cache_the_machine_cannot_hold_is_a_memoryerror_naming_its_shape():
+    """torch's allocator refuses with a RuntimeError that names no argument; the cache names its
+    buffers, their size and max_length (2**40 rows of 64 floats, keys and values: 512 TiB)."""
+    with pytest.raises(MemoryError, match=r"KVCache: keys \[1, 1, 1099511627776, 64\] and values "
+                                          r"\[1, 1, 1099511627776, 64\] need 524,288\.0 GiB.*max_length 1099511627776"):
+        KVCache(batch_size=1, max_length=2**40, num_kv_heads=1, head_dim=64)

@@ -405,7 +405,8 @@ def test_a_checksum_nested_too_deep_is_a_valueerror_naming_the_file(originals, t
     target = tmp_path / "gpt"
     shutil.copytree(originals["gpt"][0], target)
     stored = safetensors_torch.load_file(str(target / "model.safetensors"))
-    safetensors_torch.save_file(stored, str(target / "model.safetensors"), metadata={"format": "pt", CHECKSUM_KEY: DEEP})
+    metadata = {"format": "pt", CHECKSUM_KEY: DEEP}
+    safetensors_torch.save_file(stored, str(target / "model.safetensors"), metadata=metadata)
     with pytest.raises(ValueError, match=rf"model\.safetensors: its metadata {CHECKSUM_KEY} is not valid JSON "
                                          r"\(nested too deeply\)"):
         _load_gpt(target)

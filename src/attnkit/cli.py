@@ -3,7 +3,7 @@ writes a report of a real model's attention, ``train`` trains a small GPT and ``
 continues text with it, ``build-kernel`` compiles the native CPU kernel.
 
 A user's mistake (a missing model, a bad ``--out``, an index out of range, a missing optional
-package) is one line on stderr, ``attnkit <command>: error: ...``, and exit status 2, like
+package, a size beyond the machine's memory) is one line on stderr, ``attnkit <command>: error: ...``, and exit status 2, like
 argparse's own usage errors; never a traceback.
 """
 
@@ -306,7 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         0 on success; 2 for a user's mistake (:class:`attnkit.cli.UsageError`, a ``ValueError``,
-        ``OSError`` or ``ImportError``: one line on stderr, no traceback); 130 when interrupted.
+        ``OSError``, ``ImportError`` or ``MemoryError``: one line on stderr, no traceback); 130 when
+        interrupted.
         What the command prints goes to stdout.
 
     Raises:
@@ -342,10 +343,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (``attnkit explain | head``): stop quietly, as other tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (UsageError, ValueError, OSError, ImportError) as error:
+    except (UsageError, ValueError, OSError, ImportError, MemoryError) as error:
         # ValueError: bad input found by attnkit (an index out of range, a malformed model);
         # OSError: a missing model directory, an --out that cannot be written;
-        # ImportError: an optional package that is not installed (the message says how to install it).
+        # ImportError: an optional package that is not installed (the message says how to install it);
+        # MemoryError: a size beyond this machine (the KV cache of --max-new-tokens 1000000000).
         print(f"attnkit {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:

@@ -46,6 +46,7 @@ class KVCache:
 
     Raises:
         ValueError: a size that is not a positive int.
+        MemoryError: the buffers cannot be allocated (the message gives their shape and size).
 
     Example:
 
@@ -84,8 +85,21 @@ class KVCache:
         num_kv_heads = _checks.positive_int("num_kv_heads", num_kv_heads)
         head_dim = _checks.positive_int("head_dim", head_dim)
         value_head_dim = _checks.optional_positive_int("value_head_dim", value_head_dim, head_dim)
-        self.keys = torch.zeros(batch_size, num_kv_heads, max_length, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros(batch_size, num_kv_heads, max_length, value_head_dim, dtype=dtype, device=device)
+        rows = (batch_size, num_kv_heads, max_length)
+        try:
+            self.keys = torch.zeros(*rows, head_dim, dtype=dtype, device=device)
+            self.values = torch.zeros(*rows, value_head_dim, dtype=dtype, device=device)
+        except RuntimeError as error:
+            # The allocator's refusal (a max_length far beyond the machine: `attnkit generate
+            # --max-new-tokens 10**9` asked for 64 GB) names no argument; anything else is not ours to rename.
+            refused = isinstance(error, getattr(torch, "OutOfMemoryError", ())) or "can't allocate memory" in str(error)
+            if not refused:
+                raise
+            size = torch.empty((), dtype=dtype).element_size() * batch_size * num_kv_heads * max_length * (
+                head_dim + value_head_dim)
+            raise MemoryError(f"KVCache: keys {list(rows) + [head_dim]} and values {list(rows) + [value_head_dim]} "
+                              f"need {size / 2**30:,.1f} GiB, more than {torch.device(device or 'cpu')} could "
+                              f"allocate (max_length {max_length})") from error
         self.length = 0
         self._staged: int | None = None  # the length after the staged tokens, until commit()
 
