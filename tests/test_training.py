@@ -103,6 +103,8 @@ def test_cli_trains_then_generates(tmp_path, capsys):
     (["generate", "--temperature", "-1", "--model", "{tmp}"], "temperature"),
     # a KV cache for 10**15 tokens: the allocator's refusal, named, not a traceback
     (["generate", "x", "--max-new-tokens", str(10**15), "--model", "{tmp}"], "KVCache: keys [1, 1, 1000000000000"),
+    # rows longer than the training text, refused before packing builds them (it was killed for memory)
+    (["train", "--size", "tiny", "--seq-len", str(10**9), "--out", "{tmp}/gpt"], "seq_len 1,000,000,000 is longer"),
 ])
 def test_cli_errors_are_one_line(argv, message, tmp_path, capsys):
     if "{tmp}" in argv:  # a model to generate with
@@ -115,6 +117,7 @@ def test_cli_errors_are_one_line(argv, message, tmp_path, capsys):
     assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "gpt").exists()  # a refused run writes nothing
 
 
 def test_a_packed_batch_scores_each_document_as_if_alone():

@@ -307,6 +307,10 @@ def prepare_data(config: TrainConfig, tokenizer=None):
         tokenizer: a ``tokenizers.Tokenizer`` (a resumed run's), or None to train one of
             ``vocab_size`` tokens on the training documents.
 
+    Raises:
+        ValueError: ``seq_len`` is longer than the training documents' tokens (one row would hold
+            them all, the rest padding).
+
     Example:
 
         >>> from attnkit.training import TrainConfig
@@ -325,7 +329,14 @@ def prepare_data(config: TrainConfig, tokenizer=None):
     if tokenizer is None:
         tokenizer = corpus.train_tokenizer(train_docs, config.vocab_size)
     marker = tokenizer.token_to_id(corpus.END_OF_TEXT)
-    train_rows = pack_documents(corpus.encode_documents(tokenizer, train_docs), config.seq_len, pad_token_id=marker)
+    train_encoded = corpus.encode_documents(tokenizer, train_docs)
+    # A row longer than the whole training text is padding and nothing else, and packing would build
+    # it: `--seq-len 1000000000` had three [10**9] tensors made and the process killed for memory.
+    pairs = sum(max(len(doc) - 1, 0) for doc in train_encoded)
+    if config.seq_len > pairs:
+        raise ValueError(f"seq_len {config.seq_len:,} is longer than the {pairs:,} training tokens of these "
+                         f"{len(train_docs)} documents: each row would be mostly padding")
+    train_rows = pack_documents(train_encoded, config.seq_len, pad_token_id=marker)
     val_rows = pack_documents(corpus.encode_documents(tokenizer, val_docs), config.seq_len, pad_token_id=marker)
     return tokenizer, train_rows, val_rows.select(slice(0, config.eval_rows))
 
