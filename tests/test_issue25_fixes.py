@@ -100,6 +100,25 @@ def test_train_accepts_learning_rates_up_to_the_documented_bound():
     assert f"{MAX_LEARNING_RATE:g}" in parser._subparsers._group_actions[0].choices["train"].format_help()
 
 
+@pytest.mark.parametrize("value", ["100000", "0", "-1", "two"])
+def test_train_refuses_more_threads_than_cpus_in_one_line(value, capsys, tmp_path):
+    """torch.set_num_threads(100000) takes the count, and the next parallel region tries to start
+    that many threads: the process ended with a segmentation fault where thread creation was refused."""
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--size", "tiny", "--steps", "1", f"--threads={value}", "--out", str(tmp_path)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnkit train: error: argument --threads:") and value in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_train_accepts_threads_up_to_the_cpus_available():
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    parser = build_parser()
+    assert [parser.parse_args(["train", "--threads", str(n)]).threads for n in (1, cpus)] == [1, cpus]
+
+
 # --- 3. transformers' attention_dropout=1.0 ---------------------------------------------------------------
 
 def _llama(**config):

@@ -161,6 +161,18 @@ def _positive(text: str) -> int:
     return _at_least(1, text)
 
 
+def _threads(text: str) -> int:
+    """--threads: 1 up to the CPUs this process may run on. torch.set_num_threads takes any count,
+    and the next parallel region then starts that many threads: 100000 ended the process with a
+    segmentation fault once thread creation was refused."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    value = _positive(text)
+    if value > cpus:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {cpus}] (the CPUs this process may use), "
+                                         f"got {text!r}")
+    return value
+
+
 def _train(args: argparse.Namespace) -> int:
     import torch
 
@@ -270,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-interval", type=_positive, help="steps between checkpoints (default 100)")
     train.add_argument("--seed", type=_index, help="seed of everything random (default 0)")
     train.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint, bit for bit")
-    train.add_argument("--threads", type=_positive, help="CPU threads for PyTorch (default: PyTorch's choice)")
+    train.add_argument("--threads", type=_threads,
+                       help="CPU threads for PyTorch, at most the CPUs available (default: PyTorch's choice)")
     train.set_defaults(run=_train)
 
     gen = commands.add_parser("generate", help="continue text with a trained GPT and its KV cache")
