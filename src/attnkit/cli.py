@@ -3,8 +3,8 @@ writes a report of a real model's attention, ``train`` trains a small GPT and ``
 continues text with it, ``build-kernel`` compiles the native CPU kernel.
 
 A user's mistake (a missing model, a bad ``--out``, an index out of range, a missing optional
-package, a size beyond the machine's memory) is one line on stderr, ``attnkit <command>: error: ...``, and exit status 2, like
-argparse's own usage errors; never a traceback.
+package, a size beyond the machine's memory) is one line on stderr, ``attnkit <command>: error:
+...``, and exit status 2, like argparse's own usage errors; never a traceback.
 """
 
 from __future__ import annotations
