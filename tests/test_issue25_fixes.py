@@ -80,13 +80,19 @@ def test_a_valid_pad_token_id_changes_nothing_for_real_tokens():
 
 # --- 2. the CLI's learning rate ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value", ["1e308", "1e5", "0", "-3e-3", "nan", "inf"])
-def test_train_refuses_a_learning_rate_out_of_range_in_one_line(value, capsys, tmp_path):
+# --threads: torch.set_num_threads takes any count, and the next parallel region tries to start that
+# many threads: 100000 ended the process with a segmentation fault where thread creation was refused.
+OUT_OF_RANGE = ([("learning-rate", value) for value in ("1e308", "1e5", "0", "-3e-3", "nan", "inf")]
+                + [("threads", value) for value in ("100000", "0", "-1", "two")])
+
+
+@pytest.mark.parametrize("option, value", OUT_OF_RANGE)
+def test_train_refuses_an_option_out_of_range_in_one_line(option, value, capsys, tmp_path):
     with pytest.raises(SystemExit) as exited:
-        main(["train", "--size", "tiny", "--steps", "1", f"--learning-rate={value}", "--out", str(tmp_path)])
+        main(["train", "--size", "tiny", "--steps", "1", f"--{option}={value}", "--out", str(tmp_path)])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("attnkit train: error: argument --learning-rate:") and value in err
+    assert err.startswith(f"attnkit train: error: argument --{option}:") and value in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not any(tmp_path.iterdir())  # refused before anything ran
 
@@ -98,19 +104,6 @@ def test_train_accepts_learning_rates_up_to_the_documented_bound():
     for value in ("3e-3", "1", str(MAX_LEARNING_RATE)):
         assert parser.parse_args(["train", "--learning-rate", value]).learning_rate == float(value)
     assert f"{MAX_LEARNING_RATE:g}" in parser._subparsers._group_actions[0].choices["train"].format_help()
-
-
-@pytest.mark.parametrize("value", ["100000", "0", "-1", "two"])
-def test_train_refuses_more_threads_than_cpus_in_one_line(value, capsys, tmp_path):
-    """torch.set_num_threads(100000) takes the count, and the next parallel region tries to start
-    that many threads: the process ended with a segmentation fault where thread creation was refused."""
-    with pytest.raises(SystemExit) as exited:
-        main(["train", "--size", "tiny", "--steps", "1", f"--threads={value}", "--out", str(tmp_path)])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("attnkit train: error: argument --threads:") and value in err
-    assert err.count("\n") == 1 and "Traceback" not in err
-    assert not any(tmp_path.iterdir())
 
 
 def test_train_accepts_threads_up_to_the_cpus_available():
