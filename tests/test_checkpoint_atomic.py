@@ -365,8 +365,18 @@ def edit_state(change):
     (lambda data: b"\xff\xfe garbled", "not valid JSON"),
     (lambda data: b"[1, 2]", "JSON object"),
     (lambda data: DEEP.encode(), "not valid JSON \\(nested too deeply\\)"),
+    # a group's settings, which torch copies unread and which once failed only at the next step
+    (edit_state(lambda r: r["param_groups"][0].update(betas=1.5)), "'betas'"),          # an unpacking error
+    (edit_state(lambda r: r["param_groups"][0].update(betas=[0.9, 1.5])), "'betas'"),
+    (edit_state(lambda r: r["param_groups"][1].update(eps={})), "'eps'"),               # a TypeError
+    (edit_state(lambda r: r["param_groups"][0].update(weight_decay=float("nan"))), "'weight_decay'"),
+    (edit_state(lambda r: r["param_groups"][0].update(capturable=2)), "'capturable'"),  # an AssertionError
+    (edit_state(lambda r: r["param_groups"][0].update(amsgrad=True)), "'amsgrad'"),     # not built alike
+    (edit_state(lambda r: r["param_groups"][0].pop("eps")), "lacks 'eps'"),
+    (edit_state(lambda r: r["param_groups"][0].update(extra=3)), "'extra'"),
 ], ids=["negative", "beyond", "string", "bool", "missing", "short-losses", "evals", "train_config",
-        "param-index", "param-groups", "truncated", "garbled", "list", "deep"])
+        "param-index", "param-groups", "truncated", "garbled", "list", "deep", "betas", "beta-range", "eps",
+        "weight-decay", "capturable", "amsgrad", "missing-eps", "extra-setting"])
 def test_a_damaged_state_json_is_a_value_error_naming_file_and_key(runs, tmp_path, change, key):
     out = damaged(runs, tmp_path, "state.json", change)
     with pytest.raises(ValueError, match=rf"state\.json.*{key}") as caught:

@@ -559,6 +559,7 @@ def load_checkpoint(directory: Path, *, model, optimizer, generator: torch.Gener
         raise ValueError(f"{json_path!r}: 'param_groups' has groups of "
                          f"{[len(g['params']) for g in groups]} parameters; the optimizer has "
                          f"{[len(g['params']) for g in optimizer.param_groups]}")
+    _check_hyperparameters(groups, optimizer, json_path)
     parameters = {index: parameter for saved, live in zip(groups, optimizer.param_groups)
                   for index, parameter in zip(saved["params"], live["params"])}
     if len(parameters) != sum(len(g["params"]) for g in groups):
@@ -619,6 +620,46 @@ def load_checkpoint(directory: Path, *, model, optimizer, generator: torch.Gener
     except (RuntimeError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{where!r}: does not fit this model and optimizer ({error})") from error
     return record
+
+
+def _is_real(value: Any) -> bool:
+    return _is_number(value) and not math.isnan(value)
+
+
+def _check_hyperparameters(groups: list, optimizer, json_path: str) -> None:
+    """Each saved parameter group's settings against the live optimizer's group, before torch takes
+    them: ``load_state_dict`` copies them unread, and a damaged one only failed at the next step, as
+    a TypeError (``eps: {}``), an AssertionError (``capturable: 2`` on the CPU) or an unpacking error
+    (``betas: 1.5``). Flags (bool or None in the live group) must equal the optimizer's (the same
+    kind of optimizer, built alike), or be absent (torch fills them in) or unknown to this torch
+    version; numbers must be finite and >= 0, ``betas`` in [0, 1), lists as long as the optimizer's."""
+    for i, (saved, live) in enumerate(zip(groups, optimizer.param_groups)):
+        where = f"{json_path!r}: 'param_groups'[{i}]"
+        for key in sorted(set(saved) | set(live)):
+            if key in ("params", "param_names"):
+                continue
+            flag = key not in live or isinstance(live[key], bool) or live[key] is None
+            if key not in saved:
+                if not flag:
+                    raise ValueError(f"{where} lacks {key!r}")
+                continue
+            value, expected = saved[key], live.get(key)
+            if flag:
+                if value is not None and not isinstance(value, bool):
+                    raise ValueError(f"{where}[{key!r}] must be true, false or null, got {value!r:.60}")
+                if key in live and value != expected:
+                    raise ValueError(f"{where}[{key!r}] is {value!r}; this {type(optimizer).__name__} has {expected!r}")
+            elif isinstance(expected, (tuple, list)):
+                if not (isinstance(value, list) and len(value) == len(expected) and all(
+                        _is_real(x) and (0 <= x < 1 if key == "betas" else x >= 0) for x in value)):
+                    bound = "in [0, 1)" if key == "betas" else ">= 0"
+                    raise ValueError(f"{where}[{key!r}] must be a list of {len(expected)} numbers {bound}, "
+                                     f"got {value!r:.60}")
+            elif _is_real(expected) or isinstance(expected, torch.Tensor):  # a tensor lr: a number in JSON
+                if not (_is_real(value) and value >= 0):
+                    raise ValueError(f"{where}[{key!r}] must be a finite number >= 0, got {value!r:.60}")
+            elif value != expected:
+                raise ValueError(f"{where}[{key!r}] is {value!r:.60}; this {type(optimizer).__name__} has {expected!r}")
 
 
 def read_tokenizer(directory: Path):
