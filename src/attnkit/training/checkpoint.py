@@ -42,6 +42,7 @@ import math
 import os
 import re
 import secrets
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -623,7 +624,8 @@ def load_checkpoint(directory: Path, *, model, optimizer, generator: torch.Gener
 
 
 def _is_real(value: Any) -> bool:
-    return _is_number(value) and not math.isnan(value)
+    """An int, or a finite float (math.isnan of an int past float's range raises OverflowError)."""
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _check_hyperparameters(groups: list, optimizer, json_path: str) -> None:
@@ -656,8 +658,10 @@ def _check_hyperparameters(groups: list, optimizer, json_path: str) -> None:
                     raise ValueError(f"{where}[{key!r}] must be a list of {len(expected)} numbers {bound}, "
                                      f"got {value!r:.60}")
             elif _is_real(expected) or isinstance(expected, torch.Tensor):  # a tensor lr: a number in JSON
-                if not (_is_real(value) and value >= 0):
+                if not (_is_real(value) and 0 <= value <= sys.float_info.max):
                     raise ValueError(f"{where}[{key!r}] must be a finite number >= 0, got {value!r:.60}")
+                if isinstance(expected, float) and not isinstance(value, float):
+                    saved[key] = float(value)  # torch takes an int as an integer: eps 10**30 overflowed int64
             elif value != expected:
                 raise ValueError(f"{where}[{key!r}] is {value!r:.60}; this {type(optimizer).__name__} has {expected!r}")
 
