@@ -11,7 +11,6 @@ the next optimizer step (a TypeError, an AssertionError about CUDA, an unpacking
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import shutil
@@ -24,6 +23,7 @@ pytest.importorskip("tokenizers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from attnkit.training import TrainConfig, checkpoint, train  # noqa: E402
+from test_checkpoint_atomic import reseal  # noqa: E402  the manifest rewritten for the files as they are
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,14 +58,6 @@ def _damaged_tensor(rng: random.Random, tensor: torch.Tensor) -> tuple[str, torc
     return "huge", torch.full_like(tensor, 1e30) if tensor.is_floating_point() else tensor
 
 
-def _reseal(version: Path) -> None:
-    manifest = json.loads((version / checkpoint.MANIFEST).read_text())
-    for name in checkpoint.FILES:
-        data = (version / name).read_bytes()
-        manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (version / checkpoint.MANIFEST).write_text(json.dumps(manifest))
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fuzz") / "base"
@@ -96,7 +88,7 @@ def test_a_damaged_checkpoint_is_a_named_valueerror_or_a_run(base, tmp_path):
             how, changed[name] = _damaged_tensor(rng, changed[name])
             what, file = f"tensor {how} {name}", "state.safetensors"
             safetensors_torch.save_file(changed, str(target / "state.safetensors"))
-        _reseal(target)
+        reseal(target)
         try:
             train(TrainConfig(out=str(out), **SETTINGS), resume=True, quiet=True)
         except ValueError as error:
@@ -123,7 +115,7 @@ def test_an_integer_setting_is_read_as_the_float_it_states(base, tmp_path, eps, 
     record = json.loads((version / "state.json").read_text())
     record["param_groups"][0]["eps"] = eps
     (version / "state.json").write_text(json.dumps(record))
-    _reseal(version)
+    reseal(version)
     if runs:
         assert train(TrainConfig(out=str(out), **SETTINGS), resume=True, quiet=True).losses
     else:
