@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import toy
+from ._json import loads_untrusted
 from .core import attention
 
 DEFAULT_TEXTS = ("The quick brown fox jumps over the lazy dog.",)
@@ -83,8 +83,8 @@ def is_llama_directory(model: str) -> bool:
     if not config.is_file():
         return False
     try:
-        return json.loads(config.read_text(encoding="utf-8")).get("model_type") == "llama"
-    except (ValueError, AttributeError, OSError, RecursionError):  # RecursionError: nested too deep
+        return loads_untrusted(config.read_text(encoding="utf-8")).get("model_type") == "llama"
+    except (ValueError, AttributeError, OSError):
         return False  # the BERT loader reports what is wrong with the file
 
 

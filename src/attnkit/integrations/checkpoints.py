@@ -9,7 +9,6 @@ sliding-window) masks, encoder-decoders by their encoder's self-attention.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .._json import loads_untrusted
 from .._optional import require
 
 #: Model types attnkit's own loader reads without transformers.
@@ -43,8 +43,8 @@ def model_type(name_or_path: str | Path) -> str | None:
     if not config.is_file():
         return None
     try:
-        kind = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except (ValueError, OSError, AttributeError, RecursionError):  # not a JSON object, nested too deep
+        kind = loads_untrusted(config.read_text(encoding="utf-8")).get("model_type")
+    except (ValueError, OSError, AttributeError):  # not a JSON object
         return None
     return kind if isinstance(kind, str) else None
 
@@ -52,8 +52,8 @@ def model_type(name_or_path: str | Path) -> str | None:
 def _architectures(directory: Path) -> list[str]:
     """The ``architectures`` listed in ``config.json`` (strings only; none when unreadable)."""
     try:
-        found = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("architectures")
-    except (ValueError, OSError, AttributeError, RecursionError):
+        found = loads_untrusted((directory / "config.json").read_text(encoding="utf-8")).get("architectures")
+    except (ValueError, OSError, AttributeError):
         return []
     return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
 

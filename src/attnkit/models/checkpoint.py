@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .._json import loads_untrusted
 from .._optional import require
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
@@ -170,11 +171,9 @@ def read_json(path: Path) -> dict:
     ValueError: list.json: expected a JSON object of settings, got list
     """
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError, OSError) as error:
-        # RecursionError: json gives up on a document nested some thousands deep
-        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
-        raise ValueError(f"{path}: not valid JSON ({reason})") from error
+        raw = loads_untrusted(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as error:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"{path}: not valid JSON ({error})") from error
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object of settings, got {type(raw).__name__}")
     return raw
@@ -297,10 +296,9 @@ def verify_checksum(path: Path, tensors: Mapping[str, Tensor], metadata: Mapping
     if stored is None:
         return
     try:
-        expected = json.loads(stored)
-    except (ValueError, RecursionError) as error:  # RecursionError: nested some thousands deep
-        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
-        raise ValueError(f"{path}: its metadata {CHECKSUM_KEY} is not valid JSON ({reason})") from error
+        expected = loads_untrusted(stored)
+    except ValueError as error:
+        raise ValueError(f"{path}: its metadata {CHECKSUM_KEY} is not valid JSON ({error})") from error
     if not isinstance(expected, dict) or sorted(expected) != sorted(tensors):
         raise ValueError(f"{path}: its metadata {CHECKSUM_KEY} does not list the tensors the file holds")
     actual = json.loads(tensor_checksum(tensors))

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .._json import loads_untrusted
 from .._optional import require
 from .checkpoint import CHECKSUM_KEY, check_layer_count, check_vocabulary, check_weights, read_json, \
     read_safetensors, read_tokenizer_file, tensor_checksum, verify_checksum
@@ -326,9 +327,9 @@ def written_by_save_llama(directory: str | Path) -> bool:
     if not all((directory / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json")):
         return False
     try:
-        raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        raw = loads_untrusted((directory / "config.json").read_text(encoding="utf-8"))
         return raw == json.loads(json.dumps(hf_config(gpt_config_from_hf(raw))))
-    except (ValueError, TypeError, AttributeError, OSError, UnicodeDecodeError, RecursionError):
+    except (ValueError, TypeError, AttributeError, OSError):  # UnicodeDecodeError is a ValueError
         return False
 
 

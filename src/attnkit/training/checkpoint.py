@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from .._json import loads_untrusted
 from .._optional import require
 
 CURRENT = "CURRENT"
@@ -313,20 +314,10 @@ def find_checkpoint(directory: Path) -> Path:
     raise FileNotFoundError(f"no checkpoint to resume from: {str(directory)!r} holds none")
 
 
-def _read_json(path: Path) -> Any:
-    """The document of a JSON file; ``ValueError`` for any malformed one, including a document nested
-    thousands deep, for which json raises ``RecursionError``."""
-    data = path.read_bytes()
-    try:
-        return json.loads(data.decode("utf-8"))
-    except RecursionError as error:
-        raise ValueError("nested too deeply") from error
-
-
 def _read_pointer(directory: Path) -> Path | None:
     """The version ``CURRENT`` names, or None when it is missing, unreadable, or names no version."""
     try:
-        pointer = _read_json(directory / CURRENT)
+        pointer = loads_untrusted((directory / CURRENT).read_bytes().decode("utf-8"))
     except (OSError, ValueError):
         return None
     name = pointer.get("version") if isinstance(pointer, dict) else None
@@ -374,7 +365,7 @@ def verify_version(version: Path) -> None:
     """
     path = version / MANIFEST
     try:
-        manifest = _read_json(path)
+        manifest = loads_untrusted(path.read_bytes().decode("utf-8"))
     except (OSError, ValueError) as error:
         raise ValueError(f"{str(path)!r}: not a readable manifest ({error})") from error
     files = manifest.get("files") if isinstance(manifest, dict) else None
@@ -438,8 +429,8 @@ def read_state(directory: Path, *, steps: int | None = None) -> dict:
     """
     path = find_checkpoint(directory) / "state.json"
     try:
-        record = _read_json(path)
-    except ValueError as error:
+        record = loads_untrusted(path.read_bytes().decode("utf-8"))
+    except ValueError as error:  # not UTF-8, not JSON, nested too deeply
         raise ValueError(f"{str(path)!r}: not valid JSON ({error})") from error
     _check_state(record, str(path), steps)
     return record

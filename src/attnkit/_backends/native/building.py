@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ... import _torch_private
+from ..._json import loads_untrusted
 
 #: The kernel's sources: headers and units, one idea each (see ``csrc/ops.cpp``).
 SOURCE_DIR = Path(__file__).with_name("csrc")
@@ -134,8 +135,8 @@ def file_digest(path: Path) -> str:
 def read_record(library: Path) -> dict | None:
     """The record of ``library``, or None when there is none or it cannot be read."""
     try:
-        record = json.loads(record_path(library).read_text())
-    except (OSError, ValueError, RecursionError):
+        record = loads_untrusted(record_path(library).read_text())
+    except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
 
