@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 
 
-
 def native_library_loaded() -> str:
     """The native CPU library this process loaded ("" for none, or where attnkit is not imported).
     A benchmark's child reports it with its times, and the parent counts those times only where it

@@ -625,7 +625,9 @@ def _check_hyperparameters(groups: list, optimizer, json_path: str) -> None:
     a TypeError (``eps: {}``), an AssertionError (``capturable: 2`` on the CPU) or an unpacking error
     (``betas: 1.5``). Flags (bool or None in the live group) must equal the optimizer's (the same
     kind of optimizer, built alike), or be absent (torch fills them in) or unknown to this torch
-    version; numbers must be finite and >= 0, ``betas`` in [0, 1), lists as long as the optimizer's."""
+    version; numbers must be finite and >= 0, ``betas`` in [0, 1), lists as long as the optimizer's.
+    An integer where the optimizer holds a float is stored in ``groups`` as that float: torch would
+    take it as an integer scalar (``eps`` 10**30 overflowed int64)."""
     for i, (saved, live) in enumerate(zip(groups, optimizer.param_groups)):
         where = f"{json_path!r}: 'param_groups'[{i}]"
         for key in sorted(set(saved) | set(live)):
